@@ -1,1 +1,22 @@
-"""placeholder"""
+"""gem-model: the GEM recommendation model (torchrec embeddings, jagged sequence tower, DHEN, CTR/CVR heads)."""
+
+from gem_model.config import GemModelConfig
+from gem_model.dhen import AttentionExpert, CrossExpert, DHENLayer, MLPExpert
+from gem_model.model import GemModel
+from gem_model.sequence import (
+    CandidateCrossAttention,
+    JaggedSelfAttentionLayer,
+    PoolingByMultiheadAttention,
+)
+
+__all__ = [
+    "GemModel",
+    "GemModelConfig",
+    "DHENLayer",
+    "AttentionExpert",
+    "MLPExpert",
+    "CrossExpert",
+    "JaggedSelfAttentionLayer",
+    "PoolingByMultiheadAttention",
+    "CandidateCrossAttention",
+]

@@ -1,0 +1,70 @@
+"""The training batch: jagged histories, sparse ids as KeyedJaggedTensors, dense features, labels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+__all__ = ["Batch"]
+
+
+@dataclass
+class Batch:
+    """One training batch of ``B`` samples whose histories hold ``T`` events in total."""
+
+    sequence_features: KeyedJaggedTensor
+    """Keys ``hist_item_ids``, ``hist_category_ids``, ``hist_action_types``; every key's
+    lengths are the history lengths (B,), values int64 (T,) per key."""
+    sequence_offsets: torch.Tensor
+    """(B + 1,) int64 offsets of the histories into each key's values (0 first, T last)."""
+    sequence_timestamps: torch.Tensor
+    """(T,) int64 event timestamps (seconds), increasing within a history."""
+    sparse_features: KeyedJaggedTensor
+    """Keys ``user_id``, ``user_segments``, ``device_type``, ``region``, ``ad_id``,
+    ``ad_category_id``; single-valued features have length 1 per sample."""
+    dense_features: torch.Tensor
+    """(B, num_dense_features) float32."""
+    labels: torch.Tensor
+    """(B, 2) float32: column 0 click, column 1 conversion."""
+    label_probs: torch.Tensor
+    """(B, 2) float32 true probabilities of the labels (diagnostics only, never train on it)."""
+    sample_indices: torch.Tensor | None = None
+    """(B,) int64 global sample index of each row (None when built by hand)."""
+
+    @property
+    def batch_size(self) -> int:
+        """Number of samples ``B``."""
+        return int(self.dense_features.shape[0])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        """A copy of the batch on ``device`` (every tensor, both KeyedJaggedTensors)."""
+        device = torch.device(device)
+        return Batch(
+            sequence_features=self.sequence_features.to(device=device, non_blocking=non_blocking),
+            sequence_offsets=self.sequence_offsets.to(device, non_blocking=non_blocking),
+            sequence_timestamps=self.sequence_timestamps.to(device, non_blocking=non_blocking),
+            sparse_features=self.sparse_features.to(device=device, non_blocking=non_blocking),
+            dense_features=self.dense_features.to(device, non_blocking=non_blocking),
+            labels=self.labels.to(device, non_blocking=non_blocking),
+            label_probs=self.label_probs.to(device, non_blocking=non_blocking),
+            sample_indices=(
+                None
+                if self.sample_indices is None
+                else self.sample_indices.to(device, non_blocking=non_blocking)
+            ),
+        )
+
+    def pin_memory(self) -> Batch:
+        """A copy in pinned host memory, for ``to(cuda, non_blocking=True)``."""
+        return Batch(
+            sequence_features=self.sequence_features.pin_memory(),
+            sequence_offsets=self.sequence_offsets.pin_memory(),
+            sequence_timestamps=self.sequence_timestamps.pin_memory(),
+            sparse_features=self.sparse_features.pin_memory(),
+            dense_features=self.dense_features.pin_memory(),
+            labels=self.labels.pin_memory(),
+            label_probs=self.label_probs.pin_memory(),
+            sample_indices=None if self.sample_indices is None else self.sample_indices.pin_memory(),
+        )

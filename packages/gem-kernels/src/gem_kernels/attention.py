@@ -1,0 +1,380 @@
+"""Public functional attention API on jagged inputs.
+
+Each entry point validates its arguments (clear errors naming the argument) and then runs the
+implementation. Today that is always the PyTorch reference in :mod:`gem_kernels.reference`;
+Triton kernels will be dispatched from these same functions on CUDA.
+
+Jagged layout: the tokens of all samples concatenated along dim 0, plus an ``offsets`` vector of
+shape ``(B + 1,)`` (see :mod:`gem_kernels.jagged`). All tensors are ``(tokens, heads, head_dim)``.
+bf16/fp16 inputs are computed in float32 and returned in the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from gem_kernels import reference
+from gem_kernels.jagged import validate_offsets
+
+__all__ = ["block_attention", "gdpa", "jagged_flash_attention"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOAT_DTYPE_NAMES = "float16, bfloat16, float32 or float64"
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks.
+
+
+def _check_float_tensor(tensor: object, name: str, rank: int, layout: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must have dtype {_FLOAT_DTYPE_NAMES}, got {tensor.dtype}")
+    if tensor.dim() != rank:
+        raise ValueError(f"{name} must be {rank}-D {layout}, got shape {tuple(tensor.shape)}")
+    return tensor
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        _check_float_tensor(tensor, name, 3, "(tokens, heads, head_dim)")
+    if q.shape[1] < 1 or q.shape[2] < 1:
+        raise ValueError(f"q must have heads >= 1 and head_dim >= 1, got shape {tuple(q.shape)}")
+    for name, tensor in (("k", k), ("v", v)):
+        if tensor.shape[1] != q.shape[1]:
+            raise ValueError(f"{name} has {tensor.shape[1]} heads but q has {q.shape[1]}")
+        if tensor.shape[2] != q.shape[2]:
+            raise ValueError(
+                f"{name} has head_dim {tensor.shape[2]} but q has head_dim {q.shape[2]}"
+            )
+        if tensor.dtype != q.dtype:
+            raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, {name} {tensor.dtype}")
+        if tensor.device != q.device:
+            raise ValueError(f"{name} is on {tensor.device} but q is on {q.device}")
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"k and v must have the same number of rows, got {k.shape[0]} and {v.shape[0]}")
+
+
+def _check_bool(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def _resolve_scale(scale: object, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
+def _check_window(window: object) -> tuple[int | None, int | None] | None:
+    if window is None:
+        return None
+    message = (
+        "window must be None or a pair (left, right) of ints >= 0 (None = unbounded side), "
+        f"got {window!r}"
+    )
+    if not isinstance(window, Sequence) or isinstance(window, str) or len(window) != 2:
+        raise ValueError(message)
+    for side in window:
+        if side is None:
+            continue
+        if isinstance(side, bool) or not isinstance(side, int) or side < 0:
+            raise ValueError(message)
+    return (window[0], window[1])
+
+
+def _check_max_len(max_len: object, name: str, lengths: torch.Tensor, what: str) -> None:
+    if max_len is None:
+        return
+    if isinstance(max_len, bool) or not isinstance(max_len, int):
+        raise TypeError(f"{name} must be an int or None, got {max_len!r}")
+    if max_len < 0:
+        raise ValueError(f"{name} must be >= 0, got {max_len}")
+    if lengths.numel() > 0:
+        longest = int(lengths.max())
+        if longest > max_len:
+            sample = int(torch.argmax(lengths))
+            raise ValueError(
+                f"{name}={max_len} is smaller than a real {what} length: sample {sample} has "
+                f"{longest}"
+            )
+
+
+def _host_lengths(offsets: torch.Tensor) -> torch.Tensor:
+    host = offsets.detach().to("cpu", torch.int64)
+    return host[1:] - host[:-1]
+
+
+def _check_offsets_device(offsets: torch.Tensor, name: str, device: torch.device) -> None:
+    # Offsets may live on the CPU (the reference reads them there) or on the data's device.
+    if offsets.device.type != "cpu" and offsets.device != device:
+        raise ValueError(f"{name} is on {offsets.device} but the data is on {device}")
+
+
+def _check_jagged_pair(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_offsets: torch.Tensor | None,
+    max_q: int | None,
+    max_k: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate q/k offsets; returns host (q_lengths, k_lengths)."""
+    validate_offsets(q_offsets, "q_offsets", num_rows=q.shape[0])
+    _check_offsets_device(q_offsets, "q_offsets", q.device)
+    q_lengths = _host_lengths(q_offsets)
+    if k_offsets is None:
+        if k.shape[0] != q.shape[0]:
+            raise ValueError(
+                "k_offsets is None, so keys share q_offsets and k must have as many rows as q "
+                f"({q.shape[0]}), got {k.shape[0]}"
+            )
+        k_lengths = q_lengths
+    else:
+        validate_offsets(k_offsets, "k_offsets", num_rows=k.shape[0])
+        _check_offsets_device(k_offsets, "k_offsets", q.device)
+        k_lengths = _host_lengths(k_offsets)
+        if k_lengths.numel() != q_lengths.numel():
+            raise ValueError(
+                f"k_offsets describes {k_lengths.numel()} samples but q_offsets describes "
+                f"{q_lengths.numel()}"
+            )
+    _check_max_len(max_q, "max_q", q_lengths, "query")
+    _check_max_len(max_k, "max_k", k_lengths, "key")
+    return q_lengths, k_lengths
+
+
+def _check_bias_tensor(bias: object, name: str, q: torch.Tensor, layout: str) -> torch.Tensor:
+    _check_float_tensor(bias, name, 2, layout)
+    if bias.shape[0] != q.shape[1]:
+        raise ValueError(f"{name} has {bias.shape[0]} heads in dim 0 but q has {q.shape[1]}")
+    if bias.device != q.device:
+        raise ValueError(f"{name} is on {bias.device} but q is on {q.device}")
+    return bias
+
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points.
+
+
+def jagged_flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_offsets: torch.Tensor | None = None,
+    max_q: int | None = None,
+    max_k: int | None = None,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    rel_pos_bias: torch.Tensor | None = None,
+    jagged_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Softmax attention of each sample's queries over its own keys (jagged layout).
+
+    Args:
+        q: ``(Tq, H, D)`` queries of all samples concatenated.
+        k, v: ``(Tk, H, D)`` keys and values.
+        q_offsets: ``(B + 1,)`` int offsets into q.
+        k_offsets: ``(B + 1,)`` offsets into k/v; ``None`` = ``q_offsets`` (self-attention).
+        max_q, max_k: declared max lengths; a real length above them raises ``ValueError``.
+        scale: score multiplier, default ``1 / sqrt(D)``.
+        causal: query ``i`` of a sample with lengths ``(Lq, Lk)`` sees keys
+            ``j <= i + Lk - Lq`` (bottom-right aligned).
+        window: ``(left, right)``: the query at aligned position ``p = i + Lk - Lq`` sees keys
+            ``p - left <= j <= p + right`` (``None`` = unbounded side); intersected with causal.
+        rel_pos_bias: ``(H, N)`` learned table added to the scores; entry
+            ``clamp(p - j + N // 2, 0, N - 1)`` (distance 0 is the middle entry).
+        jagged_bias: ``(H, sum_b Lq_b * Lk_b)`` additive bias, each sample's row-major
+            ``Lq_b x Lk_b`` block concatenated over samples.
+
+    Returns:
+        ``(Tq, H, D)`` in q's dtype. Rows that see no key (empty KV, or fully masked) are 0.
+    """
+    _check_qkv(q, k, v)
+    q_lengths, k_lengths = _check_jagged_pair(q, k, q_offsets, k_offsets, max_q, max_k)
+    resolved_scale = _resolve_scale(scale, q.shape[2])
+    _check_bool(causal, "causal")
+    resolved_window = _check_window(window)
+    if rel_pos_bias is not None:
+        _check_bias_tensor(rel_pos_bias, "rel_pos_bias", q, "(heads, num_buckets)")
+        if rel_pos_bias.shape[1] < 1:
+            raise ValueError("rel_pos_bias must have at least one bucket (shape (H, N), N >= 1)")
+    if jagged_bias is not None:
+        _check_bias_tensor(jagged_bias, "jagged_bias", q, "(heads, sum_b Lq_b * Lk_b)")
+        expected = int((q_lengths * k_lengths).sum())
+        if jagged_bias.shape[1] != expected:
+            raise ValueError(
+                f"jagged_bias must have shape (H, sum_b Lq_b * Lk_b) = ({q.shape[1]}, {expected}), "
+                f"got {tuple(jagged_bias.shape)}"
+            )
+    return reference.jagged_flash_attention_reference(
+        q,
+        k,
+        v,
+        q_offsets,
+        k_offsets,
+        scale=resolved_scale,
+        causal=causal,
+        window=resolved_window,
+        rel_pos_bias=rel_pos_bias,
+        jagged_bias=jagged_bias,
+    )
+
+
+def gdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor | None = None,
+    k_offsets: torch.Tensor | None = None,
+    max_q: int | None = None,
+    max_k: int | None = None,
+    *,
+    activation: str = "silu",
+    scale: float | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    normalize_by_length: bool = False,
+) -> torch.Tensor:
+    """Generalized dot-product attention: ``act(scale * Q K^T) V`` per sample, no softmax.
+
+    Shapes:
+        * self: ``q_offsets`` given, ``k_offsets=None`` -> keys share ``q_offsets``;
+        * cross: both given (same B, lengths may differ);
+        * PMA broadcast: ``q`` is ``(Nq, H, D)``, ``q_offsets=None``, ``k_offsets`` given -> the
+          same Nq queries attend over every sample's keys; output ``(B * Nq, H, D)``,
+          sample-major.
+
+    Args:
+        activation: ``"silu"``, ``"gelu"`` (exact erf), ``"gelu_tanh"``, ``"gelu_fast"``
+            (polynomial, ALU only, max abs error < 1e-4, see
+            :func:`gem_kernels.reference.gelu_fast`), ``"relu2"`` (relu squared),
+            ``"identity"``.
+        scale: default ``1 / sqrt(D)``.
+        causal, window: as in :func:`jagged_flash_attention` (bottom-right aligned).
+            Masked positions contribute nothing.
+        normalize_by_length: divide each sample's output by its KV length (0 keys -> zeros).
+        max_q, max_k: declared max lengths (``max_q`` bounds Nq in PMA mode).
+
+    Returns:
+        Output in q's dtype: ``(Tq, H, D)``, or ``(B * Nq, H, D)`` in PMA mode.
+    """
+    _check_qkv(q, k, v)
+    if not isinstance(activation, str) or activation not in reference.GDPA_ACTIVATIONS:
+        raise ValueError(
+            f"activation must be one of {sorted(reference.GDPA_ACTIVATIONS)}, got {activation!r}"
+        )
+    if q_offsets is None:
+        if k_offsets is None:
+            raise ValueError(
+                "gdpa needs q_offsets (self/cross attention) or k_offsets (PMA broadcast with "
+                "q_offsets=None); both are None"
+            )
+        validate_offsets(k_offsets, "k_offsets", num_rows=k.shape[0])
+        _check_offsets_device(k_offsets, "k_offsets", q.device)
+        _check_max_len(max_q, "max_q", torch.tensor([q.shape[0]]), "query (Nq)")
+        _check_max_len(max_k, "max_k", _host_lengths(k_offsets), "key")
+    else:
+        _check_jagged_pair(q, k, q_offsets, k_offsets, max_q, max_k)
+    resolved_scale = _resolve_scale(scale, q.shape[2])
+    _check_bool(causal, "causal")
+    _check_bool(normalize_by_length, "normalize_by_length")
+    resolved_window = _check_window(window)
+    return reference.gdpa_reference(
+        q,
+        k,
+        v,
+        q_offsets,
+        k_offsets,
+        activation=activation,
+        scale=resolved_scale,
+        causal=causal,
+        window=resolved_window,
+        normalize_by_length=normalize_by_length,
+    )
+
+
+def block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    max_len: int | None = None,
+    *,
+    block_size: int = 64,
+    positions: torch.Tensor | None = None,
+    rope_theta: float = 10000.0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Softmax self-attention restricted to ``block_size``-token blocks, with RoPE on q and k.
+
+    Block ``b`` of a sample holds its tokens ``[b * block_size, (b + 1) * block_size)``; the last
+    block may be partial and blocks never cross samples. Attention inside a block is full
+    (non-causal). Rotary embedding (rotate-half: pairs ``(x[..., i], x[..., i + D/2])``, angle
+    ``position * rope_theta^(-2i/D)``) is applied to q and k before the scores.
+
+    Args:
+        q, k, v: ``(T, H, D)`` with ``D`` even.
+        offsets: ``(B + 1,)`` int offsets shared by q, k and v.
+        max_len: declared max sample length; a longer sample raises ``ValueError``.
+        block_size: tokens per block, ``>= 1``.
+        positions: ``(T,)`` integer RoPE positions; default: index of each token in its sample.
+        rope_theta: RoPE base, ``> 0``.
+        scale: default ``1 / sqrt(D)``.
+
+    Returns:
+        ``(T, H, D)`` in q's dtype.
+    """
+    _check_qkv(q, k, v)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"k and v must have as many rows as q ({q.shape[0]}) for block attention, "
+            f"got {k.shape[0]}"
+        )
+    if q.shape[2] % 2 != 0:
+        raise ValueError(f"head_dim must be even for rotary embedding, got {q.shape[2]}")
+    validate_offsets(offsets, "offsets", num_rows=q.shape[0])
+    _check_offsets_device(offsets, "offsets", q.device)
+    _check_max_len(max_len, "max_len", _host_lengths(offsets), "sample")
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"block_size must be an int, got {block_size!r}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)):
+        raise TypeError(f"rope_theta must be a Python float, got {type(rope_theta).__name__}")
+    if not (math.isfinite(rope_theta) and rope_theta > 0):
+        raise ValueError(f"rope_theta must be finite and > 0, got {rope_theta}")
+    if positions is not None:
+        if not isinstance(positions, torch.Tensor):
+            raise TypeError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
+        if positions.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"positions must have dtype int64 or int32, got {positions.dtype}")
+        if positions.shape != (q.shape[0],):
+            raise ValueError(
+                f"positions must have shape (T,) = ({q.shape[0]},), got {tuple(positions.shape)}"
+            )
+        if positions.device != q.device:
+            raise ValueError(f"positions is on {positions.device} but q is on {q.device}")
+    resolved_scale = _resolve_scale(scale, q.shape[2])
+    return reference.block_attention_reference(
+        q,
+        k,
+        v,
+        offsets,
+        block_size=block_size,
+        positions=positions,
+        rope_theta=float(rope_theta),
+        scale=resolved_scale,
+    )

@@ -1,0 +1,103 @@
+"""Helpers for the jagged layout: the rows of all samples concatenated plus an offsets vector.
+
+Sample ``i`` owns rows ``offsets[i]:offsets[i + 1]`` of the values tensor, so ``offsets`` has
+``B + 1`` entries, starts at 0, never decreases and ends at the number of rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["lengths_to_offsets", "offsets_to_lengths", "validate_offsets"]
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_index_vector(tensor: object, name: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name} must have dtype int32 or int64, got {tensor.dtype}")
+    if tensor.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
+    return tensor
+
+
+def validate_offsets(
+    offsets: torch.Tensor,
+    name: str = "offsets",
+    *,
+    num_rows: int | None = None,
+    max_len: int | None = None,
+) -> None:
+    """Check that ``offsets`` is a valid jagged offsets vector; raise otherwise.
+
+    Args:
+        offsets: 1-D int32/int64 tensor of shape ``(B + 1,)``.
+        name: argument name used in error messages.
+        num_rows: if given, ``offsets[-1]`` must equal it (the number of rows of the values).
+        max_len: if given, every sample length ``offsets[i + 1] - offsets[i]`` must be
+            ``<= max_len``.
+
+    Raises:
+        TypeError: not a tensor or not an integer dtype.
+        ValueError: wrong rank, empty, ``offsets[0] != 0``, decreasing, last entry not
+            ``num_rows``, or a length above ``max_len``. The message names ``name``.
+    """
+    _check_index_vector(offsets, name)
+    if offsets.numel() == 0:
+        raise ValueError(f"{name} must have at least one entry (shape (B + 1,)), got none")
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int)):
+        raise TypeError(f"max length for {name} must be an int or None, got {max_len!r}")
+    if max_len is not None and max_len < 0:
+        raise ValueError(f"max length for {name} must be >= 0, got {max_len}")
+    host = offsets.detach().to("cpu", torch.int64)
+    first = int(host[0])
+    if first != 0:
+        raise ValueError(f"{name} must start at 0, got {name}[0] = {first}")
+    lengths = host[1:] - host[:-1]
+    if lengths.numel() > 0 and bool((lengths < 0).any()):
+        bad = int(torch.nonzero(lengths < 0)[0, 0])
+        raise ValueError(
+            f"{name} must be non-decreasing, got {name}[{bad}] = {int(host[bad])} > "
+            f"{name}[{bad + 1}] = {int(host[bad + 1])}"
+        )
+    last = int(host[-1])
+    if num_rows is not None and last != num_rows:
+        raise ValueError(
+            f"{name}[-1] must equal the number of rows ({num_rows}), got {name}[-1] = {last}"
+        )
+    if max_len is not None and lengths.numel() > 0:
+        longest = int(lengths.max())
+        if longest > max_len:
+            bad = int(torch.argmax(lengths))
+            raise ValueError(
+                f"{name} has a sample of length {longest} (sample {bad}), above the declared "
+                f"max length {max_len}"
+            )
+
+
+def offsets_to_lengths(offsets: torch.Tensor) -> torch.Tensor:
+    """Per-sample lengths ``offsets[1:] - offsets[:-1]`` (shape ``(B,)``, same dtype/device)."""
+    _check_index_vector(offsets, "offsets")
+    if offsets.numel() == 0:
+        raise ValueError("offsets must have at least one entry (shape (B + 1,)), got none")
+    return offsets[1:] - offsets[:-1]
+
+
+def lengths_to_offsets(lengths: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Offsets ``[0, cumsum(lengths)...]`` of shape ``(B + 1,)`` from per-sample lengths.
+
+    Args:
+        lengths: 1-D int32/int64 tensor of non-negative lengths.
+        dtype: dtype of the result (int32 or int64); defaults to ``lengths.dtype``.
+    """
+    _check_index_vector(lengths, "lengths")
+    out_dtype = lengths.dtype if dtype is None else dtype
+    if out_dtype not in _INDEX_DTYPES:
+        raise TypeError(f"dtype must be torch.int32 or torch.int64, got {out_dtype}")
+    if lengths.numel() > 0 and bool((lengths < 0).any()):
+        raise ValueError("lengths must be non-negative")
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    offsets[1:] = torch.cumsum(lengths.to(torch.int64), dim=0)
+    return offsets.to(out_dtype)

@@ -1,0 +1,561 @@
+"""PyTorch reference implementations of the jagged attention kernels.
+
+These run on any device, are built only from differentiable torch ops (autograd gives every
+gradient) and are the oracle the Triton kernels are tested against. They assume validated
+input: call the public entry points in :mod:`gem_kernels.attention` for argument checks.
+
+Memory: samples are never padded to the batch max length. Samples are grouped into buckets by
+the power of two above their query and key lengths (at least ``_MIN_BUCKET``), so padding inside
+a bucket is below 2x per dimension, and each bucket is processed in chunks of samples and query
+rows so that one score tensor ``(samples, heads, query rows, keys)`` holds at most
+``score_budget`` elements (a single query row of one sample is the smallest chunk).
+Work is batched per chunk; the Python loop runs over buckets and chunks, not over samples.
+
+Masking conventions (shared by all functions):
+
+* For a sample with ``Lq`` queries and ``Lk`` keys, query ``i`` sits at the aligned position
+  ``p = i + Lk - Lq`` (bottom-right alignment; ``p = i`` when ``Lq == Lk``).
+* ``causal``: query ``i`` sees keys ``j <= p``.
+* ``window=(left, right)``: query ``i`` sees keys ``p - left <= j <= p + right``; ``None`` on a
+  side means unbounded. Combined with ``causal`` by intersection.
+* Relative-position bias bucket: with ``d = p - j`` (positive for keys in the past) and a table
+  of ``N`` buckets, the bucket is ``clamp(d + N // 2, 0, N - 1)``, i.e. distance 0 maps to the
+  middle entry, distances beyond the table reuse its end entries. Causal models only use the
+  upper half (``d >= 0``), so size the table ``2 * max_distance``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "DEFAULT_SCORE_BUDGET",
+    "GDPA_ACTIVATIONS",
+    "GELU_FAST_CLAMP",
+    "GELU_FAST_MAX_ABS_ERROR",
+    "ScoreTensorStats",
+    "apply_rope",
+    "block_attention_reference",
+    "compute_dtype",
+    "gdpa_activation",
+    "gdpa_reference",
+    "gelu_fast",
+    "jagged_flash_attention_reference",
+    "rel_pos_bucket",
+    "track_score_elements",
+]
+
+#: Default cap on the number of elements of one score tensor (4M floats = 16 MiB in float32).
+DEFAULT_SCORE_BUDGET = 1 << 22
+
+# Smallest padded bucket length: short samples share one bucket instead of many tiny ones.
+_MIN_BUCKET = 16
+
+Window = tuple[int | None, int | None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Score-tensor accounting (used by tests to prove memory does not scale with B * Lmax^2).
+
+
+@dataclass
+class ScoreTensorStats:
+    """Sizes of the score tensors the reference allocated while a tracker was active."""
+
+    max_elements: int = 0
+    """Largest score tensor seen, in elements."""
+    total_elements: int = 0
+    """Sum of the sizes of all score tensors seen, in elements."""
+    num_tensors: int = 0
+    """How many score tensors were allocated."""
+
+
+_ACTIVE_TRACKERS: list[ScoreTensorStats] = []
+
+
+@contextlib.contextmanager
+def track_score_elements() -> Iterator[ScoreTensorStats]:
+    """Context manager recording the size of every score tensor the reference allocates."""
+    stats = ScoreTensorStats()
+    _ACTIVE_TRACKERS.append(stats)
+    try:
+        yield stats
+    finally:
+        _ACTIVE_TRACKERS.remove(stats)
+
+
+def _record_scores(scores: torch.Tensor) -> None:
+    for stats in _ACTIVE_TRACKERS:
+        stats.max_elements = max(stats.max_elements, scores.numel())
+        stats.total_elements += scores.numel()
+        stats.num_tensors += 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Element-wise pieces.
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype the reference computes in: float64 stays float64, everything else uses float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+#: Inputs with ``|x| >= GELU_FAST_CLAMP`` take the exact limits (x or 0) in :func:`gelu_fast`.
+GELU_FAST_CLAMP = 4.25
+
+#: Bound on ``|gelu_fast(x) - gelu(x)|`` over all real x, float32 or float64 (measured 9.0e-5
+#: in float32 and 7.6e-5 in float64 on a dense grid; checked by the test suite).
+GELU_FAST_MAX_ABS_ERROR = 1e-4
+
+# Odd polynomial Phi(t) - 0.5 ~= t * sum_k c_k t^(2k) on [-4.25, 4.25], fitted (Lawson
+# iterations, minimax on |x| * error) to the normal CDF so that x * Phi(x) tracks exact GELU.
+_GELU_FAST_COEFFS = (
+    0.39845707835062705,
+    -0.06551375992651477,
+    0.009290359027147796,
+    -0.0009486536805575216,
+    6.662102117906871e-05,
+    -3.0181767072181564e-06,
+    7.866936741913739e-08,
+    -8.904796961296152e-10,
+)
+
+
+def gelu_fast(x: torch.Tensor) -> torch.Tensor:
+    """GELU from multiplies, adds and compares only (no exp/erf/tanh): cheap on the ALU.
+
+    ``gelu_fast(x) = x * Phi~(x)`` where ``Phi~`` is a degree-15 odd polynomial approximation
+    of the normal CDF on ``|x| < 4.25`` (Horner in ``x^2``) and exactly 0 or 1 outside.
+    Max absolute error against exact (erf) GELU: below ``GELU_FAST_MAX_ABS_ERROR`` (1e-4) for
+    every real input; beyond ``|x| = 4.25`` the error is ``|x| * Phi(-|x|)`` and shrinks.
+    """
+    t = x.clamp(-GELU_FAST_CLAMP, GELU_FAST_CLAMP)
+    t2 = t * t
+    poly = torch.full_like(t, _GELU_FAST_COEFFS[-1])
+    for coeff in reversed(_GELU_FAST_COEFFS[:-1]):
+        poly = poly * t2 + coeff
+    cdf = 0.5 + t * poly
+    cdf = torch.where(x >= GELU_FAST_CLAMP, torch.ones_like(cdf), cdf)
+    cdf = torch.where(x <= -GELU_FAST_CLAMP, torch.zeros_like(cdf), cdf)
+    return x * cdf
+
+
+def _relu_squared(x: torch.Tensor) -> torch.Tensor:
+    return torch.square(F.relu(x))
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+#: Activation name -> element-wise function, as accepted by ``gdpa(activation=...)``.
+GDPA_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": lambda x: F.gelu(x, approximate="none"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": gelu_fast,
+    "relu2": _relu_squared,
+    "identity": _identity,
+}
+
+
+def gdpa_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The element-wise function behind a GDPA activation name (see ``GDPA_ACTIVATIONS``)."""
+    try:
+        return GDPA_ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(
+            f"activation must be one of {sorted(GDPA_ACTIVATIONS)}, got {name!r}"
+        ) from None
+
+
+def rel_pos_bucket(relative_distance: torch.Tensor, num_buckets: int) -> torch.Tensor:
+    """Bucket of the aligned relative distance ``d = p - j``: ``clamp(d + N // 2, 0, N - 1)``."""
+    return (relative_distance + num_buckets // 2).clamp(0, num_buckets - 1)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding, rotate-half convention, on ``x`` of shape ``(T, H, D)`` (D even).
+
+    Pairs are ``(x[..., i], x[..., i + D/2])`` rotated by angle ``positions * theta^(-2i/D)``.
+    Angles are computed in float64 so large positions stay accurate; math runs in x's dtype.
+    """
+    half = x.shape[-1] // 2
+    exponent = torch.arange(half, dtype=torch.float64, device=x.device) * (-2.0 / x.shape[-1])
+    inv_freq = torch.pow(float(theta), exponent)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    cos = torch.cos(angles).to(x.dtype)[:, None, :]
+    sin = torch.sin(angles).to(x.dtype)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The bucketed jagged attention engine shared by all three functions.
+
+
+def _padded_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    """Power of two >= each length, at least _MIN_BUCKET (int64, CPU)."""
+    exponent = torch.ceil(torch.log2(lengths.clamp(min=1).to(torch.float64)))
+    padded = torch.pow(2, exponent).to(torch.int64)
+    padded = torch.where(padded < lengths, padded * 2, padded)  # guard float rounding
+    return padded.clamp(min=_MIN_BUCKET)
+
+
+def _chunk_shape(q_len: int, k_len: int, heads: int, num_samples: int, budget: int):
+    """(samples per chunk, query rows per chunk) keeping samples*heads*rows*k_len <= budget."""
+    per_row = heads * k_len
+    per_sample = q_len * per_row
+    if per_sample <= budget:
+        return max(1, min(num_samples, budget // per_sample)), q_len
+    return 1, max(1, budget // per_row)
+
+
+def _jagged_attention_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_starts: torch.Tensor,
+    k_starts: torch.Tensor,
+    out_starts: torch.Tensor,
+    q_lengths: torch.Tensor,
+    k_lengths: torch.Tensor,
+    out_rows: int,
+    scale: float,
+    activation: Callable[[torch.Tensor], torch.Tensor] | None,
+    causal: bool,
+    window: Window | None,
+    rel_pos_bias: torch.Tensor | None,
+    jagged_bias: torch.Tensor | None,
+    normalize_by_length: bool,
+    score_budget: int,
+) -> torch.Tensor:
+    """Attention of each sample's queries over its keys; returns ``(out_rows, H, D)``.
+
+    Query row ``i`` of sample ``b`` is read from ``q[q_starts[b] + i]`` and written to
+    ``out[out_starts[b] + i]`` (the two differ for broadcast queries). ``activation=None``
+    means softmax; otherwise ``activation(scores)`` is used unnormalised. Starts and lengths
+    are int64 CPU tensors of shape (B,). Rows of samples without keys stay zero.
+    """
+    device = q.device
+    heads, head_dim = q.shape[1], q.shape[2]
+    q_lengths = q_lengths.to(torch.int64)
+    k_lengths = k_lengths.to(torch.int64)
+    bias_sizes = q_lengths * k_lengths
+    bias_starts = torch.cumsum(bias_sizes, 0) - bias_sizes
+
+    # The empty slice keeps the output attached to the graph even when nothing is computed.
+    pieces: list[torch.Tensor] = [q[:0]]
+    targets: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64, device=device)]
+
+    active = torch.nonzero((q_lengths > 0) & (k_lengths > 0)).flatten()
+    if active.numel() > 0:
+        q_pad = _padded_lengths(q_lengths[active])
+        k_pad = _padded_lengths(k_lengths[active])
+        key = q_pad * (int(k_pad.max()) + 1) + k_pad
+        bucket_keys, bucket_of = torch.unique(key, return_inverse=True)
+        for bucket in range(bucket_keys.numel()):
+            members = active[bucket_of == bucket]
+            q_len_cap = int(q_pad[bucket_of == bucket][0])
+            k_len_cap = int(k_pad[bucket_of == bucket][0])
+            per_chunk, rows_per_chunk = _chunk_shape(
+                q_len_cap, k_len_cap, heads, members.numel(), score_budget
+            )
+            for first in range(0, members.numel(), per_chunk):
+                chunk = members[first : first + per_chunk]
+                _attend_chunk(
+                    q,
+                    k,
+                    v,
+                    lq_cpu=q_lengths[chunk],
+                    lk_cpu=k_lengths[chunk],
+                    qs=q_starts[chunk].to(device),
+                    ks=k_starts[chunk].to(device),
+                    os=out_starts[chunk].to(device),
+                    bs=bias_starts[chunk].to(device),
+                    rows_per_chunk=rows_per_chunk,
+                    scale=scale,
+                    activation=activation,
+                    causal=causal,
+                    window=window,
+                    rel_pos_bias=rel_pos_bias,
+                    jagged_bias=jagged_bias,
+                    normalize_by_length=normalize_by_length,
+                    pieces=pieces,
+                    targets=targets,
+                )
+
+    out = torch.zeros(out_rows, heads, head_dim, dtype=q.dtype, device=device)
+    return out.index_copy(0, torch.cat(targets), torch.cat(pieces))
+
+
+def _attend_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    lq_cpu: torch.Tensor,
+    lk_cpu: torch.Tensor,
+    qs: torch.Tensor,
+    ks: torch.Tensor,
+    os: torch.Tensor,
+    bs: torch.Tensor,
+    rows_per_chunk: int,
+    scale: float,
+    activation: Callable[[torch.Tensor], torch.Tensor] | None,
+    causal: bool,
+    window: Window | None,
+    rel_pos_bias: torch.Tensor | None,
+    jagged_bias: torch.Tensor | None,
+    normalize_by_length: bool,
+    pieces: list[torch.Tensor],
+    targets: list[torch.Tensor],
+) -> None:
+    """Attention for one chunk of samples (all in one length bucket); appends output rows."""
+    device = q.device
+    heads, head_dim = q.shape[1], q.shape[2]
+    # Trim the bucket's padded shape to this chunk's real maxima.
+    q_len = int(lq_cpu.max())
+    k_len = int(lk_cpu.max())
+    lq = lq_cpu.to(device)
+    lk = lk_cpu.to(device)
+
+    key_pos = torch.arange(k_len, device=device)
+    key_valid = key_pos[None, :] < lk[:, None]  # (n, Lk)
+    key_index = (ks[:, None] + key_pos[None, :]).clamp(max=k.shape[0] - 1)
+    k_t = k[key_index].permute(0, 2, 3, 1)  # (n, H, D, Lk)
+    v_pad = v[key_index].permute(0, 2, 1, 3)  # (n, H, Lk, D)
+
+    needs_distance = causal or window is not None or rel_pos_bias is not None
+    for row0 in range(0, q_len, rows_per_chunk):
+        rows = torch.arange(row0, min(q_len, row0 + rows_per_chunk), device=device)
+        row_valid = rows[None, :] < lq[:, None]  # (n, r)
+        row_index = (qs[:, None] + rows[None, :]).clamp(max=q.shape[0] - 1)
+        q_rows = q[row_index].permute(0, 2, 1, 3)  # (n, H, r, D)
+
+        scores = torch.matmul(q_rows, k_t) * scale  # (n, H, r, Lk)
+        _record_scores(scores)
+        mask = row_valid[:, :, None] & key_valid[:, None, :]  # (n, r, Lk)
+
+        if needs_distance:
+            aligned = rows[None, :] + (lk - lq)[:, None]  # (n, r)
+            distance = aligned[:, :, None] - key_pos[None, None, :]  # p - j, (n, r, Lk)
+            if causal:
+                mask = mask & (distance >= 0)
+            if window is not None:
+                left, right = window
+                if left is not None:
+                    mask = mask & (distance <= left)
+                if right is not None:
+                    mask = mask & (distance >= -right)
+            if rel_pos_bias is not None:
+                bucket = rel_pos_bucket(distance, rel_pos_bias.shape[1])
+                scores = scores + rel_pos_bias[:, bucket].permute(1, 0, 2, 3)
+
+        if jagged_bias is not None:
+            # Row-major Lq x Lk block of each sample; out-of-range slots read entry 0 (masked).
+            flat = bs[:, None, None] + rows[None, :, None] * lk[:, None, None] + key_pos
+            in_range = row_valid[:, :, None] & key_valid[:, None, :]
+            flat = torch.where(in_range, flat, torch.zeros_like(flat))
+            scores = scores + jagged_bias[:, flat].permute(1, 0, 2, 3)
+
+        mask4 = mask[:, None, :, :]
+        if activation is None:
+            masked = scores.masked_fill(~mask4, float("-inf"))
+            # Softmax is shift invariant, so the detached max changes nothing but stability.
+            row_max = masked.amax(dim=-1, keepdim=True).detach()
+            row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+            weights = torch.exp(masked - row_max)
+            denom = weights.sum(dim=-1, keepdim=True)
+            # Rows without visible keys have denom 0 and all-zero weights: output 0, not NaN.
+            weights = weights / torch.where(denom > 0, denom, torch.ones_like(denom))
+        else:
+            weights = torch.where(mask4, activation(scores), torch.zeros_like(scores))
+
+        out = torch.matmul(weights, v_pad)  # (n, H, r, D)
+        if normalize_by_length:
+            out = out / lk.to(out.dtype)[:, None, None, None]
+        out = out.permute(0, 2, 1, 3).reshape(-1, heads, head_dim)
+        keep = row_valid.reshape(-1)
+        pieces.append(out[keep])
+        targets.append((os[:, None] + rows[None, :]).reshape(-1)[keep])
+
+
+def _lengths_and_starts(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    host = offsets.detach().to("cpu", torch.int64)
+    return host[1:] - host[:-1], host[:-1]
+
+
+def _to_compute(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference entry points (validated input; see gem_kernels.attention for the public API).
+
+
+def jagged_flash_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_offsets: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    window: Window | None = None,
+    rel_pos_bias: torch.Tensor | None = None,
+    jagged_bias: torch.Tensor | None = None,
+    score_budget: int = DEFAULT_SCORE_BUDGET,
+) -> torch.Tensor:
+    """Softmax attention over jagged q ``(Tq,H,D)`` and k/v ``(Tk,H,D)``; returns ``(Tq,H,D)``.
+
+    Same semantics as :func:`gem_kernels.jagged_flash_attention` without input checks;
+    ``score_budget`` caps the elements of one score tensor.
+    """
+    dtype = compute_dtype(q.dtype)
+    q_lengths, q_starts = _lengths_and_starts(q_offsets)
+    k_lengths, k_starts = _lengths_and_starts(q_offsets if k_offsets is None else k_offsets)
+    out = _jagged_attention_core(
+        q.to(dtype),
+        k.to(dtype),
+        v.to(dtype),
+        q_starts=q_starts,
+        k_starts=k_starts,
+        out_starts=q_starts,
+        q_lengths=q_lengths,
+        k_lengths=k_lengths,
+        out_rows=q.shape[0],
+        scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
+        activation=None,
+        causal=causal,
+        window=window,
+        rel_pos_bias=_to_compute(rel_pos_bias, dtype),
+        jagged_bias=_to_compute(jagged_bias, dtype),
+        normalize_by_length=False,
+        score_budget=score_budget,
+    )
+    return out.to(q.dtype)
+
+
+def gdpa_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor | None,
+    k_offsets: torch.Tensor | None = None,
+    *,
+    activation: str = "silu",
+    scale: float | None = None,
+    causal: bool = False,
+    window: Window | None = None,
+    normalize_by_length: bool = False,
+    score_budget: int = DEFAULT_SCORE_BUDGET,
+) -> torch.Tensor:
+    """Generalized dot-product attention ``act(scale * Q K^T) V`` per sample, no softmax.
+
+    Same semantics as :func:`gem_kernels.gdpa` without input checks. ``q_offsets=None`` with
+    ``k_offsets`` given broadcasts the ``Nq`` rows of q to every sample (PMA); the output is then
+    ``(B * Nq, H, D)``, sample-major.
+    """
+    dtype = compute_dtype(q.dtype)
+    if q_offsets is None:
+        if k_offsets is None:
+            raise ValueError("gdpa_reference needs q_offsets or k_offsets")
+        k_lengths, k_starts = _lengths_and_starts(k_offsets)
+        num_queries, batch = q.shape[0], k_lengths.numel()
+        q_lengths = torch.full((batch,), num_queries, dtype=torch.int64)
+        q_starts = torch.zeros(batch, dtype=torch.int64)  # every sample reads the same rows
+        out_starts = torch.arange(batch, dtype=torch.int64) * num_queries
+        out_rows = batch * num_queries
+    else:
+        q_lengths, q_starts = _lengths_and_starts(q_offsets)
+        k_lengths, k_starts = _lengths_and_starts(q_offsets if k_offsets is None else k_offsets)
+        out_starts, out_rows = q_starts, q.shape[0]
+    out = _jagged_attention_core(
+        q.to(dtype),
+        k.to(dtype),
+        v.to(dtype),
+        q_starts=q_starts,
+        k_starts=k_starts,
+        out_starts=out_starts,
+        q_lengths=q_lengths,
+        k_lengths=k_lengths,
+        out_rows=out_rows,
+        scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
+        activation=gdpa_activation(activation),
+        causal=causal,
+        window=window,
+        rel_pos_bias=None,
+        jagged_bias=None,
+        normalize_by_length=normalize_by_length,
+        score_budget=score_budget,
+    )
+    return out.to(q.dtype)
+
+
+def _default_positions(lengths: torch.Tensor, starts: torch.Tensor, device) -> torch.Tensor:
+    total = int(lengths.sum())
+    sample_of_token = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    return (torch.arange(total) - starts[sample_of_token]).to(device)
+
+
+def block_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    block_size: int = 64,
+    positions: torch.Tensor | None = None,
+    rope_theta: float = 10000.0,
+    scale: float | None = None,
+    score_budget: int = DEFAULT_SCORE_BUDGET,
+) -> torch.Tensor:
+    """Softmax attention inside ``block_size``-token blocks of each sample, after RoPE on q, k.
+
+    Same semantics as :func:`gem_kernels.block_attention` without input checks. Each block is
+    treated as its own (non-causal) sequence, so padding is bounded by the block size.
+    """
+    dtype = compute_dtype(q.dtype)
+    lengths, starts = _lengths_and_starts(offsets)
+    if positions is None:
+        positions = _default_positions(lengths, starts, q.device)
+    q_rot = apply_rope(q.to(dtype), positions, rope_theta)
+    k_rot = apply_rope(k.to(dtype), positions, rope_theta)
+
+    # Blocks are contiguous row ranges, so they form a finer jagged layout of their own.
+    blocks_per_sample = (lengths + block_size - 1) // block_size
+    sample_of_block = torch.repeat_interleave(torch.arange(lengths.numel()), blocks_per_sample)
+    first_block = torch.cumsum(blocks_per_sample, 0) - blocks_per_sample
+    block_in_sample = torch.arange(sample_of_block.numel()) - first_block[sample_of_block]
+    block_starts = starts[sample_of_block] + block_in_sample * block_size
+    block_lengths = torch.clamp(
+        lengths[sample_of_block] - block_in_sample * block_size, max=block_size
+    )
+    out = _jagged_attention_core(
+        q_rot,
+        k_rot,
+        v.to(dtype),
+        q_starts=block_starts,
+        k_starts=block_starts,
+        out_starts=block_starts,
+        q_lengths=block_lengths,
+        k_lengths=block_lengths,
+        out_rows=q.shape[0],
+        scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
+        activation=None,
+        causal=False,
+        window=None,
+        rel_pos_bias=None,
+        jagged_bias=None,
+        normalize_by_length=False,
+        score_budget=score_budget,
+    )
+    return out.to(q.dtype)

@@ -1,0 +1,100 @@
+"""Typed configuration of the GEM model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["GemModelConfig"]
+
+_SELF_ATTENTION_KINDS = ("jagged_flash", "block")
+_EXPERT_KINDS = ("attention", "mlp", "cross")
+
+
+@dataclass(frozen=True)
+class GemModelConfig:
+    """Sizes and switches of the GEM model.
+
+    Feature names and cardinalities usually come from the dataset description
+    (``gem_data.DatasetInfo``); everything else is a model choice.
+    """
+
+    sequence_features: dict[str, int]
+    """Per-token history features (name -> number of ids). Their embeddings are summed into one token."""
+    sparse_features: dict[str, int]
+    """Non-sequence sparse features (name -> number of ids), each pooled into one feature token."""
+    num_dense_features: int
+    """Width of the dense feature vector, projected into one feature token."""
+    max_seq_len: int
+    """Longest history the model accepts; sizes the recency embedding."""
+    candidate_feature: str = "ad_category_id"
+    """Sparse feature whose embedding is the query of the candidate-to-history cross-attention."""
+    candidate_history_feature: str = "hist_category_ids"
+    """Sequence feature sharing its embedding table with ``candidate_feature`` (same id space),
+    so the cross-attention compares the ad and the history in one embedding space."""
+    embedding_dim: int = 32
+    """Width of every embedding table and of every token (d_model)."""
+    num_heads: int = 2
+    """Attention heads in the sequence tower (embedding_dim must divide evenly)."""
+    num_sequence_layers: int = 1
+    """Self-attention layers over the history."""
+    self_attention: str = "jagged_flash"
+    """'jagged_flash' (causal softmax attention over the whole history) or 'block' (64-token blocks with RoPE)."""
+    pma_queries: int = 4
+    """Learned queries of the PMA pooling that compresses the history into this many tokens."""
+    sequence_activation: str = "silu"
+    """Element-wise activation of the GDPA used by PMA and cross-attention."""
+    dhen_layers: int = 2
+    """Stacked DHEN interaction layers over the feature tokens."""
+    dhen_experts: tuple[str, ...] = ("attention", "mlp", "cross")
+    """Experts of every DHEN layer; their outputs are summed (so they can be split across ranks)."""
+    expert_hidden_dim: int = 128
+    """Hidden width of the MLP expert and of the task heads."""
+    tasks: tuple[str, ...] = ("ctr", "cvr")
+    """One logit per task, in this order."""
+    use_sequence_tower: bool = True
+    """False removes the history entirely (the no-sequence reference model)."""
+    dropout: float = 0.0
+    """Dropout in the DHEN layers and heads."""
+    extra: dict[str, float] = field(default_factory=dict)
+    """Free-form numbers recorded with the config (not used by the model)."""
+
+    def __post_init__(self) -> None:
+        if self.embedding_dim <= 0 or self.embedding_dim % self.num_heads:
+            raise ValueError(
+                f"embedding_dim must be a positive multiple of num_heads ({self.num_heads}), "
+                f"got {self.embedding_dim}"
+            )
+        if self.self_attention not in _SELF_ATTENTION_KINDS:
+            raise ValueError(
+                f"self_attention must be one of {_SELF_ATTENTION_KINDS}, got {self.self_attention!r}"
+            )
+        unknown = [e for e in self.dhen_experts if e not in _EXPERT_KINDS]
+        if unknown or not self.dhen_experts:
+            raise ValueError(
+                f"dhen_experts must be a non-empty tuple drawn from {_EXPERT_KINDS}, got {self.dhen_experts}"
+            )
+        if self.candidate_feature not in self.sparse_features:
+            raise ValueError(
+                f"candidate_feature {self.candidate_feature!r} is not in sparse_features "
+                f"{sorted(self.sparse_features)}"
+            )
+        if self.use_sequence_tower:
+            if not self.sequence_features:
+                raise ValueError("sequence_features must not be empty when use_sequence_tower=True")
+            if self.candidate_history_feature not in self.sequence_features:
+                raise ValueError(
+                    f"candidate_history_feature {self.candidate_history_feature!r} is not in "
+                    f"sequence_features {sorted(self.sequence_features)}"
+                )
+        for name, value in (
+            ("max_seq_len", self.max_seq_len),
+            ("pma_queries", self.pma_queries),
+            ("num_sequence_layers", self.num_sequence_layers),
+            ("dhen_layers", self.dhen_layers),
+            ("expert_hidden_dim", self.expert_hidden_dim),
+            ("num_dense_features", self.num_dense_features),
+        ):
+            if value < 0 or (value == 0 and name not in ("num_dense_features", "dhen_layers")):
+                raise ValueError(f"{name} must be positive, got {value}")
+        if not self.tasks:
+            raise ValueError("tasks must name at least one task")

@@ -1,0 +1,215 @@
+"""The GEM model: torchrec embeddings -> sequence tower -> DHEN interaction -> CTR/CVR heads."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchrec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    KeyedJaggedTensor,
+    PoolingType,
+)
+
+from gem_model.config import GemModelConfig
+from gem_model.dhen import DHENLayer
+from gem_model.sequence import (
+    CandidateCrossAttention,
+    JaggedSelfAttentionLayer,
+    PoolingByMultiheadAttention,
+)
+
+__all__ = ["GemModel"]
+
+
+def _select_keys(features: KeyedJaggedTensor, keys: list[str]) -> KeyedJaggedTensor:
+    """The features of ``keys`` only, in that order (torchrec modules expect exactly their keys)."""
+    if list(features.keys()) == keys:
+        return features
+    index = {key: i for i, key in enumerate(features.keys())}
+    missing = [key for key in keys if key not in index]
+    if missing:
+        raise ValueError(f"features is missing keys {missing}; it has {features.keys()}")
+    return features.permute([index[key] for key in keys])
+
+
+class GemModel(nn.Module):
+    """GEM v0 for CTR/CVR prediction.
+
+    Inputs (one batch of ``B`` users):
+
+    - ``sequence_features``: ``KeyedJaggedTensor`` of the history, one key per
+      ``config.sequence_features``; every key has the same per-sample lengths.
+    - ``sparse_features``: ``KeyedJaggedTensor`` with one key per ``config.sparse_features``.
+    - ``dense_features``: ``(B, num_dense_features)`` float tensor.
+
+    Returns ``(B, len(config.tasks))`` logits.
+
+    The history tokens are the sum of the history features' embeddings plus a
+    learned recency embedding. The candidate feature shares its table with
+    ``candidate_history_feature``, so the candidate and the history meet in one
+    embedding space. Pass ``device=torch.device("meta")`` when torchrec's
+    ``DistributedModelParallel`` will shard and materialise the tables.
+    """
+
+    def __init__(self, config: GemModelConfig, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.config = config
+        dim = config.embedding_dim
+        use_sequence = config.use_sequence_tower
+        # Meta-device tables are materialised by DMP; dense layers are always real.
+        table_device = device
+
+        pooled_features = [
+            name
+            for name in config.sparse_features
+            if not (use_sequence and name == config.candidate_feature)
+        ]
+        self.pooled_features = pooled_features
+        self.sparse_embeddings = EmbeddingBagCollection(
+            tables=[
+                EmbeddingBagConfig(
+                    name=f"sparse_{name}",
+                    embedding_dim=dim,
+                    num_embeddings=config.sparse_features[name],
+                    feature_names=[name],
+                    pooling=PoolingType.MEAN,
+                )
+                for name in pooled_features
+            ],
+            device=table_device,
+        )
+        num_tokens = len(pooled_features) + (1 if config.num_dense_features else 0)
+        self.dense_projection = (
+            nn.Linear(config.num_dense_features, dim) if config.num_dense_features else None
+        )
+
+        if use_sequence:
+            self.sequence_keys = list(config.sequence_features)
+            self.sequence_embeddings = EmbeddingCollection(
+                tables=[
+                    EmbeddingConfig(
+                        name=f"sequence_{name}",
+                        embedding_dim=dim,
+                        num_embeddings=config.sequence_features[name],
+                        feature_names=[name]
+                        + (
+                            [config.candidate_feature]
+                            if name == config.candidate_history_feature
+                            else []
+                        ),
+                    )
+                    for name in config.sequence_features
+                ],
+                device=table_device,
+            )
+            self.recency = nn.Embedding(config.max_seq_len, dim)
+            self.sequence_layers = nn.ModuleList(
+                JaggedSelfAttentionLayer(
+                    dim, config.num_heads, config.self_attention, config.dropout
+                )
+                for _ in range(config.num_sequence_layers)
+            )
+            self.sequence_norm = nn.LayerNorm(dim)
+            self.pma = PoolingByMultiheadAttention(
+                dim, config.num_heads, config.pma_queries, config.sequence_activation
+            )
+            self.cross_attention = CandidateCrossAttention(
+                dim, config.num_heads, config.sequence_activation
+            )
+            # PMA tokens, the cross-attention token, and the candidate's own embedding.
+            num_tokens += config.pma_queries + 2
+
+        self.num_tokens = num_tokens
+        self.interaction = nn.Sequential(
+            *(
+                DHENLayer(
+                    num_tokens,
+                    dim,
+                    config.num_heads,
+                    config.dhen_experts,
+                    config.expert_hidden_dim,
+                    config.dropout,
+                )
+                for _ in range(config.dhen_layers)
+            )
+        )
+        self.heads = nn.ModuleDict(
+            {
+                task: nn.Sequential(
+                    nn.Linear(num_tokens * dim, config.expert_hidden_dim),
+                    nn.GELU(),
+                    nn.Dropout(config.dropout),
+                    nn.Linear(config.expert_hidden_dim, 1),
+                )
+                for task in config.tasks
+            }
+        )
+
+    def forward(
+        self,
+        sequence_features: KeyedJaggedTensor | None,
+        sparse_features: KeyedJaggedTensor,
+        dense_features: torch.Tensor,
+    ) -> torch.Tensor:
+        config = self.config
+        pooled = self.sparse_embeddings(_select_keys(sparse_features, self.pooled_features))
+        tokens = [pooled[name] for name in self.pooled_features]
+        if self.dense_projection is not None:
+            tokens.append(self.dense_projection(dense_features))
+        if config.use_sequence_tower:
+            if sequence_features is None:
+                raise ValueError("sequence_features is required when use_sequence_tower=True")
+            tokens.extend(self._sequence_tokens(sequence_features, sparse_features))
+        features = torch.stack(tokens, dim=1)
+        features = self.interaction(features).flatten(1)
+        return torch.cat([self.heads[task](features) for task in config.tasks], dim=1)
+
+    def _sequence_tokens(
+        self, sequence_features: KeyedJaggedTensor, sparse_features: KeyedJaggedTensor
+    ) -> list[torch.Tensor]:
+        config = self.config
+        candidate = sparse_features[config.candidate_feature]
+        lookup = KeyedJaggedTensor.concat(
+            [
+                _select_keys(sequence_features, self.sequence_keys),
+                KeyedJaggedTensor.from_lengths_sync(
+                    keys=[config.candidate_feature],
+                    values=candidate.values(),
+                    lengths=candidate.lengths(),
+                ),
+            ]
+        )
+        embedded = self.sequence_embeddings(lookup)
+        history = embedded[self.sequence_keys[0]]
+        lengths = history.lengths()
+        if lengths.numel() and int(lengths.max()) > config.max_seq_len:
+            raise ValueError(
+                f"sequence_features has a history of {int(lengths.max())} tokens, "
+                f"more than max_seq_len={config.max_seq_len}"
+            )
+        offsets = history.offsets()
+        tokens = sum(embedded[key].values() for key in self.sequence_keys)
+        # Recency: distance of each event from the end of its own history.
+        sample_of_token = torch.repeat_interleave(
+            torch.arange(lengths.numel(), device=lengths.device), lengths
+        )
+        from_end = (
+            offsets[1:][sample_of_token] - 1 - torch.arange(tokens.shape[0], device=tokens.device)
+        )
+        tokens = tokens + self.recency(from_end)
+        for layer in self.sequence_layers:
+            tokens = layer(tokens, offsets, config.max_seq_len)
+        tokens = self.sequence_norm(tokens)
+
+        # The candidate has exactly one id per sample; its embedding comes from the shared table.
+        candidate_embedding = embedded[config.candidate_feature].values()
+        if candidate_embedding.shape[0] != lengths.numel():
+            raise ValueError(
+                f"sparse_features[{config.candidate_feature!r}] must hold exactly one id per sample"
+            )
+        pma_tokens = self.pma(tokens, offsets, config.max_seq_len)
+        cross_token = self.cross_attention(candidate_embedding, tokens, offsets, config.max_seq_len)
+        return [*pma_tokens.unbind(1), cross_token, candidate_embedding]

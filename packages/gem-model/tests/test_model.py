@@ -1,0 +1,131 @@
+import pytest
+import torch
+from gem_model import GemModel, GemModelConfig
+from torchrec import KeyedJaggedTensor
+
+SEQUENCE = {"hist_item_ids": 500, "hist_category_ids": 16, "hist_action_types": 3}
+SPARSE = {"user_id": 1000, "user_segments": 20, "ad_id": 300, "ad_category_id": 16}
+
+
+def make_config(**changes):
+    base = dict(
+        sequence_features=SEQUENCE,
+        sparse_features=SPARSE,
+        num_dense_features=3,
+        max_seq_len=70,
+        embedding_dim=16,
+        num_heads=2,
+        pma_queries=3,
+        expert_hidden_dim=32,
+    )
+    base.update(changes)
+    return GemModelConfig(**base)
+
+
+def make_inputs(lengths, generator):
+    lengths = torch.tensor(lengths)
+    batch, total = lengths.numel(), int(lengths.sum())
+    sequence = KeyedJaggedTensor.from_lengths_sync(
+        keys=list(SEQUENCE),
+        values=torch.cat(
+            [torch.randint(0, n, (total,), generator=generator) for n in SEQUENCE.values()]
+        ),
+        lengths=lengths.repeat(len(SEQUENCE)),
+    )
+    segment_lengths = torch.randint(0, 4, (batch,), generator=generator)
+    sparse_lengths = {"user_segments": segment_lengths}
+    values, all_lengths = [], []
+    for name, cardinality in SPARSE.items():
+        feature_lengths = sparse_lengths.get(name, torch.ones(batch, dtype=torch.long))
+        values.append(
+            torch.randint(0, cardinality, (int(feature_lengths.sum()),), generator=generator)
+        )
+        all_lengths.append(feature_lengths)
+    sparse = KeyedJaggedTensor.from_lengths_sync(
+        keys=list(SPARSE), values=torch.cat(values), lengths=torch.cat(all_lengths)
+    )
+    dense = torch.randn(batch, 3, generator=generator)
+    return sequence, sparse, dense
+
+
+@pytest.mark.parametrize("self_attention", ["jagged_flash", "block"])
+def test_forward_backward_reaches_every_parameter(self_attention):
+    generator = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = GemModel(make_config(self_attention=self_attention))
+    # an empty history, a length-1 history, one at the cap, odd lengths
+    sequence, sparse, dense = make_inputs([0, 1, 70, 5, 33], generator)
+    logits = model(sequence, sparse, dense)
+    assert logits.shape == (5, 2)
+    assert torch.isfinite(logits).all()
+    logits.sum().backward()
+    missing = [name for name, p in model.named_parameters() if p.grad is None]
+    assert not missing, f"no gradient reached {missing}"
+    # The candidate id used in the cross-attention shares the history category table.
+    table = model.sequence_embeddings.embeddings["sequence_hist_category_ids"].weight
+    assert table.grad[sparse["ad_category_id"].values()].abs().sum() > 0
+
+
+def test_history_changes_the_prediction_only_with_the_sequence_tower():
+    generator = torch.Generator().manual_seed(1)
+    sequence, sparse, dense = make_inputs([4, 9, 2], generator)
+    other_sequence, _, _ = make_inputs([4, 9, 2], generator)
+    for use_sequence, should_differ in ((True, True), (False, False)):
+        torch.manual_seed(0)
+        model = GemModel(make_config(use_sequence_tower=use_sequence)).eval()
+        differ = not torch.allclose(
+            model(sequence, sparse, dense), model(other_sequence, sparse, dense)
+        )
+        assert differ == should_differ
+
+
+def test_prediction_of_a_sample_does_not_depend_on_the_rest_of_the_batch():
+    generator = torch.Generator().manual_seed(2)
+    torch.manual_seed(0)
+    model = GemModel(make_config()).eval()
+    sequence, sparse, dense = make_inputs([3, 0, 12, 7], generator)
+    full = model(sequence, sparse, dense)
+    for i in range(4):
+        keep = torch.tensor([i])
+        one_seq = KeyedJaggedTensor.from_jt_dict(
+            {k: _take(sequence[k], keep) for k in sequence.keys()}
+        )
+        one_sparse = KeyedJaggedTensor.from_jt_dict(
+            {k: _take(sparse[k], keep) for k in sparse.keys()}
+        )
+        alone = model(one_seq, one_sparse, dense[keep])
+        torch.testing.assert_close(alone, full[keep], rtol=1e-5, atol=1e-5)
+
+
+def _take(jagged, index):
+    from torchrec import JaggedTensor
+
+    offsets = jagged.offsets()
+    i = int(index[0])
+    values = jagged.values()[offsets[i] : offsets[i + 1]]
+    return JaggedTensor(values=values, lengths=jagged.lengths()[index])
+
+
+def test_too_long_history_is_rejected():
+    generator = torch.Generator().manual_seed(3)
+    model = GemModel(make_config(max_seq_len=8))
+    sequence, sparse, dense = make_inputs([3, 9], generator)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(sequence, sparse, dense)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"embedding_dim": 15}, "embedding_dim"),
+        ({"self_attention": "ring"}, "self_attention"),
+        ({"dhen_experts": ("mlp", "moe")}, "dhen_experts"),
+        ({"candidate_feature": "nope"}, "candidate_feature"),
+        ({"candidate_history_feature": "nope"}, "candidate_history_feature"),
+        ({"pma_queries": 0}, "pma_queries"),
+        ({"tasks": ()}, "tasks"),
+    ],
+)
+def test_bad_config_is_rejected(changes, message):
+    with pytest.raises(ValueError, match=message):
+        make_config(**changes)

@@ -1,0 +1,223 @@
+"""OCP Microscaling (MX) formats: MXFP8 quantize / dequantize in plain PyTorch.
+
+An MX tensor stores blocks of ``block_size`` consecutive elements (along the last dim) as FP8
+elements (E4M3 or E5M2) that share one power-of-two scale stored as an E8M0 byte
+(``2 ** (byte - 127)``, byte ``0xFF`` = NaN). This follows the OCP Microscaling Formats (MX)
+Specification v1.0, section 6.3:
+
+* shared exponent ``= floor(log2(amax)) - emax_elem`` (``emax_elem`` = 8 for E4M3, 15 for E5M2),
+  clamped to the E8M0 range ``[-127, 127]``;
+* elements ``= x / 2 ** shared_exp`` rounded to nearest-even in the element format and saturated
+  to its largest normal (448 for E4M3, 57344 for E5M2).
+
+``scale_rounding="ceil"`` instead picks the smallest power of two ``s`` with ``amax / s <=
+max_normal`` (the "RCEIL" recipe of Blackwell's MXFP8 hardware), so no element saturates.
+
+Special values: a block that contains NaN or +-Inf gets scale ``0xFF`` (NaN) and zero elements,
+so the whole block dequantizes to NaN (FP8 E4M3 has no Inf, and an Inf would leave the shared
+exponent undefined). An all-zero block gets the smallest scale (byte 0, ``2**-127``) and zero
+elements.
+
+All arithmetic on scales is done on exponent bits, so it is exact for subnormal inputs too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "E8M0_BIAS",
+    "E8M0_NAN",
+    "MX_ELEMENT_DTYPES",
+    "MXTensor",
+    "dequantize_mx",
+    "quantize_mx",
+]
+
+E8M0_BIAS = 127
+"""Bias of the E8M0 scale: a stored byte ``b`` means ``2 ** (b - 127)``."""
+
+E8M0_NAN = 0xFF
+"""E8M0 byte that encodes a NaN scale."""
+
+_E8M0_MIN_EXP = -127
+_E8M0_MAX_EXP = 127
+
+
+@dataclass(frozen=True)
+class _ElementFormat:
+    emax: int
+    max_normal: float
+
+
+MX_ELEMENT_DTYPES: dict[torch.dtype, _ElementFormat] = {
+    torch.float8_e4m3fn: _ElementFormat(emax=8, max_normal=448.0),
+    torch.float8_e5m2: _ElementFormat(emax=15, max_normal=57344.0),
+}
+"""Supported MX element dtypes with their largest normal exponent and value."""
+
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FP32_MANTISSA_BITS = 23
+_FP32_MANTISSA_MASK = (1 << _FP32_MANTISSA_BITS) - 1
+# Both FP8 max normals are 1.75 * 2**emax: mantissa field 0b11 followed by zeros in FP32.
+_MAX_NORMAL_MANTISSA_FIELD = 0x600000
+
+ScaleRounding = Literal["floor", "ceil"]
+
+
+@dataclass
+class MXTensor:
+    """A tensor in an OCP MX format (block-scaled FP8 elements with E8M0 scales)."""
+
+    data: torch.Tensor
+    """FP8 elements (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``) with the original shape."""
+    scale: torch.Tensor
+    """``uint8`` E8M0 biased exponents, shape ``data.shape[:-1] + (data.shape[-1] // block_size,)``;
+    ``0xFF`` marks a NaN block."""
+    block_size: int = 32
+    """Number of consecutive last-dim elements sharing one scale."""
+    orig_dtype: torch.dtype = torch.float32
+    """Dtype of the tensor that was quantized; ``dequantize()`` returns it by default."""
+
+    def __post_init__(self) -> None:
+        if self.data.dtype not in MX_ELEMENT_DTYPES:
+            raise TypeError(
+                f"data must have dtype float8_e4m3fn or float8_e5m2, got {self.data.dtype}"
+            )
+        if self.scale.dtype != torch.uint8:
+            raise TypeError(f"scale must have dtype uint8 (E8M0), got {self.scale.dtype}")
+        expected = _scale_shape(self.data.shape, self.block_size, "data")
+        if tuple(self.scale.shape) != expected:
+            raise ValueError(
+                f"scale must have shape {expected} for data of shape {tuple(self.data.shape)} "
+                f"and block_size={self.block_size}, got {tuple(self.scale.shape)}"
+            )
+
+    @property
+    def shape(self) -> torch.Size:
+        """Shape of the represented (dequantized) tensor."""
+        return self.data.shape
+
+    @property
+    def elem_dtype(self) -> torch.dtype:
+        """FP8 dtype of the elements."""
+        return self.data.dtype
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Return ``data * 2 ** (scale - 127)`` in ``dtype`` (default: ``orig_dtype``)."""
+        return dequantize_mx(self, dtype=dtype)
+
+
+def _scale_shape(shape: torch.Size, block_size: int, name: str) -> tuple[int, ...]:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if len(shape) == 0:
+        raise ValueError(f"{name} must have at least one dimension, got a 0-d tensor")
+    if shape[-1] % block_size != 0:
+        raise ValueError(
+            f"the last dim of {name} ({shape[-1]}) must be divisible by block_size={block_size}"
+        )
+    return (*shape[:-1], shape[-1] // block_size)
+
+
+def _fp32_exponent_field(x: torch.Tensor) -> torch.Tensor:
+    """Biased exponent bits (0..255) of a float32 tensor, as int32."""
+    return (x.view(torch.int32) >> _FP32_MANTISSA_BITS) & 0xFF
+
+
+def _pow2_fp32(exponent: torch.Tensor) -> torch.Tensor:
+    """Exact ``2 ** exponent`` in float32 for int32 exponents in ``[-127, 127]``.
+
+    Built from bits instead of ``exp2`` so it is exact on every backend; ``2**-127`` is the
+    float32 subnormal with only the top mantissa bit set.
+    """
+    normal = ((exponent + 127).clamp(min=1) << _FP32_MANTISSA_BITS).view(torch.float32)
+    smallest = torch.full_like(exponent, 1 << (_FP32_MANTISSA_BITS - 1)).view(torch.float32)
+    return torch.where(exponent <= -127, smallest, normal)
+
+
+def quantize_mx(
+    x: torch.Tensor,
+    *,
+    block_size: int = 32,
+    elem_dtype: torch.dtype = torch.float8_e4m3fn,
+    scale_rounding: ScaleRounding = "floor",
+) -> MXTensor:
+    """Quantize ``x`` to an MX format with one E8M0 scale per ``block_size`` last-dim elements.
+
+    Args:
+        x: float32, bfloat16 or float16 tensor whose last dim is divisible by ``block_size``.
+        block_size: elements per scale block (32 in the OCP spec).
+        elem_dtype: ``torch.float8_e4m3fn`` (MXFP8 E4M3) or ``torch.float8_e5m2`` (MXFP8 E5M2).
+        scale_rounding: ``"floor"`` (OCP spec: ``floor(log2(amax)) - emax``, elements beyond the
+            max normal saturate) or ``"ceil"`` (smallest power-of-two scale with
+            ``amax / scale <= max_normal``, never saturates).
+
+    Returns:
+        An :class:`MXTensor` with ``data`` of ``x.shape`` and ``scale`` of shape
+        ``x.shape[:-1] + (x.shape[-1] // block_size,)``.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"x must have dtype float32, bfloat16 or float16, got {x.dtype}")
+    if elem_dtype not in MX_ELEMENT_DTYPES:
+        raise TypeError(
+            f"elem_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {elem_dtype}"
+        )
+    if scale_rounding not in ("floor", "ceil"):
+        raise ValueError(f"scale_rounding must be 'floor' or 'ceil', got {scale_rounding!r}")
+    scale_shape = _scale_shape(x.shape, block_size, "x")
+    fmt = MX_ELEMENT_DTYPES[elem_dtype]
+
+    # float16/bfloat16 -> float32 is exact, so everything below works on float32 bits.
+    blocks = x.to(torch.float32).reshape(*scale_shape, block_size)
+    non_finite = ~torch.isfinite(blocks).all(dim=-1)
+    # Non-finite blocks are overwritten with NaN scales below; zero them here so that amax stays
+    # finite and the exponent arithmetic never sees Inf/NaN bits.
+    amax = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0).amax(dim=-1)
+
+    # floor(log2(amax)) is the unbiased exponent field for normal amax. Zero and float32
+    # subnormal amax have field 0 -> -127, which is an upper bound of the true value; after
+    # subtracting emax it is below -127 either way, so the clamp below makes it exact.
+    amax_bits = amax.view(torch.int32)
+    shared_exp = _fp32_exponent_field(amax) - 127 - fmt.emax
+    if scale_rounding == "ceil":
+        # amax = 1.m * 2**e and max_normal = 1.75 * 2**emax: amax / 2**(e - emax) <= max_normal
+        # exactly when 1.m <= 1.75, otherwise one more power of two is needed.
+        shared_exp = shared_exp + (
+            (amax_bits & _FP32_MANTISSA_MASK) > _MAX_NORMAL_MANTISSA_FIELD
+        ).to(torch.int32)
+    shared_exp = shared_exp.clamp(_E8M0_MIN_EXP, _E8M0_MAX_EXP)
+
+    # Multiply by 2**-shared_exp (exact: shared_exp <= 127 - emax keeps the factor normal).
+    inv_scale = _pow2_fp32(-shared_exp).unsqueeze(-1)
+    scaled = (blocks * inv_scale).clamp(-fmt.max_normal, fmt.max_normal)
+    scaled = torch.where(non_finite.unsqueeze(-1), torch.zeros_like(scaled), scaled)
+    data = scaled.to(elem_dtype).reshape(x.shape)
+
+    scale = (shared_exp + E8M0_BIAS).to(torch.uint8)
+    scale = torch.where(non_finite, torch.full_like(scale, E8M0_NAN), scale)
+    return MXTensor(data=data, scale=scale, block_size=block_size, orig_dtype=x.dtype)
+
+
+def dequantize_mx(mx: MXTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Expand an :class:`MXTensor` back to a dense tensor (``dtype`` defaults to ``orig_dtype``).
+
+    Blocks whose scale is ``0xFF`` come back as NaN. The float32 product is exact; the final cast
+    to ``dtype`` rounds to nearest-even if ``dtype`` is narrower.
+    """
+    if not isinstance(mx, MXTensor):
+        raise TypeError(f"mx must be an MXTensor, got {type(mx).__name__}")
+    out_dtype = mx.orig_dtype if dtype is None else dtype
+    if not out_dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating point dtype, got {out_dtype}")
+    exponent = mx.scale.to(torch.int32) - E8M0_BIAS
+    scale = _pow2_fp32(exponent.clamp(max=_E8M0_MAX_EXP))
+    scale = torch.where(mx.scale == E8M0_NAN, torch.full_like(scale, float("nan")), scale)
+    blocks = mx.data.to(torch.float32).reshape(*mx.scale.shape, mx.block_size)
+    out = blocks * scale.unsqueeze(-1)
+    return out.reshape(mx.data.shape).to(out_dtype)

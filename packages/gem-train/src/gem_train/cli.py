@@ -1,0 +1,145 @@
+"""``gem-train``: generate (or reuse) the data, train GEM, evaluate, and compare with reference points."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from gem_data import DatasetInfo, SyntheticConfig, read_dataset_info, write_synthetic_dataset
+from rich.console import Console
+from rich.table import Table
+
+from gem_train.config import DataConfig, TrainConfig, apply_overrides
+from gem_train.recipes import RECIPES, get_recipe
+from gem_train.trainer import Trainer
+
+__all__ = ["main", "prepare_data", "run"]
+
+
+def prepare_data(data: DataConfig, *, progress: bool = True) -> tuple[DatasetInfo, DatasetInfo]:
+    """Returns the train and eval splits, generating them unless an identical copy exists."""
+    root = Path(data.directory)
+    synthetic = SyntheticConfig(seed=data.seed, max_seq_len=data.max_seq_len)
+    splits = {"train": (0, data.num_train), "eval": (data.num_train, data.num_eval)}
+    infos = []
+    for split, (start, count) in splits.items():
+        directory = root / split
+        try:
+            info = read_dataset_info(directory)
+            reusable = (
+                info.num_samples == count and info.config == synthetic and info.start_index == start
+            )
+        except (FileNotFoundError, ValueError):
+            reusable = False
+        if not reusable:
+            info = write_synthetic_dataset(
+                synthetic,
+                directory,
+                num_samples=count,
+                start_index=start,
+                num_shards=data.num_shards,
+                workers=data.workers,
+                progress=progress,
+            )
+        infos.append(info)
+    return infos[0], infos[1]
+
+
+def run(config: TrainConfig, *, resume: bool = False, console: Console | None = None) -> dict:
+    """Trains and evaluates the recipe (and the no-sequence reference); returns the summary."""
+    console = console or Console()
+    started = time.perf_counter()
+    train_data, eval_data = prepare_data(config.data, progress=console.is_terminal)
+    console.print(
+        f"data: {train_data.num_samples} train / {eval_data.num_samples} eval samples "
+        f"in {config.data.directory} ({time.perf_counter() - started:.1f} s)"
+    )
+    output = Path(config.output_dir)
+    variants = {"gem": True}
+    if config.compare_no_sequence:
+        variants["no_sequence"] = False
+    results: dict[str, dict[str, float]] = {}
+    for name, use_sequence in variants.items():
+        variant_started = time.perf_counter()
+        trainer = Trainer(
+            config, train_data, use_sequence_tower=use_sequence, output_dir=output / name
+        )
+        checkpoints = output / name / "checkpoints"
+        if resume and trainer.resume(checkpoints):
+            console.print(f"{name}: resumed at step {trainer.step} from {checkpoints}")
+        losses = trainer.fit(checkpoint_dir=checkpoints)
+        trainer.save(checkpoints)
+        results[name] = trainer.evaluate(eval_data)
+        results[name]["train_seconds"] = time.perf_counter() - variant_started
+        results[name]["final_train_loss"] = sum(losses[-20:]) / max(1, len(losses[-20:]))
+        console.print(f"{name}: {trainer.step} steps in {results[name]['train_seconds']:.1f} s")
+
+    summary = {
+        "recipe": config.recipe,
+        "config": asdict(config),
+        "oracle_ne": eval_data.oracle_ne,
+        "results": results,
+        "seconds": time.perf_counter() - started,
+    }
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "summary.json").write_text(json.dumps(summary, indent=2))
+    _print_summary(console, summary)
+    return summary
+
+
+def _print_summary(console: Console, summary: dict) -> None:
+    table = Table(title=f"eval NE (lower is better) — recipe {summary['recipe']}")
+    table.add_column("task")
+    columns = [("gem", "GEM")]
+    if "no_sequence" in summary["results"]:
+        columns.append(("no_sequence", "GEM w/o sequence"))
+    for _, title in columns:
+        table.add_column(f"{title} NE", justify="right")
+    table.add_column("oracle NE", justify="right")
+    for _, title in columns:
+        table.add_column(f"{title} AUC", justify="right")
+    for task, oracle in summary["oracle_ne"].items():
+        row = [task]
+        row += [f"{summary['results'][key][f'ne_{task}']:.4f}" for key, _ in columns]
+        row.append(f"{oracle:.4f}")
+        row += [f"{summary['results'][key][f'auc_{task}']:.4f}" for key, _ in columns]
+        table.add_row(*row)
+    console.print(table)
+    console.print(f"total {summary['seconds']:.1f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="gem-train", description="Train and evaluate a GEM recommendation model."
+    )
+    parser.add_argument(
+        "--recipe", default="tiny", help=f"recipe name, one of {sorted(RECIPES)} (default: tiny)"
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="override a config field, e.g. --set model.embedding_dim=64 --set max_steps=100",
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    parser.add_argument("--print-config", action="store_true", help="print the config and exit")
+    args = parser.parse_args(argv)
+    try:
+        config = apply_overrides(get_recipe(args.recipe), args.overrides)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.print_config:
+        print(json.dumps(asdict(config), indent=2))
+        return 0
+    run(config, resume=args.resume)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""The training loop: torchrec-sharded GEM model, dense AdamW + fused sparse optimizer, NE/AUC eval."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from gem_data import Batch, DatasetInfo, ParquetBatchLoader
+from gem_model import GemModel, GemModelConfig
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from torch.nn import functional as F
+from torchrec.distributed import DistributedModelParallel
+from torchrec.optim import RowWiseAdagrad
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from gem_train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from gem_train.config import TrainConfig
+from gem_train.metrics import auc, normalized_entropy
+
+__all__ = ["Trainer", "init_distributed", "resolve_device"]
+
+_TASK_LABEL_COLUMNS = {"ctr": 0, "cvr": 1}
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> CUDA when available, else CPU; 'cuda' without a GPU is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but torch sees no CUDA device")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {name!r}")
+    return torch.device(name)
+
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """Joins the process group torchrun describes, or starts a one-process group.
+
+    torchrec's sharded modules always need a process group, even alone.
+    Returns ``(rank, world_size)``.
+    """
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            store = dist.FileStore(tempfile.mktemp(prefix="gem-train-store-"), 1)
+            dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def model_config(
+    config: TrainConfig, dataset: DatasetInfo, *, use_sequence_tower: bool
+) -> GemModelConfig:
+    """The model config for ``dataset``'s features and the recipe's model options."""
+    options = asdict(config.model)
+    options["dhen_experts"] = tuple(options["dhen_experts"])
+    return GemModelConfig(
+        sequence_features=dict(dataset.sequence_features),
+        sparse_features=dict(dataset.sparse_features),
+        num_dense_features=dataset.num_dense_features,
+        max_seq_len=dataset.max_seq_len,
+        use_sequence_tower=use_sequence_tower,
+        **options,
+    )
+
+
+class Trainer:
+    """Trains one GEM model variant and evaluates it.
+
+    Embedding tables are sharded by torchrec's ``DistributedModelParallel`` and
+    updated by a fused row-wise Adagrad inside the backward pass; dense
+    parameters use AdamW. ``output_dir`` receives ``metrics.jsonl`` and ``checkpoints/``.
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        train_data: DatasetInfo,
+        *,
+        use_sequence_tower: bool = True,
+        output_dir: str | Path,
+    ) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.rank, self.world_size = init_distributed(self.device)
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.use_sequence_tower = use_sequence_tower
+
+        torch.manual_seed(config.seed)
+        self.model_config = model_config(config, train_data, use_sequence_tower=use_sequence_tower)
+        model = GemModel(self.model_config, device=torch.device("meta"))
+        apply_optimizer_in_backward(
+            RowWiseAdagrad,
+            [p for name, p in model.named_parameters() if "_embeddings." in name],
+            {"lr": config.optim.sparse_lr},
+        )
+        # Dense layers were built on the real device already; DMP materialises the tables.
+        self.model = DistributedModelParallel(model, device=self.device)
+        dense_parameters = dict(in_backward_optimizer_filter(self.model.named_parameters()))
+        self.dense_parameters = list(dense_parameters.values())
+        self.dense_optimizer = KeyedOptimizerWrapper(
+            dense_parameters,
+            lambda params: torch.optim.AdamW(
+                params, lr=config.optim.dense_lr, weight_decay=config.optim.weight_decay
+            ),
+        )
+        self.optimizer = CombinedOptimizer(
+            [("dense", self.dense_optimizer), self.model.fused_optimizer]
+        )
+
+        self.loader = ParquetBatchLoader(
+            train_data.directory,
+            config.batch_size,
+            shuffle=True,
+            seed=config.seed,
+            rank=self.rank,
+            world_size=self.world_size,
+            drop_last=True,
+        )
+        steps_per_epoch = len(self.loader)
+        if steps_per_epoch == 0:
+            raise ValueError(
+                f"batch_size={config.batch_size} leaves no full batch per rank in {train_data.directory}"
+            )
+        self.total_steps = config.max_steps or config.epochs * steps_per_epoch
+        self.step = 0
+        self._metrics_file = self.output_dir / "metrics.jsonl"
+
+    # ------------------------------------------------------------------ training
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        return self.model(batch.sequence_features, batch.sparse_features, batch.dense_features)
+
+    def train_step(self, batch: Batch) -> float:
+        """One optimizer step; returns the summed CTR + CVR log loss of the batch."""
+        self.model.train()
+        warmup = max(1, self.config.optim.warmup_steps)
+        for group in self.dense_optimizer.param_groups:
+            group["lr"] = self.config.optim.dense_lr * min(1.0, (self.step + 1) / warmup)
+        logits = self._forward(batch)
+        loss = (
+            F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none").mean(0).sum()
+        )
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"loss became {loss.item()} at step {self.step}")
+        self.optimizer.zero_grad()
+        loss.backward()  # the fused sparse optimizer updates embedding rows here
+        if self.config.optim.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.dense_parameters, self.config.optim.max_grad_norm)
+        self.dense_optimizer.step()
+        self.step += 1
+        return float(loss)
+
+    def fit(
+        self, *, checkpoint_dir: str | Path | None = None, progress: bool | None = None
+    ) -> list[float]:
+        """Trains until ``total_steps``; returns the per-step losses of this call."""
+        config = self.config
+        checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else self.output_dir / "checkpoints"
+        show = sys.stdout.isatty() if progress is None else progress
+        losses: list[float] = []
+        started = time.perf_counter()
+        label = "GEM" if self.use_sequence_tower else "GEM without sequence"
+        with Progress(
+            TextColumn(f"[bold]{label}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]:.4f}"),
+            TimeRemainingColumn(),
+            disable=not show or self.rank != 0,
+        ) as bar:
+            task = bar.add_task(
+                "train", total=self.total_steps, completed=self.step, loss=float("nan")
+            )
+            while self.step < self.total_steps:
+                for batch in self.loader:
+                    loss = self.train_step(batch.to(self.device, non_blocking=True))
+                    losses.append(loss)
+                    bar.update(task, advance=1, loss=loss)
+                    if self.step % config.log_every == 0 or self.step == self.total_steps:
+                        self.log(
+                            split="train",
+                            step=self.step,
+                            loss=sum(losses[-config.log_every :])
+                            / len(losses[-config.log_every :]),
+                            samples_per_s=len(losses)
+                            * config.batch_size
+                            * self.world_size
+                            / (time.perf_counter() - started),
+                        )
+                    if config.checkpoint_every and self.step % config.checkpoint_every == 0:
+                        self.save(checkpoint_dir)
+                    if self.step >= self.total_steps:
+                        break
+        return losses
+
+    # ---------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def evaluate(self, eval_data: DatasetInfo) -> dict[str, float]:
+        """NE and AUC per task over all of ``eval_data`` (gathered from every rank)."""
+        self.model.eval()
+        loader = ParquetBatchLoader(
+            eval_data.directory,
+            self.config.eval_batch_size,
+            shuffle=False,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        probabilities, labels = [], []
+        for batch in loader:
+            batch = batch.to(self.device)
+            probabilities.append(torch.sigmoid(self._forward(batch)).float().cpu())
+            labels.append(batch.labels.cpu())
+        local = (torch.cat(probabilities), torch.cat(labels))
+        if self.world_size > 1:
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, local)
+            local = (torch.cat([g[0] for g in gathered]), torch.cat([g[1] for g in gathered]))
+        all_probabilities, all_labels = local
+        results: dict[str, float] = {}
+        for task_index, task in enumerate(self.model_config.tasks):
+            column = _TASK_LABEL_COLUMNS[task]
+            results[f"ne_{task}"] = normalized_entropy(
+                all_probabilities[:, task_index], all_labels[:, column]
+            )
+            results[f"auc_{task}"] = auc(all_probabilities[:, task_index], all_labels[:, column])
+        self.log(split="eval", step=self.step, **results)
+        return results
+
+    # ------------------------------------------------------------- checkpointing
+    def _app_state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def save(self, checkpoint_dir: str | Path) -> Path:
+        """Atomically saves model, both optimizers, data position and step."""
+        trainer_state = {
+            "step": self.step,
+            "loader": self.loader.state_dict(),
+            "torch_rng": torch.get_rng_state().tolist(),
+        }
+        return save_checkpoint(checkpoint_dir, self.step, self._app_state(), trainer_state)
+
+    def resume(self, checkpoint_dir: str | Path) -> bool:
+        """Restores the newest checkpoint under ``checkpoint_dir``; False when there is none."""
+        path = latest_checkpoint(checkpoint_dir)
+        if path is None:
+            return False
+        self.dense_optimizer.init_state()  # AdamW state is lazy; DCP loads in place
+        app_state = self._app_state()
+        trainer_state = load_checkpoint(path, app_state)
+        self.model.load_state_dict(app_state["model"])
+        self.optimizer.load_state_dict(app_state["optimizer"])
+        self.step = int(trainer_state["step"])
+        self.loader.load_state_dict(trainer_state["loader"])
+        torch.set_rng_state(torch.tensor(trainer_state["torch_rng"], dtype=torch.uint8))
+        return True
+
+    def log(self, **record: Any) -> None:
+        """Appends one JSON line to metrics.jsonl (rank 0 only)."""
+        if self.rank != 0:
+            return
+        record = {
+            "time": time.time(),
+            "variant": "gem" if self.use_sequence_tower else "no_sequence",
+            **record,
+        }
+        with self._metrics_file.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")

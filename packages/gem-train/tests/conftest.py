@@ -1,0 +1,24 @@
+import pytest
+from gem_train import DataConfig, ModelOptions, TrainConfig
+
+
+@pytest.fixture
+def small_config(tmp_path) -> TrainConfig:
+    """A config that trains in seconds: tiny data, tiny model."""
+    return TrainConfig(
+        recipe="test",
+        data=DataConfig(
+            directory=str(tmp_path / "data"),
+            num_train=1024,
+            num_eval=512,
+            max_seq_len=32,
+            num_shards=2,
+            workers=1,
+        ),
+        model=ModelOptions(embedding_dim=16, num_heads=2, dhen_layers=1, expert_hidden_dim=32),
+        batch_size=128,
+        eval_batch_size=256,
+        log_every=2,
+        output_dir=str(tmp_path / "run"),
+        device="cpu",
+    )
