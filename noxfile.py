@@ -1,12 +1,12 @@
 """Lint, per-package tests, integration tests and the GPU test session.
 
-Every `tests-<package>` session installs ONLY that package (plus the workspace
+Every `tests(<package>)` session installs ONLY that package (plus the workspace
 packages it declares, recursively) into a fresh environment, pinned to the
 versions in uv.lock, and runs its tests. An undeclared import therefore fails
 there, which keeps the package layering honest.
 
     uv run --extra cpu nox                 # lint + every package + integration (CPU)
-    uv run --extra cpu nox -s tests-gem-data
+    uv run --extra cpu nox -s "tests(gem-data)"
     python -m nox -s gpu                   # on the GPU machine, with its own interpreter
 """
 

@@ -9,10 +9,9 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from gem_precision import MXTensor, dequantize_mx, quantize_mx
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from gem_precision import MXTensor, dequantize_mx, quantize_mx
 
 ELEM_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 ROUNDINGS = ["floor", "ceil"]
@@ -264,9 +263,7 @@ def edge_tensors(draw):
     # Mostly finite values so that most blocks are not NaN blocks.
     finite = st.floats(width=32, allow_nan=False, allow_infinity=False)
     values = draw(
-        st.lists(
-            st.one_of(finite, finite, finite, finite, float32_values), min_size=n, max_size=n
-        )
+        st.lists(st.one_of(finite, finite, finite, finite, float32_values), min_size=n, max_size=n)
     )
     return torch.tensor(values, dtype=torch.float32).reshape(shape), block_size
 

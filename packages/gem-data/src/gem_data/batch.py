@@ -66,5 +66,7 @@ class Batch:
             dense_features=self.dense_features.pin_memory(),
             labels=self.labels.pin_memory(),
             label_probs=self.label_probs.pin_memory(),
-            sample_indices=None if self.sample_indices is None else self.sample_indices.pin_memory(),
+            sample_indices=None
+            if self.sample_indices is None
+            else self.sample_indices.pin_memory(),
         )

@@ -10,6 +10,7 @@ categories, ad quality, feature biases) depend on the seed and cardinalities onl
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,8 +32,21 @@ _TIMESTAMP_SPAN = 100_000_000  # ~3 years of possible history starts
 # Entropy word that separates the hidden-parameter stream from the per-sample streams.
 _HIDDEN_STREAM = 0x6E6D5F68
 # Fixed per-sample scalar uniforms, by position in the first draw.
-_U_MIXTURE, _U_TAIL, _U_AD_SOURCE, _U_AD_CATEGORY, _U_AD_PICK, _U_CLICK, _U_CONV, _U_TIME = range(8)
-_NUM_SCALARS = 8
+(
+    _U_MIXTURE,
+    _U_TAIL,
+    _U_AD_SOURCE,
+    _U_AD_CATEGORY,
+    _U_AD_PICK,
+    _U_CLICK,
+    _U_CONV,
+    _U_TIME,
+    _U_USER,
+    _U_DEVICE,
+    _U_REGION,
+    _U_NUM_SEGMENTS,
+) = range(12)
+_NUM_SCALARS = 12  # followed by max_user_segments uniforms for the segment ids
 _PROB_EPS = 1e-7
 
 
@@ -125,9 +139,9 @@ def _history_length(config: SyntheticConfig, u_mixture: float, u_tail: float, z:
     if u_mixture < config.empty_history_prob:
         return 0
     if u_mixture < config.empty_history_prob + config.long_history_prob:
-        low = max(1, int(np.ceil(config.long_history_min_fraction * cap)))
+        low = max(1, math.ceil(config.long_history_min_fraction * cap))
         return min(cap, low + int(u_tail * (cap - low + 1)))
-    length = int(round(config.short_history_median * np.exp(config.short_history_sigma * z)))
+    length = round(config.short_history_median * math.exp(config.short_history_sigma * z))
     return min(cap, max(1, length))
 
 
@@ -135,15 +149,11 @@ def _draw(config: SyntheticConfig, start_index: int, num_samples: int) -> dict[s
     """All random draws of the samples, one generator per sample, in a fixed order."""
     num_dense = config.num_dense_features
     num_scalars = _NUM_SCALARS + config.max_user_segments
-    int_highs = np.array(
-        [config.num_users, config.num_device_types, config.num_regions, config.max_user_segments]
-    )
     alpha = config.preference_concentration
     num_gammas = 2 * config.num_categories
 
     scalars = np.empty((num_samples, num_scalars))
     normals = np.empty((num_samples, 1 + num_dense))
-    integers = np.empty((num_samples, 4), dtype=np.int64)
     gammas = np.empty((num_samples, num_gammas))
     lengths = np.empty(num_samples, dtype=np.int64)
     history_uniforms: list[np.ndarray] = []
@@ -153,9 +163,8 @@ def _draw(config: SyntheticConfig, start_index: int, num_samples: int) -> dict[s
         z = rng.standard_normal(1 + num_dense)
         scalars[row] = u
         normals[row] = z
-        integers[row] = rng.integers(0, int_highs)
         gammas[row] = rng.standard_gamma(alpha, num_gammas)
-        length = _history_length(config, u[_U_MIXTURE], u[_U_TAIL], z[0])
+        length = _history_length(config, float(u[_U_MIXTURE]), float(u[_U_TAIL]), float(z[0]))
         lengths[row] = length
         if length:
             # Rows: interest source, category, item popularity, action, time gap.
@@ -163,7 +172,6 @@ def _draw(config: SyntheticConfig, start_index: int, num_samples: int) -> dict[s
     return {
         "scalars": scalars,
         "normals": normals,
-        "integers": integers,
         "gammas": gammas,
         "lengths": lengths,
         "history_uniforms": (
@@ -188,6 +196,11 @@ def _pick(cdf_rows: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
     return np.minimum((cdf_rows <= uniforms[:, None]).sum(axis=1), cdf_rows.shape[1] - 1)
 
 
+def _uniform_int(uniforms: np.ndarray, high: int | np.ndarray) -> np.ndarray:
+    """Integers uniform in ``[0, high)`` from uniforms in ``[0, 1)``."""
+    return np.minimum(np.floor(uniforms * high).astype(np.int64), np.asarray(high) - 1)
+
+
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x))
 
@@ -208,7 +221,7 @@ def _generate_chunk(
     hidden = hidden_parameters(config)
     draws = _draw(config, start_index, num_samples)
     num_categories = config.num_categories
-    scalars, normals, integers = draws["scalars"], draws["normals"], draws["integers"]
+    scalars, normals = draws["scalars"], draws["normals"]
     lengths = draws["lengths"]
     u_source, u_category, u_item, u_action, u_gap = draws["history_uniforms"]
 
@@ -254,7 +267,7 @@ def _generate_chunk(
 
     # User features: 1..max distinct segments (drawn with replacement, duplicates removed).
     max_segments = config.max_user_segments
-    segment_count = 1 + integers[:, 3]
+    segment_count = 1 + _uniform_int(scalars[:, _U_NUM_SEGMENTS], max_segments)
     segment_draws = np.floor(scalars[:, _NUM_SCALARS:] * config.num_user_segments).astype(np.int64)
     sentinel = config.num_user_segments
     segment_draws[np.arange(max_segments)[None, :] >= segment_count[:, None]] = sentinel
@@ -265,22 +278,19 @@ def _generate_chunk(
     segment_offsets = np.zeros(num_samples + 1, dtype=np.int64)
     np.cumsum(segment_lengths, out=segment_offsets[1:])
     user_segments = segment_draws[keep]
-    user_id, device_type, region = integers[:, 0], integers[:, 1], integers[:, 2]
+    user_id = _uniform_int(scalars[:, _U_USER], config.num_users)
+    device_type = _uniform_int(scalars[:, _U_DEVICE], config.num_device_types)
+    region = _uniform_int(scalars[:, _U_REGION], config.num_regions)
 
     # Candidate ad: category from the recent interest or uniform; ad uniform within category.
     from_interest = scalars[:, _U_AD_SOURCE] < config.ad_interest_prob
     ad_category = np.where(
         from_interest,
         _pick(recent_cdf, scalars[:, _U_AD_CATEGORY]),
-        np.minimum(
-            np.floor(scalars[:, _U_AD_CATEGORY] * num_categories).astype(np.int64),
-            num_categories - 1,
-        ),
+        _uniform_int(scalars[:, _U_AD_CATEGORY], num_categories),
     )
     ads_in_category = np.diff(hidden.category_ad_offsets)[ad_category]
-    ad_pick = np.minimum(
-        np.floor(scalars[:, _U_AD_PICK] * ads_in_category).astype(np.int64), ads_in_category - 1
-    )
+    ad_pick = _uniform_int(scalars[:, _U_AD_PICK], ads_in_category)
     ad_id = hidden.category_ad_ids[hidden.category_ad_offsets[ad_category] + ad_pick]
 
     dense = normals[:, 1:].astype(np.float32)
@@ -394,7 +404,8 @@ def normalized_entropy(probs: np.ndarray, labels: np.ndarray) -> float:
             f"probs and labels must be equal-length non-empty 1-D arrays, "
             f"got shapes {probs.shape} and {labels.shape}"
         )
-    return _logloss_sum(probs, labels) / probs.size / _binary_entropy(float(labels.mean()))
+    rate = float(labels.astype(np.float64).mean())
+    return _logloss_sum(probs, labels) / probs.size / _binary_entropy(rate)
 
 
 def _no_sequence_probs(

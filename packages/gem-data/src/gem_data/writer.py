@@ -23,6 +23,7 @@ from gem_data.synthetic import (
     _generate_chunk,
     _logloss_sum,
     _no_sequence_probs,
+    hidden_parameters,
     normalized_entropy,
 )
 
@@ -104,26 +105,32 @@ def _write_shard(
     temporary = f"{path}.tmp-{os.getpid()}"
     stats: dict[str, Any] = {"ctr_logloss": 0.0, "cvr_logloss": 0.0, "parts": []}
     schema = dataset_schema(config.num_dense_features)
-    with pq.ParquetWriter(temporary, schema, compression=_PARQUET_COMPRESSION) as writer:
-        for lo in range(start_index, start_index + num_samples, row_group_size):
-            count = min(row_group_size, start_index + num_samples - lo)
-            columns, hidden = _generate_chunk(config, lo, count)
-            writer.write_table(
-                _columns_to_table(columns, config.num_dense_features), row_group_size=count
-            )
-            # NE from the float32 probabilities that are stored, so it can be recomputed exactly.
-            stats["ctr_logloss"] += _logloss_sum(columns["click_prob"], columns["click"])
-            stats["cvr_logloss"] += _logloss_sum(columns["conversion_prob"], columns["conversion"])
-            stats["parts"].append(
-                {
-                    "click": columns["click"],
-                    "conversion": columns["conversion"],
-                    **hidden,
-                }
-            )
-            if _progress_counter is not None:
-                with _progress_counter.get_lock():
-                    _progress_counter.value += count
+    try:
+        with pq.ParquetWriter(temporary, schema, compression=_PARQUET_COMPRESSION) as writer:
+            for lo in range(start_index, start_index + num_samples, row_group_size):
+                count = min(row_group_size, start_index + num_samples - lo)
+                columns, hidden = _generate_chunk(config, lo, count)
+                writer.write_table(
+                    _columns_to_table(columns, config.num_dense_features), row_group_size=count
+                )
+                # NE from the float32 probabilities that are stored, so it can be recomputed exactly.
+                stats["ctr_logloss"] += _logloss_sum(columns["click_prob"], columns["click"])
+                stats["cvr_logloss"] += _logloss_sum(
+                    columns["conversion_prob"], columns["conversion"]
+                )
+                stats["parts"].append(
+                    {
+                        "click": columns["click"],
+                        "conversion": columns["conversion"],
+                        **hidden,
+                    }
+                )
+                if _progress_counter is not None:
+                    with _progress_counter.get_lock():
+                        _progress_counter.value += count
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
     os.replace(temporary, path)
     return stats
 
@@ -182,33 +189,39 @@ def write_synthetic_dataset(
     names = [f"part-{shard:05d}.parquet" for shard in range(num_shards)]
     jobs = [
         (config, str(directory / name), lo, count, row_group_size)
-        for name, (lo, count) in zip(names, _shard_bounds(start_index, num_samples, num_shards))
+        for name, (lo, count) in zip(
+            names, _shard_bounds(start_index, num_samples, num_shards), strict=True
+        )
     ]
 
-    with tqdm(
-        total=num_samples, desc="generating", unit="sample", disable=not progress
-    ) as bar:
-        if workers == 1 or num_shards == 1:
-            results = []
+    if workers == 1 or num_shards == 1:
+        results = []
+        with tqdm(total=num_samples, desc="generating", unit="sample", disable=not progress) as bar:
             for job in jobs:
                 results.append(_write_shard(*job))
                 bar.update(job[3])
-        else:
-            context = _pool_context()
-            counter = context.Value("q", 0)
-            with concurrent.futures.ProcessPoolExecutor(
-                max_workers=min(workers, num_shards),
-                mp_context=context,
-                initializer=_init_worker,
-                initargs=(counter,),
-            ) as pool:
-                futures = [pool.submit(_write_shard, *job) for job in jobs]
+    else:
+        context = _pool_context()
+        hidden_parameters(config)  # computed once here; forked workers inherit the cache
+        counter = context.Value("q", 0)
+        # Flush before forking so children do not inherit (and later re-print) buffered output.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with concurrent.futures.ProcessPoolExecutor(
+            max_workers=min(workers, num_shards),
+            mp_context=context,
+            initializer=_init_worker,
+            initargs=(counter,),
+        ) as pool:
+            futures = [pool.submit(_write_shard, *job) for job in jobs]
+            with tqdm(
+                total=num_samples, desc="generating", unit="sample", disable=not progress
+            ) as bar:
                 pending = set(futures)
                 while pending:
                     _, pending = concurrent.futures.wait(pending, timeout=0.2)
                     bar.update(counter.value - bar.n)
-                results = [future.result() for future in futures]
-            bar.update(num_samples - bar.n)
+            results = [future.result() for future in futures]
 
     for stale in directory.glob("part-*.parquet"):
         if stale.name not in names:
@@ -216,8 +229,8 @@ def write_synthetic_dataset(
 
     parts = [part for result in results for part in result["parts"]]
     hidden = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
-    click_mean = float(hidden["click"].mean())
-    conversion_mean = float(hidden["conversion"].mean())
+    click_mean = float(hidden["click"].astype(np.float64).mean())
+    conversion_mean = float(hidden["conversion"].astype(np.float64).mean())
     oracle_ne = {
         "ctr": sum(r["ctr_logloss"] for r in results) / num_samples / _binary_entropy(click_mean),
         "cvr": sum(r["cvr_logloss"] for r in results)
@@ -236,7 +249,7 @@ def write_synthetic_dataset(
         "start_index": start_index,
         "files": [
             {"name": name, "start_index": lo, "num_rows": count}
-            for name, (_, _, lo, count, _) in zip(names, jobs)
+            for name, (_, _, lo, count, _) in zip(names, jobs, strict=True)
         ],
         "sequence_features": sequence_features,
         "sparse_features": sparse_features,
@@ -263,8 +276,9 @@ def read_dataset_info(directory: str | os.PathLike[str]) -> DatasetInfo:
     directory = Path(directory)
     path = directory / DATASET_INFO_FILE
     if not path.is_file():
-        raise DatasetFormatError(f"{path}: missing dataset description (write it with "
-                                 f"write_synthetic_dataset)")
+        raise DatasetFormatError(
+            f"{path}: missing dataset description (write it with write_synthetic_dataset)"
+        )
     try:
         document = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:

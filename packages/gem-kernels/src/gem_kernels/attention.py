@@ -52,11 +52,15 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                 f"{name} has head_dim {tensor.shape[2]} but q has head_dim {q.shape[2]}"
             )
         if tensor.dtype != q.dtype:
-            raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, {name} {tensor.dtype}")
+            raise TypeError(
+                f"q, k and v must share one dtype, got q {q.dtype}, {name} {tensor.dtype}"
+            )
         if tensor.device != q.device:
             raise ValueError(f"{name} is on {tensor.device} but q is on {q.device}")
     if k.shape[0] != v.shape[0]:
-        raise ValueError(f"k and v must have the same number of rows, got {k.shape[0]} and {v.shape[0]}")
+        raise ValueError(
+            f"k and v must have the same number of rows, got {k.shape[0]} and {v.shape[0]}"
+        )
 
 
 def _check_bool(value: object, name: str) -> bool:
@@ -145,8 +149,8 @@ def _check_jagged_pair(
         k_lengths = _host_lengths(k_offsets)
         if k_lengths.numel() != q_lengths.numel():
             raise ValueError(
-                f"k_offsets describes {k_lengths.numel()} samples but q_offsets describes "
-                f"{q_lengths.numel()}"
+                f"k_offsets has B={k_lengths.numel()} samples but q_offsets has "
+                f"B={q_lengths.numel()}; they must describe the same batch"
             )
     _check_max_len(max_q, "max_q", q_lengths, "query")
     _check_max_len(max_k, "max_k", k_lengths, "key")

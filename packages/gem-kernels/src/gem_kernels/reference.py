@@ -200,7 +200,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0)
 
 
 def _padded_lengths(lengths: torch.Tensor) -> torch.Tensor:
-    """Power of two >= each length, at least _MIN_BUCKET (int64, CPU)."""
+    """Bucket length of each length: the power of two above it, at least _MIN_BUCKET."""
     exponent = torch.ceil(torch.log2(lengths.clamp(min=1).to(torch.float64)))
     padded = torch.pow(2, exponent).to(torch.int64)
     padded = torch.where(padded < lengths, padded * 2, padded)  # guard float rounding
@@ -214,6 +214,22 @@ def _chunk_shape(q_len: int, k_len: int, heads: int, num_samples: int, budget: i
     if per_sample <= budget:
         return max(1, min(num_samples, budget // per_sample)), q_len
     return 1, max(1, budget // per_row)
+
+
+@dataclass
+class _Problem:
+    """Everything one attention call shares across its chunks (tensors are head-major views)."""
+
+    q_heads: torch.Tensor  # (H, Tq, D) view of q, pre-multiplied by scale
+    k_heads: torch.Tensor  # (H, Tk, D)
+    v_heads: torch.Tensor  # (H, Tk, D)
+    out_rows: int
+    activation: Callable[[torch.Tensor], torch.Tensor] | None
+    causal: bool
+    window: Window | None
+    rel_pos_bias: torch.Tensor | None
+    jagged_bias: torch.Tensor | None
+    normalize_by_length: bool
 
 
 def _jagged_attention_core(
@@ -249,6 +265,19 @@ def _jagged_attention_core(
     k_lengths = k_lengths.to(torch.int64)
     bias_sizes = q_lengths * k_lengths
     bias_starts = torch.cumsum(bias_sizes, 0) - bias_sizes
+    problem = _Problem(
+        # Scaling q (small) instead of the scores (large) saves a score-sized op.
+        q_heads=(q * scale).transpose(0, 1),
+        k_heads=k.transpose(0, 1),
+        v_heads=v.transpose(0, 1),
+        out_rows=out_rows,
+        activation=activation,
+        causal=causal,
+        window=window,
+        rel_pos_bias=rel_pos_bias,
+        jagged_bias=jagged_bias,
+        normalize_by_length=normalize_by_length,
+    )
 
     # The empty slice keeps the output attached to the graph even when nothing is computed.
     pieces: list[torch.Tensor] = [q[:0]]
@@ -261,130 +290,119 @@ def _jagged_attention_core(
         key = q_pad * (int(k_pad.max()) + 1) + k_pad
         bucket_keys, bucket_of = torch.unique(key, return_inverse=True)
         for bucket in range(bucket_keys.numel()):
-            members = active[bucket_of == bucket]
-            q_len_cap = int(q_pad[bucket_of == bucket][0])
-            k_len_cap = int(k_pad[bucket_of == bucket][0])
+            in_bucket = bucket_of == bucket
+            members = active[in_bucket]
             per_chunk, rows_per_chunk = _chunk_shape(
-                q_len_cap, k_len_cap, heads, members.numel(), score_budget
+                int(q_pad[in_bucket][0]),
+                int(k_pad[in_bucket][0]),
+                heads,
+                members.numel(),
+                score_budget,
             )
             for first in range(0, members.numel(), per_chunk):
                 chunk = members[first : first + per_chunk]
                 _attend_chunk(
-                    q,
-                    k,
-                    v,
-                    lq_cpu=q_lengths[chunk],
-                    lk_cpu=k_lengths[chunk],
-                    qs=q_starts[chunk].to(device),
-                    ks=k_starts[chunk].to(device),
-                    os=out_starts[chunk].to(device),
-                    bs=bias_starts[chunk].to(device),
+                    problem,
+                    q_lengths=q_lengths[chunk],
+                    k_lengths=k_lengths[chunk],
+                    q_starts=q_starts[chunk].to(device),
+                    k_starts=k_starts[chunk].to(device),
+                    out_starts=out_starts[chunk].to(device),
+                    bias_starts=bias_starts[chunk].to(device),
                     rows_per_chunk=rows_per_chunk,
-                    scale=scale,
-                    activation=activation,
-                    causal=causal,
-                    window=window,
-                    rel_pos_bias=rel_pos_bias,
-                    jagged_bias=jagged_bias,
-                    normalize_by_length=normalize_by_length,
                     pieces=pieces,
                     targets=targets,
                 )
 
-    out = torch.zeros(out_rows, heads, head_dim, dtype=q.dtype, device=device)
-    return out.index_copy(0, torch.cat(targets), torch.cat(pieces))
+    # Row out_rows is a scratch row that padded query rows are written to, then dropped.
+    out = torch.zeros(out_rows + 1, heads, head_dim, dtype=q.dtype, device=device)
+    return out.index_copy(0, torch.cat(targets), torch.cat(pieces))[:out_rows]
 
 
 def _attend_chunk(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    problem: _Problem,
     *,
-    lq_cpu: torch.Tensor,
-    lk_cpu: torch.Tensor,
-    qs: torch.Tensor,
-    ks: torch.Tensor,
-    os: torch.Tensor,
-    bs: torch.Tensor,
+    q_lengths: torch.Tensor,
+    k_lengths: torch.Tensor,
+    q_starts: torch.Tensor,
+    k_starts: torch.Tensor,
+    out_starts: torch.Tensor,
+    bias_starts: torch.Tensor,
     rows_per_chunk: int,
-    scale: float,
-    activation: Callable[[torch.Tensor], torch.Tensor] | None,
-    causal: bool,
-    window: Window | None,
-    rel_pos_bias: torch.Tensor | None,
-    jagged_bias: torch.Tensor | None,
-    normalize_by_length: bool,
     pieces: list[torch.Tensor],
     targets: list[torch.Tensor],
 ) -> None:
-    """Attention for one chunk of samples (all in one length bucket); appends output rows."""
-    device = q.device
-    heads, head_dim = q.shape[1], q.shape[2]
+    """Attention for one chunk of samples (all in one length bucket); appends output rows.
+
+    Lengths are CPU tensors, starts live on the data's device. Score tensors are laid out
+    ``(H, n, rows, keys)`` so q/k/v gathers need no transposing copies.
+    """
+    q_heads, k_heads, v_heads = problem.q_heads, problem.k_heads, problem.v_heads
+    device = q_heads.device
+    heads, head_dim = q_heads.shape[0], q_heads.shape[2]
+    num = q_lengths.numel()
     # Trim the bucket's padded shape to this chunk's real maxima.
-    q_len = int(lq_cpu.max())
-    k_len = int(lk_cpu.max())
-    lq = lq_cpu.to(device)
-    lk = lk_cpu.to(device)
+    q_len = int(q_lengths.max())
+    k_len = int(k_lengths.max())
+    lq = q_lengths.to(device)
+    lk = k_lengths.to(device)
 
     key_pos = torch.arange(k_len, device=device)
     key_valid = key_pos[None, :] < lk[:, None]  # (n, Lk)
-    key_index = (ks[:, None] + key_pos[None, :]).clamp(max=k.shape[0] - 1)
-    k_t = k[key_index].permute(0, 2, 3, 1)  # (n, H, D, Lk)
-    v_pad = v[key_index].permute(0, 2, 1, 3)  # (n, H, Lk, D)
+    key_index = (k_starts[:, None] + key_pos[None, :]).clamp(max=k_heads.shape[1] - 1)
+    k_pad = k_heads.index_select(1, key_index.flatten()).view(heads, num, k_len, head_dim)
+    v_pad = v_heads.index_select(1, key_index.flatten()).view(heads, num, k_len, head_dim)
+    k_pad_t = k_pad.transpose(-1, -2)  # matmul takes the transposed view without a copy
 
-    needs_distance = causal or window is not None or rel_pos_bias is not None
+    window = problem.window
     for row0 in range(0, q_len, rows_per_chunk):
         rows = torch.arange(row0, min(q_len, row0 + rows_per_chunk), device=device)
+        num_rows = rows.numel()
         row_valid = rows[None, :] < lq[:, None]  # (n, r)
-        row_index = (qs[:, None] + rows[None, :]).clamp(max=q.shape[0] - 1)
-        q_rows = q[row_index].permute(0, 2, 1, 3)  # (n, H, r, D)
+        row_index = (q_starts[:, None] + rows[None, :]).clamp(max=q_heads.shape[1] - 1)
+        q_rows = q_heads.index_select(1, row_index.flatten()).view(heads, num, num_rows, head_dim)
 
-        scores = torch.matmul(q_rows, k_t) * scale  # (n, H, r, Lk)
+        scores = torch.matmul(q_rows, k_pad_t)  # (H, n, r, Lk), already scaled via q
         _record_scores(scores)
-        mask = row_valid[:, :, None] & key_valid[:, None, :]  # (n, r, Lk)
 
-        if needs_distance:
-            aligned = rows[None, :] + (lk - lq)[:, None]  # (n, r)
-            distance = aligned[:, :, None] - key_pos[None, None, :]  # p - j, (n, r, Lk)
-            if causal:
-                mask = mask & (distance >= 0)
-            if window is not None:
-                left, right = window
-                if left is not None:
-                    mask = mask & (distance <= left)
-                if right is not None:
-                    mask = mask & (distance >= -right)
-            if rel_pos_bias is not None:
-                bucket = rel_pos_bucket(distance, rel_pos_bias.shape[1])
-                scores = scores + rel_pos_bias[:, bucket].permute(1, 0, 2, 3)
+        # Visibility (n, r, Lk) from broadcast compares; p = i + Lk - Lq is the aligned position.
+        mask = row_valid[:, :, None] & key_valid[:, None, :]
+        aligned = (rows[None, :] + (lk - lq)[:, None])[:, :, None]  # (n, r, 1)
+        keys = key_pos[None, None, :]
+        if problem.causal:
+            mask = mask & (keys <= aligned)
+        if window is not None:
+            left, right = window
+            if left is not None:
+                mask = mask & (keys >= aligned - left)
+            if right is not None:
+                mask = mask & (keys <= aligned + right)
 
-        if jagged_bias is not None:
+        if problem.rel_pos_bias is not None:
+            table = problem.rel_pos_bias
+            scores = scores + table[:, rel_pos_bucket(aligned - keys, table.shape[1])]
+        if problem.jagged_bias is not None:
             # Row-major Lq x Lk block of each sample; out-of-range slots read entry 0 (masked).
-            flat = bs[:, None, None] + rows[None, :, None] * lk[:, None, None] + key_pos
-            in_range = row_valid[:, :, None] & key_valid[:, None, :]
-            flat = torch.where(in_range, flat, torch.zeros_like(flat))
-            scores = scores + jagged_bias[:, flat].permute(1, 0, 2, 3)
+            flat = bias_starts[:, None, None] + rows[None, :, None] * lk[:, None, None] + keys
+            flat = flat.masked_fill(~(row_valid[:, :, None] & key_valid[:, None, :]), 0)
+            scores = scores + problem.jagged_bias[:, flat]
 
-        mask4 = mask[:, None, :, :]
-        if activation is None:
-            masked = scores.masked_fill(~mask4, float("-inf"))
-            # Softmax is shift invariant, so the detached max changes nothing but stability.
-            row_max = masked.amax(dim=-1, keepdim=True).detach()
-            row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-            weights = torch.exp(masked - row_max)
-            denom = weights.sum(dim=-1, keepdim=True)
-            # Rows without visible keys have denom 0 and all-zero weights: output 0, not NaN.
-            weights = weights / torch.where(denom > 0, denom, torch.ones_like(denom))
+        if problem.activation is None:
+            # Rows without any visible key (padding, or fully masked) get all keys unmasked so
+            # softmax stays finite; their output is zeroed below, so they contribute nothing.
+            row_has_key = mask.any(dim=-1)  # (n, r)
+            mask = mask | ~row_has_key[:, :, None]
+            weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            out = torch.matmul(weights, v_pad) * row_has_key[None, :, :, None]
         else:
-            weights = torch.where(mask4, activation(scores), torch.zeros_like(scores))
+            weights = problem.activation(scores).masked_fill(~mask, 0.0)
+            out = torch.matmul(weights, v_pad)  # (H, n, r, D)
+        if problem.normalize_by_length:
+            out = out / lk.to(out.dtype)[None, :, None, None]
 
-        out = torch.matmul(weights, v_pad)  # (n, H, r, D)
-        if normalize_by_length:
-            out = out / lk.to(out.dtype)[:, None, None, None]
-        out = out.permute(0, 2, 1, 3).reshape(-1, heads, head_dim)
-        keep = row_valid.reshape(-1)
-        pieces.append(out[keep])
-        targets.append((os[:, None] + rows[None, :]).reshape(-1)[keep])
+        pieces.append(out.permute(1, 2, 0, 3).reshape(num * num_rows, heads, head_dim))
+        target = out_starts[:, None] + rows[None, :]
+        targets.append(target.masked_fill(~row_valid, problem.out_rows).flatten())
 
 
 def _lengths_and_starts(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -80,7 +80,12 @@ class PoolingByMultiheadAttention(nn.Module):
 
 
 class CandidateCrossAttention(nn.Module):
-    """The candidate ad (one query per sample) attends over its user's history via GDPA."""
+    """The candidate ad (one query per sample) attends over its user's history via GDPA.
+
+    The attended values are summed, not averaged over the history length: a few
+    recent events that match the ad should count the same in a long history as in
+    a short one, and the activation can switch off the events that do not matter.
+    """
 
     def __init__(self, dim: int, num_heads: int, activation: str) -> None:
         super().__init__()
@@ -109,6 +114,6 @@ class CandidateCrossAttention(nn.Module):
             max_q=1,
             max_k=max_len,
             activation=self.activation,
-            normalize_by_length=True,
+            normalize_by_length=False,
         )
         return self.out(attended.reshape(batch_size, dim))

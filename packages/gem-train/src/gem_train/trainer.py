@@ -162,7 +162,7 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.dense_parameters, self.config.optim.max_grad_norm)
         self.dense_optimizer.step()
         self.step += 1
-        return float(loss)
+        return loss.item()
 
     def fit(
         self, *, checkpoint_dir: str | Path | None = None, progress: bool | None = None

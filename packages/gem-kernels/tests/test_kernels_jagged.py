@@ -1,0 +1,53 @@
+"""Jagged offsets helpers."""
+
+import pytest
+import torch
+from gem_kernels import lengths_to_offsets, offsets_to_lengths, validate_offsets
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 50), max_size=12), st.sampled_from([torch.int32, torch.int64]))
+def test_lengths_offsets_round_trip(lengths, dtype):
+    lengths_t = torch.tensor(lengths, dtype=dtype)
+    offsets = lengths_to_offsets(lengths_t)
+    assert offsets.dtype == dtype
+    assert offsets.tolist() == [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+    assert offsets_to_lengths(offsets).tolist() == lengths
+    validate_offsets(offsets, "offsets", num_rows=sum(lengths), max_len=max(lengths, default=0))
+
+
+def test_lengths_to_offsets_dtype_override():
+    offsets = lengths_to_offsets(torch.tensor([2, 3], dtype=torch.int32), dtype=torch.int64)
+    assert offsets.dtype == torch.int64
+    assert offsets.tolist() == [0, 2, 5]
+
+
+@pytest.mark.parametrize(
+    ("offsets", "kwargs", "error", "match"),
+    [
+        ([1, 2, 3], {}, ValueError, r"my_offsets must start at 0"),
+        ([0, 3, 2], {}, ValueError, r"my_offsets must be non-decreasing.*my_offsets\[1\] = 3"),
+        ([0, 2, 5], {"num_rows": 6}, ValueError, r"my_offsets\[-1\] must equal .* \(6\)"),
+        ([0, 2, 9], {"max_len": 4}, ValueError, r"my_offsets has a sample of length 7"),
+        ([], {}, ValueError, r"my_offsets must have at least one entry"),
+    ],
+)
+def test_validate_offsets_rejects(offsets, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        validate_offsets(torch.tensor(offsets, dtype=torch.int64), "my_offsets", **kwargs)
+
+
+def test_validate_offsets_type_and_rank():
+    with pytest.raises(TypeError, match=r"my_offsets must have dtype int32 or int64"):
+        validate_offsets(torch.tensor([0.0, 1.0]), "my_offsets")
+    with pytest.raises(ValueError, match=r"my_offsets must be 1-D"):
+        validate_offsets(torch.zeros(2, 2, dtype=torch.int64), "my_offsets")
+    with pytest.raises(TypeError, match=r"my_offsets must be a torch.Tensor"):
+        validate_offsets([0, 1], "my_offsets")
+
+
+def test_lengths_to_offsets_rejects_negative():
+    with pytest.raises(ValueError, match=r"lengths must be non-negative"):
+        lengths_to_offsets(torch.tensor([1, -1]))
