@@ -135,7 +135,7 @@ def test_two_process_sharded_training_agrees_across_ranks(tmp_path, world_size):
             )
         )
     outputs = [p.communicate(timeout=600)[0] for p in processes]
-    for p, output in zip(processes, outputs):
+    for p, output in zip(processes, outputs, strict=True):
         assert p.returncode == 0, output[-3000:]
     results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world_size)]
     assert all(r["world"] == world_size for r in results)

@@ -17,8 +17,13 @@ def test_unknown_recipe_is_a_clear_error(capsys):
 def test_overrides_change_typed_fields():
     config = apply_overrides(
         tiny(),
-        ["model.embedding_dim=64", "max_steps=7", "optim.dense_lr=0.01", "compare_no_sequence=false",
-         "model.dhen_experts=mlp,cross"],
+        [
+            "model.embedding_dim=64",
+            "max_steps=7",
+            "optim.dense_lr=0.01",
+            "compare_no_sequence=false",
+            "model.dhen_experts=mlp,cross",
+        ],
     )
     assert config.model.embedding_dim == 64
     assert config.max_steps == 7

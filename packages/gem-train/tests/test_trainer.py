@@ -32,9 +32,13 @@ def test_resume_gives_the_same_next_losses_as_an_uninterrupted_run(small_config,
 def test_fresh_trainer_differs_without_resume(small_config, tmp_path):
     """Guards the test above: a different seed must give different losses."""
     train_data, _ = prepare_data(small_config.data, progress=False)
-    a = Trainer(dataclasses.replace(small_config, max_steps=2), train_data, output_dir=tmp_path / "a")
+    a = Trainer(
+        dataclasses.replace(small_config, max_steps=2), train_data, output_dir=tmp_path / "a"
+    )
     b = Trainer(
-        dataclasses.replace(small_config, max_steps=2, seed=7), train_data, output_dir=tmp_path / "b"
+        dataclasses.replace(small_config, max_steps=2, seed=7),
+        train_data,
+        output_dir=tmp_path / "b",
     )
     assert a.fit(progress=False) != b.fit(progress=False)
 

@@ -51,6 +51,9 @@ class GemModelConfig:
     """Hidden width of the MLP expert and of the task heads."""
     tasks: tuple[str, ...] = ("ctr", "cvr")
     """One logit per task, in this order."""
+    task_base_rates: tuple[float, ...] | None = None
+    """Positive rate of each task in the training data; starts each head at that rate's log-odds
+    instead of 0.5, so early steps learn features instead of the bias."""
     use_sequence_tower: bool = True
     """False removes the history entirely (the no-sequence reference model)."""
     dropout: float = 0.0
@@ -94,7 +97,18 @@ class GemModelConfig:
             ("expert_hidden_dim", self.expert_hidden_dim),
             ("num_dense_features", self.num_dense_features),
         ):
-            if value < 0 or (value == 0 and name not in ("num_dense_features", "dhen_layers")):
+            if value < 0 or (
+                value == 0
+                and name not in ("num_dense_features", "dhen_layers", "num_sequence_layers")
+            ):
                 raise ValueError(f"{name} must be positive, got {value}")
         if not self.tasks:
             raise ValueError("tasks must name at least one task")
+        if self.task_base_rates is not None and (
+            len(self.task_base_rates) != len(self.tasks)
+            or not all(0.0 < rate < 1.0 for rate in self.task_base_rates)
+        ):
+            raise ValueError(
+                f"task_base_rates must hold one rate in (0, 1) per task {self.tasks}, "
+                f"got {self.task_base_rates}"
+            )

@@ -1,7 +1,11 @@
 """DHEN interaction stack: layers of heterogeneous experts over the feature tokens.
 
-Each layer sums the outputs of its experts (attention across tokens, an MLP over
-all tokens, a low-rank cross network), then adds the residual and normalises.
+Each layer normalises its input, sums the outputs of its experts (attention
+across tokens, an MLP over all tokens, a low-rank cross network) and adds them
+to the residual stream. Pre-norm keeps an identity path from every feature
+token to the heads, and every expert's output layer starts at zero, so a new
+layer is the identity: on noisy click labels, randomly initialised experts
+otherwise bury the few informative tokens under noise and training stalls.
 Summing, rather than concatenating, keeps experts independent: expert
 parallelism can run a subset of them per rank and reduce the outputs.
 """
@@ -65,7 +69,7 @@ class CrossExpert(nn.Module):
 
 
 class DHENLayer(nn.Module):
-    """One DHEN layer: ``norm(x + sum_e expert_e(x))``."""
+    """One DHEN layer: ``x + sum_e expert_e(norm(x))``."""
 
     def __init__(
         self,
@@ -89,9 +93,14 @@ class DHENLayer(nn.Module):
                 raise ValueError(f"unknown DHEN expert kind {kind!r}")
         self.experts = nn.ModuleList(built)
         self.norm = nn.LayerNorm(dim)
+        for expert in self.experts:
+            output_layer = [m for m in expert.modules() if isinstance(m, nn.Linear)][-1]
+            nn.init.zeros_(output_layer.weight)
+            nn.init.zeros_(output_layer.bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        normed = self.norm(tokens)
         mixed = tokens
         for expert in self.experts:
-            mixed = mixed + expert(tokens)
-        return self.norm(mixed)
+            mixed = mixed + expert(normed)
+        return mixed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torchrec import (
@@ -106,6 +108,11 @@ class GemModel(nn.Module):
                 device=table_device,
             )
             self.recency = nn.Embedding(config.max_seq_len, dim)
+            # On the scale of the id embeddings, so recency does not drown the item signal.
+            nn.init.normal_(self.recency.weight, std=0.1)
+            # Unit-scale tokens: raw id embeddings are tiny next to freshly initialised
+            # sublayer outputs, which would otherwise drown the history signal.
+            self.token_norm = nn.LayerNorm(dim)
             self.sequence_layers = nn.ModuleList(
                 JaggedSelfAttentionLayer(
                     dim, config.num_heads, config.self_attention, config.dropout
@@ -136,6 +143,7 @@ class GemModel(nn.Module):
                 for _ in range(config.dhen_layers)
             )
         )
+        self.interaction_norm = nn.LayerNorm(dim)
         self.heads = nn.ModuleDict(
             {
                 task: nn.Sequential(
@@ -147,6 +155,9 @@ class GemModel(nn.Module):
                 for task in config.tasks
             }
         )
+        if config.task_base_rates is not None:
+            for task, rate in zip(config.tasks, config.task_base_rates, strict=True):
+                nn.init.constant_(self.heads[task][-1].bias, math.log(rate / (1.0 - rate)))
 
     def forward(
         self,
@@ -164,7 +175,7 @@ class GemModel(nn.Module):
                 raise ValueError("sequence_features is required when use_sequence_tower=True")
             tokens.extend(self._sequence_tokens(sequence_features, sparse_features))
         features = torch.stack(tokens, dim=1)
-        features = self.interaction(features).flatten(1)
+        features = self.interaction_norm(self.interaction(features)).flatten(1)
         return torch.cat([self.heads[task](features) for task in config.tasks], dim=1)
 
     def _sequence_tokens(
@@ -199,7 +210,7 @@ class GemModel(nn.Module):
         from_end = (
             offsets[1:][sample_of_token] - 1 - torch.arange(tokens.shape[0], device=tokens.device)
         )
-        tokens = tokens + self.recency(from_end)
+        tokens = self.token_norm(tokens + self.recency(from_end))
         for layer in self.sequence_layers:
             tokens = layer(tokens, offsets, config.max_seq_len)
         tokens = self.sequence_norm(tokens)

@@ -17,7 +17,7 @@ class DataConfig:
     """Dataset root holding ``train/`` and ``eval/`` Parquet shards (relative paths are relative to the working directory)."""
     seed: int = 0
     """Seed of the synthetic generator; every sample is a pure function of (seed, index)."""
-    num_train: int = 50_000
+    num_train: int = 200_000
     """Training samples (indices [0, num_train))."""
     num_eval: int = 10_000
     """Held-out samples (indices [num_train, num_train + num_eval))."""
@@ -59,7 +59,7 @@ class ModelOptions:
 class OptimConfig:
     """Dense AdamW and the sparse (fused, in-backward) embedding optimizer."""
 
-    dense_lr: float = 2e-3
+    dense_lr: float = 3e-3
     """AdamW learning rate of all dense parameters."""
     weight_decay: float = 0.0
     """AdamW weight decay."""

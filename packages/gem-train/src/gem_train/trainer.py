@@ -73,6 +73,9 @@ def model_config(
         num_dense_features=dataset.num_dense_features,
         max_seq_len=dataset.max_seq_len,
         use_sequence_tower=use_sequence_tower,
+        task_base_rates=tuple(dataset.label_means[task] for task in ("ctr", "cvr"))
+        if dataset.label_means
+        else None,
         **options,
     )
 
