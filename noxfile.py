@@ -31,6 +31,17 @@ nox.options.sessions = ["lint", "tests", "integration"]
 nox.options.error_on_external_run = True
 
 
+def _project(name: str) -> dict:
+    return tomllib.loads((ROOT / "packages" / name / "pyproject.toml").read_text())["project"]
+
+
+def _requirement_name(requirement: str) -> str:
+    name = requirement.split(";")[0].strip().split("[")[0]
+    for separator in "<>=!~ ":
+        name = name.split(separator)[0]
+    return name
+
+
 def _declared_workspace_dependencies(package: str) -> list[str]:
     """``package`` and every gem-* package it depends on, recursively, in install order."""
     seen: list[str] = []
@@ -38,15 +49,9 @@ def _declared_workspace_dependencies(package: str) -> list[str]:
     def visit(name: str) -> None:
         if name in seen:
             return
-        project = tomllib.loads((ROOT / "packages" / name / "pyproject.toml").read_text())[
-            "project"
-        ]
-        for requirement in project.get("dependencies", []):
-            dependency = requirement.split(";")[0].strip().split("[")[0]
-            for separator in "<>=!~ ":
-                dependency = dependency.split(separator)[0]
-            if dependency in PACKAGES:
-                visit(dependency)
+        for requirement in _project(name).get("dependencies", []):
+            if _requirement_name(requirement) in PACKAGES:
+                visit(_requirement_name(requirement))
         seen.append(name)
 
     visit(package)
@@ -54,13 +59,17 @@ def _declared_workspace_dependencies(package: str) -> list[str]:
 
 
 def _needs_torchrec(packages: list[str]) -> bool:
-    for name in packages:
-        project = tomllib.loads((ROOT / "packages" / name / "pyproject.toml").read_text())[
-            "project"
-        ]
-        if any(dep.startswith("torchrec") for dep in project.get("dependencies", [])):
-            return True
-    return False
+    return any(
+        _requirement_name(requirement) == "torchrec"
+        for name in packages
+        for requirement in _project(name).get("dependencies", [])
+    )
+
+
+def _editable(name: str, *, with_test_extra: bool) -> str:
+    """``packages/<name>``, with its ``test`` extra (what its tests import) when it has one."""
+    has_test_extra = "test" in _project(name).get("optional-dependencies", {})
+    return f"packages/{name}[test]" if with_test_extra and has_test_extra else f"packages/{name}"
 
 
 def _pinned_requirements(session: nox.Session) -> list[str]:
@@ -92,7 +101,7 @@ def _pinned_requirements(session: nox.Session) -> list[str]:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check and ruff format --check over the whole repository."""
-    session.install("ruff")
+    session.install(*_pinned_requirements(session), "ruff")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
@@ -105,7 +114,11 @@ def tests(session: nox.Session, package: str) -> None:
     extras = ["fbgemm-gpu-cpu"] if _needs_torchrec(members) else []
     session.install(
         *_pinned_requirements(session),
-        *(arg for name in members for arg in ("-e", f"packages/{name}")),
+        *(
+            arg
+            for name in members
+            for arg in ("-e", _editable(name, with_test_extra=name == package))
+        ),
         *extras,
         "pytest",
         "hypothesis",
