@@ -129,3 +129,24 @@ def test_too_long_history_is_rejected():
 def test_bad_config_is_rejected(changes, message):
     with pytest.raises(ValueError, match=message):
         make_config(**changes)
+
+
+def test_heads_start_at_the_base_rate():
+    model = GemModel(make_config(task_base_rates=(0.1, 0.03)))
+    generator = torch.Generator().manual_seed(4)
+    sequence, sparse, dense = make_inputs([2, 5], generator)
+    bias = torch.tensor([model.heads[t][-1].bias.item() for t in ("ctr", "cvr")])
+    torch.testing.assert_close(torch.sigmoid(bias), torch.tensor([0.1, 0.03]))
+    with pytest.raises(ValueError, match="task_base_rates"):
+        make_config(task_base_rates=(0.1,))
+    with pytest.raises(ValueError, match="task_base_rates"):
+        make_config(task_base_rates=(0.1, 1.0))
+    assert model(sequence, sparse, dense).shape == (2, 2)
+
+
+def test_new_dhen_layers_start_as_the_identity():
+    from gem_model import DHENLayer
+
+    layer = DHENLayer(5, 16, 2, ("attention", "mlp", "cross"), 32, 0.0)
+    tokens = torch.randn(3, 5, 16)
+    torch.testing.assert_close(layer(tokens), tokens)

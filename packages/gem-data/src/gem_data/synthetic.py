@@ -25,6 +25,7 @@ __all__ = [
     "generate_table",
     "normalized_entropy",
     "reference_normalized_entropy",
+    "sample_history_lengths",
 ]
 
 _TIMESTAMP_ORIGIN = 1_600_000_000  # 2020-09-13, seconds
@@ -143,6 +144,31 @@ def _history_length(config: SyntheticConfig, u_mixture: float, u_tail: float, z:
         return min(cap, low + int(u_tail * (cap - low + 1)))
     length = round(config.short_history_median * math.exp(config.short_history_sigma * z))
     return min(cap, max(1, length))
+
+
+def sample_history_lengths(
+    config: SyntheticConfig, num_samples: int, rng: np.random.Generator | int | None = None
+) -> np.ndarray:
+    """``num_samples`` i.i.d. history lengths from the generator's length distribution.
+
+    The same mixture as the samples (empty, uniform tail near the cap, log-normal bulk) drawn
+    vectorized from one generator: for simulations at scale (balance studies), not the lengths
+    of particular samples.
+    """
+    if not isinstance(num_samples, (int, np.integer)) or num_samples < 0:
+        raise ValueError(f"num_samples must be an int >= 0, got {num_samples!r}")
+    rng = np.random.default_rng(rng)
+    cap = config.max_seq_len
+    u_mixture, u_tail = rng.random(num_samples), rng.random(num_samples)
+    z = rng.standard_normal(num_samples)
+    bulk = np.rint(config.short_history_median * np.exp(config.short_history_sigma * z))
+    lengths = np.clip(bulk, 1, cap).astype(np.int64)
+    low = max(1, math.ceil(config.long_history_min_fraction * cap))
+    tail = np.minimum(cap, low + (u_tail * (cap - low + 1)).astype(np.int64))
+    in_tail = u_mixture < config.empty_history_prob + config.long_history_prob
+    lengths[in_tail] = tail[in_tail]
+    lengths[u_mixture < config.empty_history_prob] = 0
+    return lengths
 
 
 def _draw(config: SyntheticConfig, start_index: int, num_samples: int) -> dict[str, np.ndarray]:

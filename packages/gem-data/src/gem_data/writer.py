@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import math
 import multiprocessing
 import os
 import sys
@@ -33,11 +34,17 @@ __all__ = [
     "read_dataset_info",
     "DATASET_INFO_FILE",
     "FORMAT_VERSION",
+    "SOURCE_SYNTHETIC",
+    "SOURCE_INTERACTIONS",
 ]
 
 DATASET_INFO_FILE = "dataset.json"
 FORMAT_VERSION = 1
 _PARQUET_COMPRESSION = "zstd"
+#: ``DatasetInfo.source`` of generated data (true label probabilities and oracle NE known).
+SOURCE_SYNTHETIC = "synthetic"
+#: ``DatasetInfo.source`` of converted interaction logs (no true probabilities, no oracle NE).
+SOURCE_INTERACTIONS = "interactions"
 
 
 @dataclass
@@ -61,15 +68,25 @@ class DatasetInfo:
     max_seq_len: int
     """No history is longer than this."""
     oracle_ne: dict[str, float]
-    """NE of the true probabilities on this dataset's labels: ``{"ctr", "cvr"}``."""
-    config: SyntheticConfig
-    """The generator config."""
+    """NE of the true probabilities on this dataset's labels: ``{"ctr", "cvr"}``. NaN when the
+    true probabilities are unknown (real interaction data, ``label_probs_known`` False)."""
+    config: SyntheticConfig | None
+    """The generator config; ``None`` for data that was not generated (interaction logs)."""
     start_index: int = 0
     """Sample index of the first row (splits are disjoint index ranges of one seed)."""
     no_sequence_ne: dict[str, float] = field(default_factory=dict)
     """NE of the Bayes-optimal prediction that ignores the history: ``{"ctr", "cvr"}``."""
     label_means: dict[str, float] = field(default_factory=dict)
     """Mean click and conversion label: ``{"ctr", "cvr"}``."""
+    source: str = SOURCE_SYNTHETIC
+    """``"synthetic"`` (generated) or ``"interactions"`` (converted user-item-rating logs)."""
+    label_probs_known: bool = True
+    """Whether ``click_prob`` / ``conversion_prob`` hold true probabilities; when False they
+    are NaN in every row (and ``Batch.label_probs`` is NaN)."""
+    file_num_rows: list[int] = field(default_factory=list)
+    """Rows of each shard, aligned with ``files`` (readers check them against the footers)."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Source-specific description, e.g. the interaction conversion settings and input file."""
 
 
 def _feature_spec(config: SyntheticConfig) -> tuple[dict[str, int], dict[str, int]]:
@@ -106,7 +123,9 @@ def _write_shard(
     stats: dict[str, Any] = {"ctr_logloss": 0.0, "cvr_logloss": 0.0, "parts": []}
     schema = dataset_schema(config.num_dense_features)
     try:
-        with pq.ParquetWriter(temporary, schema, compression=_PARQUET_COMPRESSION) as writer:
+        with pq.ParquetWriter(
+            temporary, schema, compression=_PARQUET_COMPRESSION, write_page_checksum=True
+        ) as writer:
             for lo in range(start_index, start_index + num_samples, row_group_size):
                 count = min(row_group_size, start_index + num_samples - lo)
                 columns, hidden = _generate_chunk(config, lo, count)
@@ -260,11 +279,31 @@ def write_synthetic_dataset(
         "no_sequence_ne": no_sequence_ne,
         "label_means": {"ctr": click_mean, "cvr": conversion_mean},
         "config": config.to_dict(),
+        "source": SOURCE_SYNTHETIC,
+        "label_probs_known": True,
     }
-    temporary = directory / f"{DATASET_INFO_FILE}.tmp-{os.getpid()}"
-    temporary.write_text(json.dumps(document, indent=2) + "\n")
-    os.replace(temporary, info_path)
+    _write_document(directory, document)
     return read_dataset_info(directory)
+
+
+def _json_number(value: float) -> float | None:
+    """Strict JSON has no NaN: unknown numbers are written as ``null``."""
+    return None if math.isnan(value) else value
+
+
+def _write_document(directory: Path, document: dict[str, Any]) -> None:
+    """Write ``dataset.json`` atomically (strict JSON: NaN values become ``null``)."""
+    document = dict(document)
+    for key in ("oracle_ne", "no_sequence_ne", "label_means"):
+        if key in document:
+            document[key] = {k: _json_number(float(v)) for k, v in document[key].items()}
+    temporary = directory / f"{DATASET_INFO_FILE}.tmp-{os.getpid()}"
+    temporary.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
+    os.replace(temporary, directory / DATASET_INFO_FILE)
+
+
+def _float_or_nan(value: Any) -> float:
+    return math.nan if value is None else float(value)
 
 
 def read_dataset_info(directory: str | os.PathLike[str]) -> DatasetInfo:
@@ -289,6 +328,15 @@ def read_dataset_info(directory: str | os.PathLike[str]) -> DatasetInfo:
                 f"{path}: format_version {document['format_version']!r}, "
                 f"this reader understands {FORMAT_VERSION}"
             )
+        source = str(document.get("source", SOURCE_SYNTHETIC))
+        if source not in (SOURCE_SYNTHETIC, SOURCE_INTERACTIONS):
+            raise DatasetFormatError(
+                f"{path}: unknown source {source!r}, expected "
+                f"{SOURCE_SYNTHETIC!r} or {SOURCE_INTERACTIONS!r}"
+            )
+        raw_config = document["config"] if source == SOURCE_SYNTHETIC else document.get("config")
+        # A dataset without true probabilities must say so; older files always had them.
+        label_probs_known = bool(document.get("label_probs_known", source == SOURCE_SYNTHETIC))
         return DatasetInfo(
             directory=directory,
             num_samples=int(document["num_samples"]),
@@ -297,11 +345,17 @@ def read_dataset_info(directory: str | os.PathLike[str]) -> DatasetInfo:
             sparse_features={k: int(v) for k, v in document["sparse_features"].items()},
             num_dense_features=int(document["num_dense_features"]),
             max_seq_len=int(document["max_seq_len"]),
-            oracle_ne={k: float(v) for k, v in document["oracle_ne"].items()},
-            config=SyntheticConfig.from_dict(document["config"]),
+            oracle_ne={k: _float_or_nan(v) for k, v in document["oracle_ne"].items()},
+            config=None if raw_config is None else SyntheticConfig.from_dict(raw_config),
             start_index=int(document.get("start_index", 0)),
-            no_sequence_ne={k: float(v) for k, v in document.get("no_sequence_ne", {}).items()},
-            label_means={k: float(v) for k, v in document.get("label_means", {}).items()},
+            no_sequence_ne={
+                k: _float_or_nan(v) for k, v in document.get("no_sequence_ne", {}).items()
+            },
+            label_means={k: _float_or_nan(v) for k, v in document.get("label_means", {}).items()},
+            source=source,
+            label_probs_known=label_probs_known,
+            file_num_rows=[int(entry["num_rows"]) for entry in document["files"]],
+            metadata=dict(document.get("metadata", {})),
         )
     except (KeyError, TypeError, AttributeError) as error:
         raise DatasetFormatError(f"{path}: malformed dataset description: {error!r}") from error

@@ -1,0 +1,865 @@
+"""Triton kernels of jagged flash attention (forward, backward preprocess, dK/dV, dQ).
+
+Loaded by :mod:`gem_kernels.jfa_triton` through ``importlib`` (never imported directly): Triton
+decides at decoration time whether ``@triton.jit`` compiles or interprets, so the loader
+executes this file once per mode (``TRITON_INTERPRET`` set or not) under distinct module names.
+
+Conventions shared by the kernels:
+
+* Every program handles one ``(tile, head)`` pair; ``pid = tile * num_heads + head`` so the
+  heads of one tile run side by side and the host's longest-first tile order is kept.
+* A tile table row (int64) is ``[q_start, q_len, k_start, k_len, tile_start, bias_start, 0, 0]``.
+* Query ``i`` of a sample sits at the aligned position ``p = i + shift`` with
+  ``shift = k_len - q_len`` and sees keys ``p - left <= j <= p + right`` (causal is
+  ``right = 0``); ``HAS_LEFT`` / ``HAS_RIGHT`` are false for unbounded sides.
+* Scores are kept in the log2 domain (``exp2``): ``s2 = log2(e) * (scale * q.k + bias)``; the
+  saved log-sum-exp ``lse`` is in the same domain and is ``+inf`` for rows with no visible key,
+  which makes every recomputed probability of such rows exactly 0.
+* Each KV (or Q) loop runs in three phases: masked tiles, tiles fully inside the visible band
+  (no mask arithmetic), masked tiles. Tiles outside the band are never visited.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # UPCAST: the Triton 3.8 interpreter multiplies bfloat16 operands wrongly; fp32 is exact.
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _visible(rows, cols, shift, q_len, k_len, left, right, HAS_LEFT, HAS_RIGHT):
+    """Visibility of a (rows x cols) score tile; rows/cols are sample-local indices."""
+    pos = rows + shift
+    mask = (rows < q_len) & (cols < k_len)
+    if HAS_LEFT:
+        mask = mask & (cols >= pos - left)
+    if HAS_RIGHT:
+        mask = mask & (cols <= pos + right)
+    return mask
+
+
+@triton.jit
+def _bias_log2(
+    rows,
+    cols,
+    shift,
+    q_len,
+    k_len,
+    rel_base,
+    num_buckets,
+    jb_base,
+    HAS_REL: tl.constexpr,
+    HAS_JAGGED: tl.constexpr,
+):
+    """Additive bias of a (rows x cols) tile, times log2(e); rows/cols broadcast to 2-D."""
+    bias = tl.zeros_like(rows + cols).to(tl.float32)
+    if HAS_REL:
+        bucket = rows + shift - cols + num_buckets // 2
+        bucket = tl.minimum(tl.maximum(bucket, 0), num_buckets - 1)
+        bias += tl.load(rel_base + bucket).to(tl.float32)
+    if HAS_JAGGED:
+        valid = (rows < q_len) & (cols < k_len)
+        flat = rows.to(tl.int64) * k_len + cols
+        bias += tl.load(jb_base + flat, mask=valid, other=0.0).to(tl.float32)
+    return bias * 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward.
+
+
+@triton.jit
+def _fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    stride_kt,
+    stride_vt,
+    start_n,
+    end_n,
+    offs_m,
+    offs_d,
+    shift,
+    q_len,
+    k_len,
+    left,
+    right,
+    qk_scale,
+    rel_base,
+    num_buckets,
+    jb_base,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    HAS_REL: tl.constexpr,
+    HAS_JAGGED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    d_ok = offs_d < HEAD_DIM
+    for start in range(start_n, end_n, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < k_len
+        rows64 = offs_n.to(tl.int64)
+        if MASKED:
+            kt = tl.load(
+                k_base + rows64[None, :] * stride_kt + offs_d[:, None],
+                mask=n_ok[None, :] & d_ok[:, None],
+                other=0.0,
+            )
+            v = tl.load(
+                v_base + rows64[:, None] * stride_vt + offs_d[None, :],
+                mask=n_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+        else:
+            kt = tl.load(
+                k_base + rows64[None, :] * stride_kt + offs_d[:, None],
+                mask=d_ok[:, None],
+                other=0.0,
+            )
+            v = tl.load(
+                v_base + rows64[:, None] * stride_vt + offs_d[None, :],
+                mask=d_ok[None, :],
+                other=0.0,
+            )
+        s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * qk_scale
+        if HAS_REL or HAS_JAGGED:
+            s += _bias_log2(
+                offs_m[:, None],
+                offs_n[None, :],
+                shift,
+                q_len,
+                k_len,
+                rel_base,
+                num_buckets,
+                jb_base,
+                HAS_REL,
+                HAS_JAGGED,
+            )
+        if MASKED:
+            visible = _visible(
+                offs_m[:, None],
+                offs_n[None, :],
+                shift,
+                q_len,
+                k_len,
+                left,
+                right,
+                HAS_LEFT,
+                HAS_RIGHT,
+            )
+            s = tl.where(visible, s, float("-inf"))
+        # m_i starts at a finite -1e30, so a row whose tile is fully masked keeps alpha = 1 and
+        # p = 0 instead of producing inf - inf.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def jfa_fwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    lse_ptr,
+    tiles_ptr,
+    rel_ptr,
+    jb_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lse_h,
+    stride_rel_h,
+    stride_jb_h,
+    num_heads,
+    num_buckets,
+    left,
+    right,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    HAS_REL: tl.constexpr,
+    HAS_JAGGED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tile = pid // num_heads
+    head = pid % num_heads
+    info = tiles_ptr + tile.to(tl.int64) * 8
+    q_start = tl.load(info)
+    q_len = tl.load(info + 1).to(tl.int32)
+    k_start = tl.load(info + 2)
+    k_len = tl.load(info + 3).to(tl.int32)
+    m0 = tl.load(info + 4).to(tl.int32)
+    jb_start = tl.load(info + 5)
+    shift = k_len - q_len
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < q_len
+    d_ok = offs_d < HEAD_DIM
+    q_base = q_ptr + q_start * stride_qt + head * stride_qh
+    q = tl.load(
+        q_base + offs_m.to(tl.int64)[:, None] * stride_qt + offs_d[None, :],
+        mask=m_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    k_base = k_ptr + k_start * stride_kt + head * stride_kh
+    v_base = v_ptr + k_start * stride_vt + head * stride_vh
+    rel_base = rel_ptr + head * stride_rel_h
+    jb_base = jb_ptr + head * stride_jb_h + jb_start
+
+    # Keys any real row of this tile can see; rows past q_len are never stored, so the
+    # "inside the band" test only considers real rows.
+    p_lo = m0 + shift
+    p_hi = tl.minimum(m0 + BLOCK_M, q_len) - 1 + shift
+    key_lo = 0
+    key_hi = k_len
+    if HAS_LEFT:
+        key_lo = tl.maximum(p_lo - left, 0)
+    if HAS_RIGHT:
+        key_hi = tl.minimum(key_hi, p_hi + right + 1)
+    key_hi = tl.maximum(key_hi, key_lo)
+    lo_t = (key_lo // BLOCK_N) * BLOCK_N
+    hi_t = ((key_hi + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    full_lo = lo_t
+    if HAS_LEFT:
+        full_lo = tl.maximum(full_lo, ((tl.maximum(p_hi - left, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N)
+    limit = k_len
+    if HAS_RIGHT:
+        limit = tl.minimum(limit, p_lo + right + 1)
+    full_hi = (tl.maximum(limit, 0) // BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(full_lo, hi_t)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi_t)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo_t, full_lo, offs_m, offs_d,
+        shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, jb_base,
+        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, HAS_JAGGED,
+        DOT_PRECISION, UPCAST,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m, offs_d,
+        shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, jb_base,
+        HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, HAS_JAGGED,
+        DOT_PRECISION, UPCAST,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m, offs_d,
+        shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, jb_base,
+        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, HAS_JAGGED,
+        DOT_PRECISION, UPCAST,
+    )  # fmt: skip
+
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
+    o_base = o_ptr + q_start * stride_ot + head * stride_oh
+    tl.store(
+        o_base + offs_m.to(tl.int64)[:, None] * stride_ot + offs_d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & d_ok[None, :],
+    )
+    tl.store(lse_ptr + head * stride_lse_h + q_start + offs_m, lse, mask=m_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward.
+
+
+@triton.jit
+def jfa_bwd_preprocess_kernel(
+    o_ptr,
+    do_ptr,
+    delta_ptr,
+    num_rows,
+    stride_ot,
+    stride_oh,
+    stride_dot,
+    stride_doh,
+    stride_delta_h,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """delta[h, t] = sum_d dO[t, h, d] * O[t, h, d] (fp32)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (rows < num_rows)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    o = tl.load(o_ptr + rows64 * stride_ot + head * stride_oh + offs_d[None, :], mask=mask, other=0)
+    do = tl.load(
+        do_ptr + rows64 * stride_dot + head * stride_doh + offs_d[None, :], mask=mask, other=0
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(delta_ptr + head * stride_delta_h + rows, delta, mask=rows < num_rows)
+
+
+@triton.jit
+def _rel_bias_grad_update(
+    rel_acc,
+    ds_t,
+    m0,
+    n0,
+    shift,
+    num_buckets,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIAG_W: tl.constexpr,
+    BUCKETS_PAD: tl.constexpr,
+):
+    """Add the bucket sums of a transposed dS tile (keys x queries) to rel_acc (BUCKETS_PAD,).
+
+    The bucket of (i, j) depends only on the distance d = i + shift - j, so the tile is reduced
+    to its BLOCK_M + BLOCK_N - 1 diagonal sums first (a gather skews each key row), then the
+    diagonals are mapped to buckets (a shift, plus the two clamped end buckets).
+    """
+    buckets = tl.arange(0, BUCKETS_PAD)
+    # Distance of local diagonal u: d = d_base + u.
+    d_base = m0 - n0 + shift - (BLOCK_N - 1)
+    b_first = tl.minimum(tl.maximum(d_base + num_buckets // 2, 0), num_buckets - 1)
+    b_last = tl.minimum(
+        tl.maximum(d_base + BLOCK_M + BLOCK_N - 2 + num_buckets // 2, 0), num_buckets - 1
+    )
+    if b_first == b_last:
+        # The whole tile lies beyond the table's reach: one (clamped) bucket.
+        rel_acc += tl.where(buckets == b_first, tl.sum(tl.sum(ds_t, 1), 0), 0.0)
+    else:
+        diag = tl.arange(0, DIAG_W)
+        key_rows = tl.arange(0, BLOCK_N)
+        col = diag[None, :] - (BLOCK_N - 1) + key_rows[:, None]  # query column of (row, diag)
+        skewed = tl.gather(ds_t, tl.minimum(tl.maximum(col, 0), BLOCK_M - 1), 1)
+        skewed = tl.where((col >= 0) & (col < BLOCK_M), skewed, 0.0)
+        diag_sums = tl.sum(skewed, 0)  # (DIAG_W,)
+        diag_bucket = tl.minimum(tl.maximum(d_base + diag + num_buckets // 2, 0), num_buckets - 1)
+        first_sum = tl.sum(tl.where(diag_bucket == 0, diag_sums, 0.0), 0)
+        last_sum = tl.sum(tl.where(diag_bucket == num_buckets - 1, diag_sums, 0.0), 0)
+        diag_of_bucket = buckets - num_buckets // 2 - d_base
+        inner = (
+            (buckets > 0)
+            & (buckets < num_buckets - 1)
+            & (diag_of_bucket >= 0)
+            & (diag_of_bucket < DIAG_W)
+        )
+        picked = tl.gather(diag_sums, tl.minimum(tl.maximum(diag_of_bucket, 0), DIAG_W - 1), 0)
+        rel_acc += tl.where(inner, picked, 0.0)
+        rel_acc += tl.where(buckets == 0, first_sum, 0.0)
+        rel_acc += tl.where((buckets == num_buckets - 1) & (num_buckets > 1), last_sum, 0.0)
+    return rel_acc
+
+
+@triton.jit
+def _dkdv_inner(
+    dk,
+    dv,
+    rel_acc,
+    k,
+    v,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    stride_qt,
+    stride_dot,
+    start_m,
+    end_m,
+    n0,
+    offs_n,
+    offs_d,
+    shift,
+    q_len,
+    k_len,
+    left,
+    right,
+    qk_scale,
+    rel_base,
+    num_buckets,
+    jb_base,
+    jb_grad_base,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    HAS_REL: tl.constexpr,
+    HAS_JAGGED: tl.constexpr,
+    DIAG_W: tl.constexpr,
+    BUCKETS_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    d_ok = offs_d < HEAD_DIM
+    for start in range(start_m, end_m, BLOCK_M):
+        offs_m = start + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < q_len
+        rows64 = offs_m.to(tl.int64)
+        if MASKED:
+            q_t = tl.load(
+                q_base + rows64[None, :] * stride_qt + offs_d[:, None],
+                mask=m_ok[None, :] & d_ok[:, None],
+                other=0.0,
+            )
+            do = tl.load(
+                do_base + rows64[:, None] * stride_dot + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            lse = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf"))
+            delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
+        else:
+            q_t = tl.load(
+                q_base + rows64[None, :] * stride_qt + offs_d[:, None],
+                mask=d_ok[:, None],
+                other=0.0,
+            )
+            do = tl.load(
+                do_base + rows64[:, None] * stride_dot + offs_d[None, :],
+                mask=d_ok[None, :],
+                other=0.0,
+            )
+            lse = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
+        # Transposed tile: rows are keys (offs_n), columns are queries (offs_m).
+        s_t = _dot(k, q_t, None, DOT_PRECISION, UPCAST) * qk_scale
+        if HAS_REL or HAS_JAGGED:
+            s_t += _bias_log2(
+                offs_m[None, :],
+                offs_n[:, None],
+                shift,
+                q_len,
+                k_len,
+                rel_base,
+                num_buckets,
+                jb_base,
+                HAS_REL,
+                HAS_JAGGED,
+            )
+        p_t = tl.math.exp2(s_t - lse[None, :])
+        if MASKED:
+            visible = _visible(
+                offs_m[None, :],
+                offs_n[:, None],
+                shift,
+                q_len,
+                k_len,
+                left,
+                right,
+                HAS_LEFT,
+                HAS_RIGHT,
+            )
+            p_t = tl.where(visible, p_t, 0.0)
+        dv = _dot(p_t.to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
+        dp_t = _dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = _dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, DOT_PRECISION, UPCAST)
+        if HAS_JAGGED:
+            # dL/d(bias) = dS; each (i, j) pair is visited by exactly one program.
+            flat = offs_m.to(tl.int64)[None, :] * k_len + offs_n[:, None]
+            tl.store(
+                jb_grad_base + flat,
+                ds_t.to(jb_grad_base.dtype.element_ty),
+                mask=m_ok[None, :] & (offs_n < k_len)[:, None],
+            )
+        if HAS_REL:
+            rel_acc = _rel_bias_grad_update(
+                rel_acc, ds_t, start, n0, shift, num_buckets, BLOCK_M, BLOCK_N, DIAG_W, BUCKETS_PAD
+            )
+    return dk, dv, rel_acc
+
+
+@triton.jit
+def jfa_bwd_dkdv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dk_ptr,
+    dv_ptr,
+    tiles_ptr,
+    rel_ptr,
+    jb_ptr,
+    jb_grad_ptr,
+    rel_partial_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_dot,
+    stride_doh,
+    stride_dkt,
+    stride_dkh,
+    stride_dvt,
+    stride_dvh,
+    stride_lse_h,
+    stride_rel_h,
+    stride_jb_h,
+    num_heads,
+    num_buckets,
+    left,
+    right,
+    qk_scale,
+    scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    HAS_REL: tl.constexpr,
+    HAS_JAGGED: tl.constexpr,
+    DIAG_W: tl.constexpr,
+    BUCKETS_PAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One program per (KV tile, head): loops over the query tiles that see the tile."""
+    pid = tl.program_id(0)
+    tile = pid // num_heads
+    head = pid % num_heads
+    info = tiles_ptr + tile.to(tl.int64) * 8
+    q_start = tl.load(info)
+    q_len = tl.load(info + 1).to(tl.int32)
+    k_start = tl.load(info + 2)
+    k_len = tl.load(info + 3).to(tl.int32)
+    n0 = tl.load(info + 4).to(tl.int32)
+    jb_start = tl.load(info + 5)
+    shift = k_len - q_len
+
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < k_len
+    d_ok = offs_d < HEAD_DIM
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    rows64 = offs_n.to(tl.int64)[:, None]
+    k = tl.load(
+        k_ptr + k_start * stride_kt + head * stride_kh + rows64 * stride_kt + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        v_ptr + k_start * stride_vt + head * stride_vh + rows64 * stride_vt + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    q_base = q_ptr + q_start * stride_qt + head * stride_qh
+    do_base = do_ptr + q_start * stride_dot + head * stride_doh
+    lse_base = lse_ptr + head * stride_lse_h + q_start
+    delta_base = delta_ptr + head * stride_lse_h + q_start
+    rel_base = rel_ptr + head * stride_rel_h
+    jb_base = jb_ptr + head * stride_jb_h + jb_start
+    jb_grad_base = jb_grad_ptr + head * stride_jb_h + jb_start
+
+    # Query rows that see any key of this tile, and the sub-range that sees all of them.
+    j_last = tl.minimum(n0 + BLOCK_N, k_len) - 1
+    row_lo = 0
+    row_hi = q_len
+    if HAS_RIGHT:
+        row_lo = tl.maximum(n0 - right - shift, 0)
+    if HAS_LEFT:
+        row_hi = tl.minimum(row_hi, j_last + left - shift + 1)
+    row_hi = tl.maximum(row_hi, row_lo)
+    lo_t = (row_lo // BLOCK_M) * BLOCK_M
+    hi_t = ((row_hi + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    full_lo = lo_t
+    if HAS_RIGHT:
+        need = tl.maximum(n0 + BLOCK_N - 1 - shift - right, 0)
+        full_lo = tl.maximum(full_lo, ((need + BLOCK_M - 1) // BLOCK_M) * BLOCK_M)
+    limit = q_len
+    if HAS_LEFT:
+        limit = tl.minimum(limit, n0 + left - shift + 1)
+    full_hi = (tl.maximum(limit, 0) // BLOCK_M) * BLOCK_M
+    # A partial key tile is masked against every query tile.
+    full_hi = tl.where(n0 + BLOCK_N > k_len, 0, full_hi)
+    full_lo = tl.minimum(full_lo, hi_t)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi_t)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    rel_acc = tl.zeros([BUCKETS_PAD], dtype=tl.float32)
+    dk, dv, rel_acc = _dkdv_inner(
+        dk, dv, rel_acc, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+        lo_t, full_lo, n0, offs_n, offs_d, shift, q_len, k_len, left, right, qk_scale,
+        rel_base, num_buckets, jb_base, jb_grad_base,
+        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, HAS_JAGGED,
+        DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST,
+    )  # fmt: skip
+    dk, dv, rel_acc = _dkdv_inner(
+        dk, dv, rel_acc, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+        full_lo, full_hi, n0, offs_n, offs_d, shift, q_len, k_len, left, right, qk_scale,
+        rel_base, num_buckets, jb_base, jb_grad_base,
+        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, HAS_JAGGED,
+        DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST,
+    )  # fmt: skip
+    dk, dv, rel_acc = _dkdv_inner(
+        dk, dv, rel_acc, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
+        full_hi, hi_t, n0, offs_n, offs_d, shift, q_len, k_len, left, right, qk_scale,
+        rel_base, num_buckets, jb_base, jb_grad_base,
+        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, HAS_JAGGED,
+        DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST,
+    )  # fmt: skip
+
+    tl.store(
+        dk_ptr + k_start * stride_dkt + head * stride_dkh + rows64 * stride_dkt + offs_d[None, :],
+        (dk * scale).to(dk_ptr.dtype.element_ty),
+        mask=kv_mask,
+    )
+    tl.store(
+        dv_ptr + k_start * stride_dvt + head * stride_dvh + rows64 * stride_dvt + offs_d[None, :],
+        dv.to(dv_ptr.dtype.element_ty),
+        mask=kv_mask,
+    )
+    if HAS_REL:
+        tl.store(rel_partial_ptr + pid.to(tl.int64) * BUCKETS_PAD + tl.arange(0, BUCKETS_PAD), rel_acc)
+
+
+@triton.jit
+def _dq_inner(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    k_base,
+    v_base,
+    stride_kt,
+    stride_vt,
+    start_n,
+    end_n,
+    offs_m,
+    offs_d,
+    shift,
+    q_len,
+    k_len,
+    left,
+    right,
+    qk_scale,
+    rel_base,
+    num_buckets,
+    jb_base,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    HAS_REL: tl.constexpr,
+    HAS_JAGGED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    d_ok = offs_d < HEAD_DIM
+    for start in range(start_n, end_n, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < k_len
+        rows64 = offs_n.to(tl.int64)
+        if MASKED:
+            load_mask = n_ok[None, :] & d_ok[:, None]
+        else:
+            load_mask = d_ok[:, None]
+        kt = tl.load(
+            k_base + rows64[None, :] * stride_kt + offs_d[:, None], mask=load_mask, other=0.0
+        )
+        vt = tl.load(
+            v_base + rows64[None, :] * stride_vt + offs_d[:, None], mask=load_mask, other=0.0
+        )
+        s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * qk_scale
+        if HAS_REL or HAS_JAGGED:
+            s += _bias_log2(
+                offs_m[:, None],
+                offs_n[None, :],
+                shift,
+                q_len,
+                k_len,
+                rel_base,
+                num_buckets,
+                jb_base,
+                HAS_REL,
+                HAS_JAGGED,
+            )
+        p = tl.math.exp2(s - lse[:, None])
+        if MASKED:
+            visible = _visible(
+                offs_m[:, None],
+                offs_n[None, :],
+                shift,
+                q_len,
+                k_len,
+                left,
+                right,
+                HAS_LEFT,
+                HAS_RIGHT,
+            )
+            p = tl.where(visible, p, 0.0)
+        dp = _dot(do, vt, None, DOT_PRECISION, UPCAST)
+        ds = p * (dp - delta[:, None])
+        dq = _dot(ds.to(kt.dtype), tl.trans(kt), dq, DOT_PRECISION, UPCAST)
+    return dq
+
+
+@triton.jit
+def jfa_bwd_dq_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    tiles_ptr,
+    rel_ptr,
+    jb_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_dot,
+    stride_doh,
+    stride_dqt,
+    stride_dqh,
+    stride_lse_h,
+    stride_rel_h,
+    stride_jb_h,
+    num_heads,
+    num_buckets,
+    left,
+    right,
+    qk_scale,
+    scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_LEFT: tl.constexpr,
+    HAS_RIGHT: tl.constexpr,
+    HAS_REL: tl.constexpr,
+    HAS_JAGGED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One program per (Q tile, head): loops over the KV tiles the tile sees."""
+    pid = tl.program_id(0)
+    tile = pid // num_heads
+    head = pid % num_heads
+    info = tiles_ptr + tile.to(tl.int64) * 8
+    q_start = tl.load(info)
+    q_len = tl.load(info + 1).to(tl.int32)
+    k_start = tl.load(info + 2)
+    k_len = tl.load(info + 3).to(tl.int32)
+    m0 = tl.load(info + 4).to(tl.int32)
+    jb_start = tl.load(info + 5)
+    shift = k_len - q_len
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < q_len
+    d_ok = offs_d < HEAD_DIM
+    row_mask = m_ok[:, None] & d_ok[None, :]
+    rows64 = offs_m.to(tl.int64)[:, None]
+    q = tl.load(
+        q_ptr + q_start * stride_qt + head * stride_qh + rows64 * stride_qt + offs_d[None, :],
+        mask=row_mask,
+        other=0.0,
+    )
+    do = tl.load(
+        do_ptr + q_start * stride_dot + head * stride_doh + rows64 * stride_dot + offs_d[None, :],
+        mask=row_mask,
+        other=0.0,
+    )
+    lse = tl.load(lse_ptr + head * stride_lse_h + q_start + offs_m, mask=m_ok, other=float("inf"))
+    delta = tl.load(delta_ptr + head * stride_lse_h + q_start + offs_m, mask=m_ok, other=0.0)
+    k_base = k_ptr + k_start * stride_kt + head * stride_kh
+    v_base = v_ptr + k_start * stride_vt + head * stride_vh
+    rel_base = rel_ptr + head * stride_rel_h
+    jb_base = jb_ptr + head * stride_jb_h + jb_start
+
+    # Same key ranges as the forward kernel.
+    p_lo = m0 + shift
+    p_hi = tl.minimum(m0 + BLOCK_M, q_len) - 1 + shift
+    key_lo = 0
+    key_hi = k_len
+    if HAS_LEFT:
+        key_lo = tl.maximum(p_lo - left, 0)
+    if HAS_RIGHT:
+        key_hi = tl.minimum(key_hi, p_hi + right + 1)
+    key_hi = tl.maximum(key_hi, key_lo)
+    lo_t = (key_lo // BLOCK_N) * BLOCK_N
+    hi_t = ((key_hi + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    full_lo = lo_t
+    if HAS_LEFT:
+        full_lo = tl.maximum(full_lo, ((tl.maximum(p_hi - left, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N)
+    limit = k_len
+    if HAS_RIGHT:
+        limit = tl.minimum(limit, p_lo + right + 1)
+    full_hi = (tl.maximum(limit, 0) // BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(full_lo, hi_t)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi_t)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = _dq_inner(
+        dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo_t, full_lo, offs_m,
+        offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, jb_base,
+        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, HAS_JAGGED,
+        DOT_PRECISION, UPCAST,
+    )  # fmt: skip
+    dq = _dq_inner(
+        dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m,
+        offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, jb_base,
+        HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, HAS_JAGGED,
+        DOT_PRECISION, UPCAST,
+    )  # fmt: skip
+    dq = _dq_inner(
+        dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m,
+        offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, jb_base,
+        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, HAS_JAGGED,
+        DOT_PRECISION, UPCAST,
+    )  # fmt: skip
+    tl.store(
+        dq_ptr + q_start * stride_dqt + head * stride_dqh + rows64 * stride_dqt + offs_d[None, :],
+        (dq * scale).to(dq_ptr.dtype.element_ty),
+        mask=row_mask,
+    )

@@ -1,0 +1,512 @@
+"""Triton implementation of jagged flash attention: tile planning, launches, autograd.
+
+The kernels live in ``_jfa_kernels.py``. :func:`jagged_flash_attention_triton` runs them on
+validated input (the public, validating entry point is
+:func:`gem_kernels.jagged_flash_attention`, which dispatches here).
+
+Jagged-aware scheduling: the host builds, from the sample lengths, one table row per real tile
+(``(sample, tile)`` pairs for samples that have rows; no program exists for padding) and sorts
+the rows by their amount of work, longest first, so the long tiles start early and the short
+ones fill the tail of the grid. The forward and the dQ kernel walk query tiles; the dK/dV kernel
+walks key tiles. Backward is deterministic: no atomics; the relative-position bias gradient is
+accumulated per dK/dV program into its own row of a partial buffer and summed afterwards.
+
+CPU tensors run under the Triton interpreter when ``TRITON_INTERPRET=1`` is set at call time:
+the kernel module is loaded once per mode (interpreted or compiled), so the variable may be set
+after ``gem_kernels`` was imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = [
+    "JaggedFlashAttentionFunction",
+    "JfaTritonConfig",
+    "MAX_TRITON_BUCKETS",
+    "MAX_TRITON_HEAD_DIM",
+    "default_config",
+    "jagged_flash_attention_from_lengths",
+    "jagged_flash_attention_triton",
+    "triton_unsupported_reason",
+]
+
+#: Largest head dimension the Triton kernels take (bigger ones go to the reference).
+MAX_TRITON_HEAD_DIM = 256
+#: Largest ``rel_pos_bias`` table (buckets) the Triton kernels take (its gradient lives in
+#: registers of each dK/dV program).
+MAX_TRITON_BUCKETS = 2048
+
+_LOG2E = 1.4426950408889634
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TABLE_WIDTH = 8  # [q_start, q_len, k_start, k_len, tile_start, bias_start, 0, 0]
+
+
+@dataclass(frozen=True)
+class JfaTritonConfig:
+    """Tile sizes and launch parameters of the three kernels (powers of two, >= 16)."""
+
+    fwd_block_m: int = 128
+    """Query rows per forward program."""
+    fwd_block_n: int = 64
+    """Keys per inner iteration of the forward."""
+    fwd_warps: int = 8
+    """Warps per forward program."""
+    fwd_stages: int = 3
+    """Software-pipelining depth of the forward's key loop."""
+    dkdv_block_n: int = 128
+    """Keys per dK/dV program."""
+    dkdv_block_m: int = 64
+    """Query rows per inner iteration of the dK/dV kernel."""
+    dq_block_m: int = 128
+    """Query rows per dQ program."""
+    dq_block_n: int = 64
+    """Keys per inner iteration of the dQ kernel."""
+    bwd_warps: int = 8
+    """Warps per backward program."""
+    bwd_stages: int = 2
+    """Software-pipelining depth of the backward loops."""
+
+
+def default_config(head_dim: int, *, interpret: bool = False) -> JfaTritonConfig:
+    """Tile configuration for a head dimension (small tiles under the interpreter)."""
+    if interpret:
+        return JfaTritonConfig(16, 16, 1, 1, 16, 16, 16, 16, 1, 1)
+    if head_dim <= 64:
+        return JfaTritonConfig(128, 64, 4, 3, 128, 64, 128, 64, 8, 2)
+    if head_dim <= 128:
+        return JfaTritonConfig()
+    return JfaTritonConfig(64, 32, 4, 2, 64, 32, 64, 32, 4, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel module loading (compiled or interpreted).
+
+_KERNEL_MODULES: dict[bool, ModuleType] = {}
+
+
+def _interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the environment
+        return False
+    return True
+
+
+def _kernels(interpret: bool) -> ModuleType:
+    """The kernel module decorated for this mode (``triton.jit`` reads the mode at decoration)."""
+    module = _KERNEL_MODULES.get(interpret)
+    if module is not None:
+        return module
+    name = f"gem_kernels._jfa_kernels_{'interpreted' if interpret else 'compiled'}"
+    spec = importlib.util.spec_from_file_location(
+        name, Path(__file__).with_name("_jfa_kernels.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+    _KERNEL_MODULES[interpret] = module
+    return module
+
+
+# ---------------------------------------------------------------------------------------------
+# Support check.
+
+
+def triton_unsupported_reason(
+    q: torch.Tensor,
+    *,
+    rel_pos_bias: torch.Tensor | None = None,
+    jagged_bias: torch.Tensor | None = None,
+) -> str | None:
+    """Why the Triton path cannot run this call, or ``None`` when it can.
+
+    The Triton path takes float16/bfloat16/float32 on CUDA (float32 with IEEE-exact dot
+    products), or CPU tensors when ``TRITON_INTERPRET=1`` is set; head_dim up to
+    ``MAX_TRITON_HEAD_DIM``; ``rel_pos_bias`` tables up to ``MAX_TRITON_BUCKETS`` buckets.
+    """
+    if q.dtype not in _TRITON_DTYPES:
+        return f"dtype {q.dtype} is not supported by the Triton kernels (float16/bfloat16/float32)"
+    if q.shape[2] > MAX_TRITON_HEAD_DIM:
+        return f"head_dim {q.shape[2]} is larger than {MAX_TRITON_HEAD_DIM}"
+    if rel_pos_bias is not None and rel_pos_bias.shape[1] > MAX_TRITON_BUCKETS:
+        return (
+            f"rel_pos_bias has {rel_pos_bias.shape[1]} buckets, more than {MAX_TRITON_BUCKETS}"
+        )
+    if q.device.type != "cuda" and not _interpret_requested():
+        return f"tensors on {q.device.type} need TRITON_INTERPRET=1 (Triton runs CUDA tensors)"
+    if not _triton_importable():
+        return "triton is not importable"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile planning (host, vectorised over tiles).
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Tile tables (device int64, one row per real tile, longest work first)."""
+
+    fwd: torch.Tensor
+    dkdv: torch.Tensor | None
+    dq: torch.Tensor | None
+
+
+def _tiles_of(lengths: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sample index, tile start within the sample) of every block-sized tile of every sample."""
+    per_sample = (lengths + block - 1) // block
+    sample = torch.repeat_interleave(torch.arange(lengths.numel()), per_sample)
+    first = torch.cumsum(per_sample, 0) - per_sample
+    start = (torch.arange(sample.numel()) - first[sample]) * block
+    return sample, start
+
+
+def _table(columns: list[torch.Tensor], work: torch.Tensor) -> torch.Tensor:
+    table = torch.stack([*columns, torch.zeros_like(work), torch.zeros_like(work)], dim=1)
+    order = torch.argsort(work, descending=True, stable=True)
+    return table[order].contiguous()
+
+
+def _query_tile_table(samples, block_m, left, right) -> torch.Tensor:
+    q_len, k_len, q_start, k_start, bias_start = samples
+    sample, start = _tiles_of(q_len, block_m)
+    lq, lk = q_len[sample], k_len[sample]
+    shift = lk - lq
+    key_lo = torch.zeros_like(start)
+    key_hi = lk
+    if left is not None:
+        key_lo = (start + shift - left).clamp(min=0)
+    if right is not None:
+        last_row = torch.minimum(start + block_m, lq) - 1
+        key_hi = torch.minimum(lk, last_row + shift + right + 1)
+    work = (key_hi - key_lo).clamp(min=0)
+    columns = [q_start[sample], lq, k_start[sample], lk, start, bias_start[sample]]
+    return _table(columns, work)
+
+
+def _key_tile_table(samples, block_n, left, right) -> torch.Tensor:
+    q_len, k_len, q_start, k_start, bias_start = samples
+    sample, start = _tiles_of(k_len, block_n)
+    lq, lk = q_len[sample], k_len[sample]
+    shift = lk - lq
+    row_lo = torch.zeros_like(start)
+    row_hi = lq
+    if right is not None:
+        row_lo = (start - right - shift).clamp(min=0)
+    if left is not None:
+        last_key = torch.minimum(start + block_n, lk) - 1
+        row_hi = torch.minimum(lq, last_key + left - shift + 1)
+    work = (row_hi - row_lo).clamp(min=0)
+    columns = [q_start[sample], lq, k_start[sample], lk, start, bias_start[sample]]
+    return _table(columns, work)
+
+
+def _plan(
+    q_lengths: torch.Tensor,
+    k_lengths: torch.Tensor,
+    left: int | None,
+    right: int | None,
+    config: JfaTritonConfig,
+    device: torch.device,
+    with_backward: bool,
+) -> _Plan:
+    q_len = q_lengths.to("cpu", torch.int64)
+    k_len = k_lengths.to("cpu", torch.int64)
+    q_start = torch.cumsum(q_len, 0) - q_len
+    k_start = torch.cumsum(k_len, 0) - k_len
+    pairs = q_len * k_len
+    samples = (q_len, k_len, q_start, k_start, torch.cumsum(pairs, 0) - pairs)
+    tables = [_query_tile_table(samples, config.fwd_block_m, left, right)]
+    if with_backward:
+        tables.append(_key_tile_table(samples, config.dkdv_block_n, left, right))
+        if config.dq_block_m != config.fwd_block_m:
+            tables.append(_query_tile_table(samples, config.dq_block_m, left, right))
+    # One host-to-device copy for all tables.
+    sizes = [t.shape[0] for t in tables]
+    packed = torch.cat(tables).to(device)
+    parts = list(torch.split(packed, sizes))
+    fwd = parts[0]
+    dkdv = parts[1] if with_backward else None
+    dq = (parts[2] if len(parts) > 2 else fwd) if with_backward else None
+    return _Plan(fwd=fwd, dkdv=dkdv, dq=dq)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launches.
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """Everything the launches share besides tensors."""
+
+    scale: float
+    left: int | None
+    right: int | None
+    config: JfaTritonConfig
+    interpret: bool
+
+
+def _unit_stride(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def _flags(q: torch.Tensor, launch: _Launch) -> dict:
+    head_dim = q.shape[2]
+    return {
+        "HEAD_DIM": head_dim,
+        "BLOCK_D": max(16, 1 << (head_dim - 1).bit_length()),
+        "HAS_LEFT": launch.left is not None,
+        "HAS_RIGHT": launch.right is not None,
+        "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+        "UPCAST": launch.interpret and q.dtype == torch.bfloat16,
+    }
+
+
+def _bias_args(q, rel_pos_bias, jagged_bias):
+    rel = q if rel_pos_bias is None else rel_pos_bias
+    jb = q if jagged_bias is None else jagged_bias
+    num_buckets = 1 if rel_pos_bias is None else rel_pos_bias.shape[1]
+    stride_rel = 0 if rel_pos_bias is None else rel_pos_bias.stride(0)
+    stride_jb = 0 if jagged_bias is None else jagged_bias.stride(0)
+    return rel, jb, num_buckets, stride_rel, stride_jb
+
+
+def _forward(q, k, v, rel_pos_bias, jagged_bias, plan: _Plan, launch: _Launch):
+    num_rows, heads, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((heads, num_rows), dtype=torch.float32, device=q.device)
+    num_tiles = plan.fwd.shape[0]
+    if num_tiles == 0:
+        return out, lse
+    cfg = launch.config
+    rel, jb, num_buckets, stride_rel, stride_jb = _bias_args(q, rel_pos_bias, jagged_bias)
+    _kernels(launch.interpret).jfa_fwd_kernel[(num_tiles * heads,)](
+        q, k, v, out, lse, plan.fwd, rel, jb,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0), stride_rel, stride_jb,
+        heads, num_buckets, launch.left or 0, launch.right or 0, launch.scale * _LOG2E,
+        BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
+        HAS_REL=rel_pos_bias is not None, HAS_JAGGED=jagged_bias is not None,
+        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        **_flags(q, launch),
+    )  # fmt: skip
+    return out, lse
+
+
+def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, launch: _Launch):
+    num_rows, heads, head_dim = q.shape
+    cfg = launch.config
+    kernels = _kernels(launch.interpret)
+    grad_out = _unit_stride(grad_out)
+    flags = _flags(q, launch)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    jb_grad = None if jagged_bias is None else torch.zeros_like(jagged_bias)
+    rel_grad = None
+    num_key_tiles = plan.dkdv.shape[0]
+    rel, jb, num_buckets, stride_rel, stride_jb = _bias_args(q, rel_pos_bias, jagged_bias)
+    buckets_pad = max(16, 1 << (num_buckets - 1).bit_length())
+    rel_partial = None
+    if rel_pos_bias is not None:
+        rel_partial = torch.empty(
+            (num_key_tiles * heads, buckets_pad), dtype=torch.float32, device=q.device
+        )
+
+    delta = torch.empty((heads, num_rows), dtype=torch.float32, device=q.device)
+    if num_rows > 0:
+        block = 16 if launch.interpret else 64
+        kernels.jfa_bwd_preprocess_kernel[(_cdiv(num_rows, block), heads)](
+            out, grad_out, delta, num_rows,
+            out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1), delta.stride(0),
+            HEAD_DIM=head_dim, BLOCK_M=block, BLOCK_D=flags["BLOCK_D"],
+        )  # fmt: skip
+    if num_key_tiles > 0:
+        kernels.jfa_bwd_dkdv_kernel[(num_key_tiles * heads,)](
+            q, k, v, grad_out, lse, delta, dk, dv, plan.dkdv, rel, jb,
+            q if jb_grad is None else jb_grad, q if rel_partial is None else rel_partial,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1),
+            dv.stride(0), dv.stride(1), lse.stride(0), stride_rel, stride_jb,
+            heads, num_buckets, launch.left or 0, launch.right or 0,
+            launch.scale * _LOG2E, launch.scale,
+            BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
+            HAS_REL=rel_pos_bias is not None, HAS_JAGGED=jagged_bias is not None,
+            DIAG_W=1 << (cfg.dkdv_block_m + cfg.dkdv_block_n - 2).bit_length(),
+            BUCKETS_PAD=buckets_pad,
+            num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
+            **flags,
+        )  # fmt: skip
+    num_query_tiles = plan.dq.shape[0]
+    if num_query_tiles > 0:
+        kernels.jfa_bwd_dq_kernel[(num_query_tiles * heads,)](
+            q, k, v, grad_out, lse, delta, dq, plan.dq, rel, jb,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
+            lse.stride(0), stride_rel, stride_jb,
+            heads, num_buckets, launch.left or 0, launch.right or 0,
+            launch.scale * _LOG2E, launch.scale,
+            BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
+            HAS_REL=rel_pos_bias is not None, HAS_JAGGED=jagged_bias is not None,
+            num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
+            **flags,
+        )  # fmt: skip
+    if rel_pos_bias is not None:
+        # Fixed-order reduction of the per-program partials: deterministic.
+        summed = rel_partial.view(num_key_tiles, heads, buckets_pad).sum(0)
+        rel_grad = summed[:, :num_buckets].to(rel_pos_bias.dtype)
+    return dq, dk, dv, rel_grad, jb_grad
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class JaggedFlashAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper of the Triton kernels (inputs validated and planned by the caller).
+
+    ``apply(q, k, v, rel_pos_bias, jagged_bias, plan, launch)``; the biases may be ``None``.
+    Backward is once-differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, rel_pos_bias, jagged_bias, plan, launch):
+        out, lse = _forward(q, k, v, rel_pos_bias, jagged_bias, plan, launch)
+        ctx.save_for_backward(q, k, v, out, lse, rel_pos_bias, jagged_bias)
+        ctx.plan = plan
+        ctx.launch = launch
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, rel_pos_bias, jagged_bias = ctx.saved_tensors
+        if ctx.plan.dkdv is None:
+            raise RuntimeError("jagged flash attention was planned without backward tables")
+        dq, dk, dv, rel_grad, jb_grad = _backward(
+            grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, ctx.plan, ctx.launch
+        )
+        return dq, dk, dv, rel_grad, jb_grad, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points (validated input).
+
+
+def _resolve_window(causal: bool, window) -> tuple[int | None, int | None]:
+    left, right = (None, None) if window is None else (window[0], window[1])
+    if causal:
+        right = 0  # causal sees j <= p, i.e. a right window of 0 (intersected with any other)
+    return left, right
+
+
+def jagged_flash_attention_from_lengths(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_lengths: torch.Tensor,
+    k_lengths: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    rel_pos_bias: torch.Tensor | None = None,
+    jagged_bias: torch.Tensor | None = None,
+    config: JfaTritonConfig | None = None,
+) -> torch.Tensor:
+    """Triton jagged attention from per-sample lengths (CPU tensors: no device sync needed).
+
+    Same semantics as :func:`gem_kernels.jagged_flash_attention`; inputs are assumed valid
+    (lengths sum to the row counts, biases shaped as documented there).
+    """
+    interpret = _interpret_requested()
+    if not interpret and q.device.type != "cuda":
+        raise ValueError(
+            f"the Triton path needs CUDA tensors, got {q.device} (set TRITON_INTERPRET=1 to run "
+            "CPU tensors under the Triton interpreter)"
+        )
+    if k_lengths is None:
+        k_lengths = q_lengths
+    head_dim = q.shape[2]
+    config = config or default_config(head_dim, interpret=interpret)
+    left, right = _resolve_window(causal, window)
+    launch = _Launch(
+        scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        left=left,
+        right=right,
+        config=config,
+        interpret=interpret,
+    )
+    tensors = (q, k, v, rel_pos_bias, jagged_bias)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in tensors
+    )
+    plan = _plan(q_lengths, k_lengths, left, right, config, q.device, needs_grad)
+    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    if rel_pos_bias is not None:
+        rel_pos_bias = rel_pos_bias.contiguous()
+    if jagged_bias is not None:
+        jagged_bias = jagged_bias.contiguous()
+    return JaggedFlashAttentionFunction.apply(q, k, v, rel_pos_bias, jagged_bias, plan, launch)
+
+
+def jagged_flash_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_offsets: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    rel_pos_bias: torch.Tensor | None = None,
+    jagged_bias: torch.Tensor | None = None,
+    config: JfaTritonConfig | None = None,
+) -> torch.Tensor:
+    """Triton jagged attention from offsets; same semantics as the public function.
+
+    Inputs are assumed valid: call :func:`gem_kernels.jagged_flash_attention` (with
+    ``backend="triton"``) for argument checks. Offsets are read on the host (one device sync
+    when they live on the GPU).
+    """
+    q_host = q_offsets.detach().to("cpu", torch.int64)
+    k_host = q_host if k_offsets is None else k_offsets.detach().to("cpu", torch.int64)
+    return jagged_flash_attention_from_lengths(
+        q,
+        k,
+        v,
+        q_host[1:] - q_host[:-1],
+        k_host[1:] - k_host[:-1],
+        scale=scale,
+        causal=causal,
+        window=window,
+        rel_pos_bias=rel_pos_bias,
+        jagged_bias=jagged_bias,
+        config=config,
+    )
