@@ -27,6 +27,37 @@ SMALL = [
 ]
 
 
+# One rank of a torchrun-style job: joins the process group from the environment,
+# trains a few steps with tables sharded across ranks, evaluates, and writes what it saw.
+_WORKER = """
+import json, sys
+import torch, torch.distributed as dist
+from gem_model import GemArchitecture
+from gem_train import DataConfig, TrainConfig, Trainer
+from gem_train.cli import prepare_data
+from gem_train.trainer import init_distributed
+
+out = sys.argv[1]
+config = TrainConfig(
+    data=DataConfig(directory=out + "/data", num_train=1024, num_eval=512, max_seq_len=32,
+                    num_shards=2, workers=1),
+    model=GemArchitecture(embedding_dim=16), batch_size=64, max_steps=6, device="cpu",
+    output_dir=out + "/run",
+)
+rank, world = init_distributed(torch.device("cpu"))
+if rank == 0:  # one writer; the others wait and then read the same files
+    prepare_data(config.data, progress=False)
+dist.barrier()
+train, evaluation = prepare_data(config.data, progress=False)
+trainer = Trainer(config, train, output_dir=out + "/run")
+losses = trainer.fit(progress=False)
+metrics = trainer.evaluate(evaluation)
+result = {"losses": losses, "metrics": metrics, "world": world, "plan": str(trainer.model.plan)}
+with open(f"{out}/rank{rank}.json", "w") as handle:
+    json.dump(result, handle)
+"""
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -90,30 +121,7 @@ def test_unknown_recipe_fails_with_a_clear_message():
 def test_two_process_sharded_training_agrees_across_ranks(tmp_path, world_size):
     """torchrun-style launch: real gloo process group, tables sharded by torchrec across ranks."""
     script = tmp_path / "worker.py"
-    script.write_text(
-        "import json, sys\n"
-        "from gem_train import DataConfig, ModelOptions, TrainConfig, Trainer\n"
-        "from gem_train.cli import prepare_data\n"
-        "out = sys.argv[1]\n"
-        "config = TrainConfig(data=DataConfig(directory=out + '/data', num_train=1024, num_eval=512,\n"
-        "    max_seq_len=32, num_shards=2, workers=1), model=ModelOptions(embedding_dim=16),\n"
-        "    batch_size=64, max_steps=6, device='cpu', output_dir=out + '/run')\n"
-        "import torch.distributed as dist\n"
-        "trainer = None\n"
-        "from gem_train.trainer import init_distributed\n"
-        "import torch\n"
-        "rank, world = init_distributed(torch.device('cpu'))\n"
-        "if rank == 0:\n"
-        "    prepare_data(config.data, progress=False)\n"
-        "dist.barrier()\n"
-        "train, evaluation = prepare_data(config.data, progress=False)\n"
-        "trainer = Trainer(config, train, output_dir=out + '/run')\n"
-        "losses = trainer.fit(progress=False)\n"
-        "metrics = trainer.evaluate(evaluation)\n"
-        "plan = str(trainer.model.plan)\n"
-        "json.dump({'losses': losses, 'metrics': metrics, 'world': world, 'plan': plan},\n"
-        "          open(f'{out}/rank{rank}.json', 'w'))\n"
-    )
+    script.write_text(_WORKER)
     port = _free_port()
     processes = []
     for rank in range(world_size):

@@ -6,6 +6,11 @@ import pytest
 from gem_data import SyntheticConfig, write_synthetic_dataset
 
 
+def pytest_configure(config) -> None:
+    # Also registered in the workspace pyproject; repeated so the package tests run standalone.
+    config.addinivalue_line("markers", "gpu: needs a CUDA device")
+
+
 @pytest.fixture(scope="session")
 def config() -> SyntheticConfig:
     return SyntheticConfig(seed=7)

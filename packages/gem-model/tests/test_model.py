@@ -1,24 +1,27 @@
 import pytest
 import torch
-from gem_model import GemModel, GemModelConfig
+from gem_model import GemArchitecture, GemModel, GemModelConfig
 from torchrec import KeyedJaggedTensor
 
 SEQUENCE = {"hist_item_ids": 500, "hist_category_ids": 16, "hist_action_types": 3}
 SPARSE = {"user_id": 1000, "user_segments": 20, "ad_id": 300, "ad_category_id": 16}
 
 
+ARCHITECTURE_FIELDS = {f for f in GemArchitecture.__dataclass_fields__}
+
+
 def make_config(**changes):
+    """A small config; ``changes`` may name fields of either GemModelConfig or GemArchitecture."""
+    architecture = {"embedding_dim": 16, "num_heads": 2, "pma_queries": 3, "expert_hidden_dim": 32}
+    architecture.update({k: v for k, v in changes.items() if k in ARCHITECTURE_FIELDS})
     base = dict(
         sequence_features=SEQUENCE,
         sparse_features=SPARSE,
         num_dense_features=3,
         max_seq_len=70,
-        embedding_dim=16,
-        num_heads=2,
-        pma_queries=3,
-        expert_hidden_dim=32,
+        architecture=GemArchitecture(**architecture),
     )
-    base.update(changes)
+    base.update({k: v for k, v in changes.items() if k not in ARCHITECTURE_FIELDS})
     return GemModelConfig(**base)
 
 
@@ -124,6 +127,8 @@ def test_too_long_history_is_rejected():
         ({"candidate_history_feature": "nope"}, "candidate_history_feature"),
         ({"pma_queries": 0}, "pma_queries"),
         ({"tasks": ()}, "tasks"),
+        ({"dropout": 1.5}, "dropout"),
+        ({"max_seq_len": 0}, "max_seq_len"),
     ],
 )
 def test_bad_config_is_rejected(changes, message):

@@ -1,5 +1,6 @@
 import pytest
-from gem_train import DataConfig, ModelOptions, TrainConfig
+from gem_model import GemArchitecture
+from gem_train import DataConfig, TrainConfig
 
 
 @pytest.fixture
@@ -15,7 +16,7 @@ def small_config(tmp_path) -> TrainConfig:
             num_shards=2,
             workers=1,
         ),
-        model=ModelOptions(embedding_dim=16, num_heads=2, dhen_layers=1, expert_hidden_dim=32),
+        model=GemArchitecture(embedding_dim=16, num_heads=2, dhen_layers=1, expert_hidden_dim=32),
         batch_size=128,
         eval_batch_size=256,
         log_every=2,

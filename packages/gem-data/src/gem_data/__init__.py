@@ -1,7 +1,8 @@
-"""gem-data: deterministic synthetic GEM-like data on Parquet, and jagged training batches.
+"""gem-data: GEM-like data on Parquet (synthetic or converted logs) and balanced jagged batches.
 
-Names are imported lazily: generating or describing a dataset needs only numpy and pyarrow,
-while ``Batch`` and ``ParquetBatchLoader`` bring in torch and torchrec on first use.
+Names are imported lazily: generating, converting or describing a dataset and the balance
+tools need only numpy and pyarrow, while ``Batch``, the loaders and ``DevicePrefetcher`` bring
+in torch and torchrec on first use.
 """
 
 from __future__ import annotations
@@ -10,8 +11,27 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from gem_data.balance import (
+        AffineCost,
+        BalanceSimulation,
+        CostModel,
+        attention_cost,
+        bbs_merge,
+        global_rebalance,
+        linear_cost,
+        max_over_mean,
+        simulate_balance,
+        sub_batch_costs,
+    )
     from gem_data.batch import Batch
     from gem_data.config import NUM_ACTION_TYPES, SyntheticConfig
+    from gem_data.device import DevicePrefetcher
+    from gem_data.interactions import (
+        INTERACTION_DENSE_FEATURES,
+        InteractionConfig,
+        read_interactions,
+        write_interaction_dataset,
+    )
     from gem_data.loader import ParquetBatchLoader
     from gem_data.schema import (
         LABEL_NAMES,
@@ -21,16 +41,44 @@ if TYPE_CHECKING:
         dataset_schema,
         validate_schema,
     )
+    from gem_data.sharded import BALANCE_MODES, ShardedBatchLoader
     from gem_data.synthetic import (
         HiddenParameters,
         generate_table,
         hidden_parameters,
         normalized_entropy,
         reference_normalized_entropy,
+        sample_history_lengths,
     )
-    from gem_data.writer import DatasetInfo, read_dataset_info, write_synthetic_dataset
+    from gem_data.writer import (
+        SOURCE_INTERACTIONS,
+        SOURCE_SYNTHETIC,
+        DatasetInfo,
+        read_dataset_info,
+        write_synthetic_dataset,
+    )
 
 _EXPORTS = {
+    "AffineCost": "gem_data.balance",
+    "BalanceSimulation": "gem_data.balance",
+    "CostModel": "gem_data.balance",
+    "attention_cost": "gem_data.balance",
+    "bbs_merge": "gem_data.balance",
+    "global_rebalance": "gem_data.balance",
+    "linear_cost": "gem_data.balance",
+    "max_over_mean": "gem_data.balance",
+    "simulate_balance": "gem_data.balance",
+    "sub_batch_costs": "gem_data.balance",
+    "DevicePrefetcher": "gem_data.device",
+    "INTERACTION_DENSE_FEATURES": "gem_data.interactions",
+    "InteractionConfig": "gem_data.interactions",
+    "read_interactions": "gem_data.interactions",
+    "write_interaction_dataset": "gem_data.interactions",
+    "BALANCE_MODES": "gem_data.sharded",
+    "ShardedBatchLoader": "gem_data.sharded",
+    "sample_history_lengths": "gem_data.synthetic",
+    "SOURCE_INTERACTIONS": "gem_data.writer",
+    "SOURCE_SYNTHETIC": "gem_data.writer",
     "Batch": "gem_data.batch",
     "NUM_ACTION_TYPES": "gem_data.config",
     "SyntheticConfig": "gem_data.config",
@@ -70,6 +118,26 @@ __all__ = [
     "LABEL_NAMES",
     "Batch",
     "ParquetBatchLoader",
+    "ShardedBatchLoader",
+    "BALANCE_MODES",
+    "DevicePrefetcher",
+    "CostModel",
+    "AffineCost",
+    "linear_cost",
+    "attention_cost",
+    "sub_batch_costs",
+    "bbs_merge",
+    "global_rebalance",
+    "max_over_mean",
+    "BalanceSimulation",
+    "simulate_balance",
+    "sample_history_lengths",
+    "InteractionConfig",
+    "INTERACTION_DENSE_FEATURES",
+    "read_interactions",
+    "write_interaction_dataset",
+    "SOURCE_SYNTHETIC",
+    "SOURCE_INTERACTIONS",
 ]
 
 

@@ -137,12 +137,26 @@ class Columns:
             segment_lengths=np.concatenate([p.segment_lengths for p in parts]),
             segments=np.concatenate([p.segments for p in parts]),
             scalars={
-                name: np.concatenate([p.scalars[name] for p in parts])
-                for name in SCALAR_ID_COLUMNS
+                name: np.concatenate([p.scalars[name] for p in parts]) for name in SCALAR_ID_COLUMNS
             },
             dense=np.concatenate([p.dense for p in parts]),
             labels=np.concatenate([p.labels for p in parts]),
             label_probs=np.concatenate([p.label_probs for p in parts]),
+        )
+
+    def slice(self, start: int, stop: int) -> Columns:
+        """Rows ``[start, stop)`` (views where possible)."""
+        history_lo, history_hi = self.history_offsets[start], self.history_offsets[stop]
+        segment_lo, segment_hi = self.segment_offsets[start], self.segment_offsets[stop]
+        return Columns(
+            history_lengths=self.history_lengths[start:stop],
+            history=self.history[:, history_lo:history_hi],
+            segment_lengths=self.segment_lengths[start:stop],
+            segments=self.segments[segment_lo:segment_hi],
+            scalars={name: column[start:stop] for name, column in self.scalars.items()},
+            dense=self.dense[start:stop],
+            labels=self.labels[start:stop],
+            label_probs=self.label_probs[start:stop],
         )
 
     def take(self, rows: np.ndarray) -> Columns:

@@ -70,3 +70,35 @@ class Batch:
             if self.sample_indices is None
             else self.sample_indices.pin_memory(),
         )
+
+    def is_pinned(self) -> bool:
+        """Whether every dense tensor of the batch is in pinned host memory."""
+        return all(
+            tensor.is_pinned()
+            for tensor in (
+                self.sequence_features.values(),
+                self.sparse_features.values(),
+                self.sequence_offsets,
+                self.dense_features,
+                self.labels,
+            )
+        )
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Mark every CUDA tensor as used by ``stream`` (for tensors made on another stream).
+
+        The caching allocator then does not reuse their memory until ``stream``'s work queued so
+        far is done, even after the batch is freed.
+        """
+        self.sequence_features.record_stream(stream)
+        self.sparse_features.record_stream(stream)
+        for tensor in (
+            self.sequence_offsets,
+            self.sequence_timestamps,
+            self.dense_features,
+            self.labels,
+            self.label_probs,
+            self.sample_indices,
+        ):
+            if tensor is not None:
+                tensor.record_stream(stream)

@@ -1,8 +1,10 @@
 """Public functional attention API on jagged inputs.
 
 Each entry point validates its arguments (clear errors naming the argument) and then runs the
-implementation. Today that is always the PyTorch reference in :mod:`gem_kernels.reference`;
-Triton kernels will be dispatched from these same functions on CUDA.
+implementation. :func:`jagged_flash_attention` dispatches to the Triton kernels of
+:mod:`gem_kernels.jfa_triton` for CUDA float16/bfloat16 inputs (``backend="auto"``) and to the
+PyTorch reference in :mod:`gem_kernels.reference` otherwise; :func:`gdpa` and
+:func:`block_attention` always run the reference today.
 
 Jagged layout: the tokens of all samples concatenated along dim 0, plus an ``offsets`` vector of
 shape ``(B + 1,)`` (see :mod:`gem_kernels.jagged`). All tensors are ``(tokens, heads, head_dim)``.
@@ -19,7 +21,10 @@ import torch
 from gem_kernels import reference
 from gem_kernels.jagged import validate_offsets
 
-__all__ = ["block_attention", "gdpa", "jagged_flash_attention"]
+__all__ = ["JFA_BACKENDS", "block_attention", "gdpa", "jagged_flash_attention"]
+
+#: Accepted values of ``jagged_flash_attention(backend=...)``.
+JFA_BACKENDS = ("auto", "triton", "reference")
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FLOAT_DTYPE_NAMES = "float16, bfloat16, float32 or float64"
@@ -184,6 +189,7 @@ def jagged_flash_attention(
     window: tuple[int | None, int | None] | None = None,
     rel_pos_bias: torch.Tensor | None = None,
     jagged_bias: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Softmax attention of each sample's queries over its own keys (jagged layout).
 
@@ -202,6 +208,13 @@ def jagged_flash_attention(
             ``clamp(p - j + N // 2, 0, N - 1)`` (distance 0 is the middle entry).
         jagged_bias: ``(H, sum_b Lq_b * Lk_b)`` additive bias, each sample's row-major
             ``Lq_b x Lk_b`` block concatenated over samples.
+        backend: ``"auto"`` (default): the Triton kernels when q is a CUDA float16/bfloat16
+            tensor and the call is within their limits, the PyTorch reference otherwise (CPU,
+            float32/float64, head_dim > 256, ``rel_pos_bias`` with more than 2048 buckets, or
+            Triton not importable); both compute the same function. ``"triton"``: the kernels
+            or a ``ValueError`` saying why they cannot run (CPU tensors only under
+            ``TRITON_INTERPRET=1``; float32 runs with IEEE-exact dot products).
+            ``"reference"``: always the PyTorch reference.
 
     Returns:
         ``(Tq, H, D)`` in q's dtype. Rows that see no key (empty KV, or fully masked) are 0.
@@ -223,6 +236,35 @@ def jagged_flash_attention(
                 f"jagged_bias must have shape (H, sum_b Lq_b * Lk_b) = ({q.shape[1]}, {expected}), "
                 f"got {tuple(jagged_bias.shape)}"
             )
+    if backend not in JFA_BACKENDS:
+        raise ValueError(f"backend must be one of {JFA_BACKENDS}, got {backend!r}")
+    if backend != "reference":
+        use_triton = backend == "triton" or (
+            q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+        )
+        if use_triton:
+            # Imported here so that the reference path never loads Triton.
+            from gem_kernels import jfa_triton
+
+            reason = jfa_triton.triton_unsupported_reason(
+                q, rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias
+            )
+            if reason is None:
+                return jfa_triton.jagged_flash_attention_from_lengths(
+                    q,
+                    k,
+                    v,
+                    q_lengths,
+                    k_lengths,
+                    scale=resolved_scale,
+                    causal=causal,
+                    window=resolved_window,
+                    rel_pos_bias=rel_pos_bias,
+                    jagged_bias=jagged_bias,
+                )
+            if backend == "triton":
+                raise ValueError(f"backend='triton' cannot run this call: {reason}")
+            # backend="auto": documented fallback to the reference (same function).
     return reference.jagged_flash_attention_reference(
         q,
         k,

@@ -1,6 +1,6 @@
 """gem-model: the GEM recommendation model (torchrec embeddings, jagged sequence tower, DHEN, CTR/CVR heads)."""
 
-from gem_model.config import GemModelConfig
+from gem_model.config import GemArchitecture, GemModelConfig
 from gem_model.dhen import AttentionExpert, CrossExpert, DHENLayer, MLPExpert
 from gem_model.model import GemModel
 from gem_model.sequence import (
@@ -12,6 +12,7 @@ from gem_model.sequence import (
 __all__ = [
     "GemModel",
     "GemModelConfig",
+    "GemArchitecture",
     "DHENLayer",
     "AttentionExpert",
     "MLPExpert",

@@ -4,33 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["GemModelConfig"]
+__all__ = ["GemArchitecture", "GemModelConfig"]
 
 _SELF_ATTENTION_KINDS = ("jagged_flash", "block")
 _EXPERT_KINDS = ("attention", "mlp", "cross")
 
 
 @dataclass(frozen=True)
-class GemModelConfig:
-    """Sizes and switches of the GEM model.
+class GemArchitecture:
+    """The model's own choices: widths, depths and which attention and experts it uses."""
 
-    Feature names and cardinalities usually come from the dataset description
-    (``gem_data.DatasetInfo``); everything else is a model choice.
-    """
-
-    sequence_features: dict[str, int]
-    """Per-token history features (name -> number of ids). Their embeddings are summed into one token."""
-    sparse_features: dict[str, int]
-    """Non-sequence sparse features (name -> number of ids), each pooled into one feature token."""
-    num_dense_features: int
-    """Width of the dense feature vector, projected into one feature token."""
-    max_seq_len: int
-    """Longest history the model accepts; sizes the recency embedding."""
-    candidate_feature: str = "ad_category_id"
-    """Sparse feature whose embedding is the query of the candidate-to-history cross-attention."""
-    candidate_history_feature: str = "hist_category_ids"
-    """Sequence feature sharing its embedding table with ``candidate_feature`` (same id space),
-    so the cross-attention compares the ad and the history in one embedding space."""
     embedding_dim: int = 32
     """Width of every embedding table and of every token (d_model)."""
     num_heads: int = 2
@@ -49,20 +32,11 @@ class GemModelConfig:
     """Experts of every DHEN layer; their outputs are summed (so they can be split across ranks)."""
     expert_hidden_dim: int = 128
     """Hidden width of the MLP expert and of the task heads."""
-    tasks: tuple[str, ...] = ("ctr", "cvr")
-    """One logit per task, in this order."""
-    task_base_rates: tuple[float, ...] | None = None
-    """Positive rate of each task in the training data; starts each head at that rate's log-odds
-    instead of 0.5, so early steps learn features instead of the bias."""
-    use_sequence_tower: bool = True
-    """False removes the history entirely (the no-sequence reference model)."""
     dropout: float = 0.0
     """Dropout in the DHEN layers and heads."""
-    extra: dict[str, float] = field(default_factory=dict)
-    """Free-form numbers recorded with the config (not used by the model)."""
 
     def __post_init__(self) -> None:
-        if self.embedding_dim <= 0 or self.embedding_dim % self.num_heads:
+        if self.embedding_dim <= 0 or self.num_heads <= 0 or self.embedding_dim % self.num_heads:
             raise ValueError(
                 f"embedding_dim must be a positive multiple of num_heads ({self.num_heads}), "
                 f"got {self.embedding_dim}"
@@ -74,8 +48,51 @@ class GemModelConfig:
         unknown = [e for e in self.dhen_experts if e not in _EXPERT_KINDS]
         if unknown or not self.dhen_experts:
             raise ValueError(
-                f"dhen_experts must be a non-empty tuple drawn from {_EXPERT_KINDS}, got {self.dhen_experts}"
+                f"dhen_experts must be a non-empty tuple drawn from {_EXPERT_KINDS}, "
+                f"got {self.dhen_experts}"
             )
+        for name in ("num_sequence_layers", "dhen_layers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("pma_queries", "expert_hidden_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass(frozen=True)
+class GemModelConfig:
+    """The GEM model: the data's features plus a ``GemArchitecture``.
+
+    Feature names and cardinalities usually come from the dataset description
+    (``gem_data.DatasetInfo``).
+    """
+
+    sequence_features: dict[str, int]
+    """Per-token history features (name -> number of ids). Their embeddings are summed into one token."""
+    sparse_features: dict[str, int]
+    """Non-sequence sparse features (name -> number of ids), each pooled into one feature token."""
+    num_dense_features: int
+    """Width of the dense feature vector, projected into one feature token."""
+    max_seq_len: int
+    """Longest history the model accepts; sizes the recency embedding."""
+    candidate_feature: str = "ad_category_id"
+    """Sparse feature whose embedding is the query of the candidate-to-history cross-attention."""
+    candidate_history_feature: str = "hist_category_ids"
+    """Sequence feature sharing its embedding table with ``candidate_feature`` (same id space),
+    so the cross-attention compares the ad and the history in one embedding space."""
+    tasks: tuple[str, ...] = ("ctr", "cvr")
+    """One logit per task, in this order."""
+    task_base_rates: tuple[float, ...] | None = None
+    """Positive rate of each task in the training data; starts each head at that rate's log-odds
+    instead of 0.5, so early steps learn features instead of the bias."""
+    use_sequence_tower: bool = True
+    """False removes the history entirely (the no-sequence reference model)."""
+    architecture: GemArchitecture = field(default_factory=GemArchitecture)
+    """Widths, depths, attention kinds and experts."""
+
+    def __post_init__(self) -> None:
         if self.candidate_feature not in self.sparse_features:
             raise ValueError(
                 f"candidate_feature {self.candidate_feature!r} is not in sparse_features "
@@ -89,19 +106,10 @@ class GemModelConfig:
                     f"candidate_history_feature {self.candidate_history_feature!r} is not in "
                     f"sequence_features {sorted(self.sequence_features)}"
                 )
-        for name, value in (
-            ("max_seq_len", self.max_seq_len),
-            ("pma_queries", self.pma_queries),
-            ("num_sequence_layers", self.num_sequence_layers),
-            ("dhen_layers", self.dhen_layers),
-            ("expert_hidden_dim", self.expert_hidden_dim),
-            ("num_dense_features", self.num_dense_features),
-        ):
-            if value < 0 or (
-                value == 0
-                and name not in ("num_dense_features", "dhen_layers", "num_sequence_layers")
-            ):
-                raise ValueError(f"{name} must be positive, got {value}")
+        if self.max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")
+        if self.num_dense_features < 0:
+            raise ValueError(f"num_dense_features must be >= 0, got {self.num_dense_features}")
         if not self.tasks:
             raise ValueError("tasks must name at least one task")
         if self.task_base_rates is not None and (

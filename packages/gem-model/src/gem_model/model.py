@@ -59,7 +59,8 @@ class GemModel(nn.Module):
     def __init__(self, config: GemModelConfig, device: torch.device | None = None) -> None:
         super().__init__()
         self.config = config
-        dim = config.embedding_dim
+        arch = config.architecture
+        dim = arch.embedding_dim
         use_sequence = config.use_sequence_tower
         # Meta-device tables are materialised by DMP; dense layers are always real.
         table_device = device
@@ -114,20 +115,18 @@ class GemModel(nn.Module):
             # sublayer outputs, which would otherwise drown the history signal.
             self.token_norm = nn.LayerNorm(dim)
             self.sequence_layers = nn.ModuleList(
-                JaggedSelfAttentionLayer(
-                    dim, config.num_heads, config.self_attention, config.dropout
-                )
-                for _ in range(config.num_sequence_layers)
+                JaggedSelfAttentionLayer(dim, arch.num_heads, arch.self_attention, arch.dropout)
+                for _ in range(arch.num_sequence_layers)
             )
             self.sequence_norm = nn.LayerNorm(dim)
             self.pma = PoolingByMultiheadAttention(
-                dim, config.num_heads, config.pma_queries, config.sequence_activation
+                dim, arch.num_heads, arch.pma_queries, arch.sequence_activation
             )
             self.cross_attention = CandidateCrossAttention(
-                dim, config.num_heads, config.sequence_activation
+                dim, arch.num_heads, arch.sequence_activation
             )
             # PMA tokens, the cross-attention token, and the candidate's own embedding.
-            num_tokens += config.pma_queries + 2
+            num_tokens += arch.pma_queries + 2
 
         self.num_tokens = num_tokens
         self.interaction = nn.Sequential(
@@ -135,22 +134,22 @@ class GemModel(nn.Module):
                 DHENLayer(
                     num_tokens,
                     dim,
-                    config.num_heads,
-                    config.dhen_experts,
-                    config.expert_hidden_dim,
-                    config.dropout,
+                    arch.num_heads,
+                    arch.dhen_experts,
+                    arch.expert_hidden_dim,
+                    arch.dropout,
                 )
-                for _ in range(config.dhen_layers)
+                for _ in range(arch.dhen_layers)
             )
         )
         self.interaction_norm = nn.LayerNorm(dim)
         self.heads = nn.ModuleDict(
             {
                 task: nn.Sequential(
-                    nn.Linear(num_tokens * dim, config.expert_hidden_dim),
+                    nn.Linear(num_tokens * dim, arch.expert_hidden_dim),
                     nn.GELU(),
-                    nn.Dropout(config.dropout),
-                    nn.Linear(config.expert_hidden_dim, 1),
+                    nn.Dropout(arch.dropout),
+                    nn.Linear(arch.expert_hidden_dim, 1),
                 )
                 for task in config.tasks
             }

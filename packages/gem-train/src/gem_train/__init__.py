@@ -1,14 +1,13 @@
 """gem-train: recipes, the trainer (torchrec DMP, AdamW + fused sparse optimizer), NE/AUC, DCP checkpoints, CLI."""
 
 from gem_train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from gem_train.config import DataConfig, ModelOptions, OptimConfig, TrainConfig, apply_overrides
+from gem_train.config import DataConfig, OptimConfig, TrainConfig, apply_overrides
 from gem_train.metrics import auc, normalized_entropy
 from gem_train.recipes import RECIPES, get_recipe, tiny
 from gem_train.trainer import Trainer, init_distributed, resolve_device
 
 __all__ = [
     "DataConfig",
-    "ModelOptions",
     "OptimConfig",
     "TrainConfig",
     "apply_overrides",

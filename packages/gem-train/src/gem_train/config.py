@@ -6,7 +6,9 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
-__all__ = ["DataConfig", "ModelOptions", "OptimConfig", "TrainConfig", "apply_overrides"]
+from gem_model import GemArchitecture
+
+__all__ = ["DataConfig", "OptimConfig", "TrainConfig", "apply_overrides"]
 
 
 @dataclass
@@ -27,32 +29,6 @@ class DataConfig:
     """Parquet files per split."""
     workers: int = 2
     """Processes generating shards in parallel."""
-
-
-@dataclass
-class ModelOptions:
-    """Model choices; feature names and cardinalities come from the dataset."""
-
-    embedding_dim: int = 32
-    """Width of the embeddings and every token."""
-    num_heads: int = 2
-    """Attention heads of the sequence tower and the attention expert."""
-    num_sequence_layers: int = 1
-    """Self-attention layers over the history."""
-    self_attention: str = "jagged_flash"
-    """'jagged_flash' or 'block'."""
-    pma_queries: int = 4
-    """Learned PMA queries (pooled history tokens)."""
-    sequence_activation: str = "silu"
-    """GDPA activation of PMA and cross-attention."""
-    dhen_layers: int = 2
-    """DHEN interaction layers."""
-    dhen_experts: tuple[str, ...] = ("attention", "mlp", "cross")
-    """Experts of each DHEN layer."""
-    expert_hidden_dim: int = 128
-    """Hidden width of the MLP expert and of the heads."""
-    dropout: float = 0.0
-    """Dropout in DHEN and heads."""
 
 
 @dataclass
@@ -78,7 +54,8 @@ class TrainConfig:
     recipe: str = "custom"
     """Name of the recipe that produced this config (for the logs)."""
     data: DataConfig = field(default_factory=DataConfig)
-    model: ModelOptions = field(default_factory=ModelOptions)
+    model: GemArchitecture = field(default_factory=GemArchitecture)
+    """Model choices; feature names and cardinalities come from the dataset."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     seed: int = 0
     """Seed of parameter init and data order."""
@@ -123,29 +100,36 @@ def _convert(value: str, annotation: object, name: str) -> object:
     raise ValueError(f"override {name}: cannot parse a value of type {annotation}")
 
 
+def _override(target: object, path: list[str], value: str, full_path: str) -> object:
+    """A copy of dataclass ``target`` with the field at ``path`` parsed from ``value``.
+
+    Built with ``dataclasses.replace``, so frozen configs work and their checks run again.
+    """
+    name, rest = path[0], path[1:]
+    fields = {f.name: f for f in dataclasses.fields(target)}
+    if name not in fields:
+        kind = "section" if rest else "field"
+        raise ValueError(
+            f"override {full_path!r}: unknown {kind} {name!r}; known: {sorted(fields)}"
+        )
+    current = getattr(target, name)
+    if rest:
+        if not dataclasses.is_dataclass(current):
+            raise ValueError(f"override {full_path!r}: {name!r} is a field, not a section")
+        return dataclasses.replace(target, **{name: _override(current, rest, value, full_path)})
+    if dataclasses.is_dataclass(current):
+        raise ValueError(f"override {full_path!r}: {name!r} is a section; name one of its fields")
+    try:
+        return dataclasses.replace(target, **{name: _convert(value, fields[name].type, full_path)})
+    except ValueError as error:
+        raise ValueError(f"override {full_path!r}: {error}") from error
+
+
 def apply_overrides(config: TrainConfig, overrides: list[str]) -> TrainConfig:
-    """Returns ``config`` with ``section.field=value`` (or ``field=value``) overrides applied."""
-    config = dataclasses.replace(
-        config,
-        data=dataclasses.replace(config.data),
-        model=dataclasses.replace(config.model),
-        optim=dataclasses.replace(config.optim),
-    )
+    """Returns a copy of ``config`` with ``section.field=value`` (or ``field=value``) overrides."""
     for override in overrides:
         if "=" not in override:
             raise ValueError(f"override {override!r} must look like section.field=value")
         path, value = override.split("=", 1)
-        *sections, name = path.strip().split(".")
-        target = config
-        for section in sections:
-            if not dataclasses.is_dataclass(getattr(target, section, None)):
-                raise ValueError(f"override {path!r}: unknown section {section!r}")
-            target = getattr(target, section)
-        fields = {f.name: f for f in dataclasses.fields(target)}
-        if name not in fields or dataclasses.is_dataclass(getattr(target, name)):
-            raise ValueError(f"override {path!r}: unknown field {name!r}; known: {sorted(fields)}")
-        try:
-            setattr(target, name, _convert(value, fields[name].type, path))
-        except ValueError as error:
-            raise ValueError(f"override {path!r}: {error}") from error
+        config = _override(config, path.strip().split("."), value, path.strip())
     return config

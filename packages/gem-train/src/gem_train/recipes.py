@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gem_train.config import DataConfig, ModelOptions, TrainConfig
+from gem_model import GemArchitecture
+
+from gem_train.config import DataConfig, TrainConfig
 
 __all__ = ["RECIPES", "get_recipe", "tiny"]
 
@@ -15,7 +17,7 @@ def tiny() -> TrainConfig:
     return TrainConfig(
         recipe="tiny",
         data=DataConfig(directory="data/tiny", num_train=200_000, num_eval=10_000, max_seq_len=128),
-        model=ModelOptions(embedding_dim=32, num_heads=2, num_sequence_layers=1, dhen_layers=2),
+        model=GemArchitecture(embedding_dim=32, num_heads=2, num_sequence_layers=1, dhen_layers=2),
         batch_size=256,
         epochs=1,
         output_dir="runs/tiny",

@@ -7,7 +7,6 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +64,6 @@ def model_config(
     config: TrainConfig, dataset: DatasetInfo, *, use_sequence_tower: bool
 ) -> GemModelConfig:
     """The model config for ``dataset``'s features and the recipe's model options."""
-    options = asdict(config.model)
-    options["dhen_experts"] = tuple(options["dhen_experts"])
     return GemModelConfig(
         sequence_features=dict(dataset.sequence_features),
         sparse_features=dict(dataset.sparse_features),
@@ -76,7 +73,7 @@ def model_config(
         task_base_rates=tuple(dataset.label_means[task] for task in ("ctr", "cvr"))
         if dataset.label_means
         else None,
-        **options,
+        architecture=config.model,
     )
 
 

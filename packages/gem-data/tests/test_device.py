@@ -1,0 +1,67 @@
+"""DevicePrefetcher and Batch stream helpers: CPU pass-through here, the CUDA path under `gpu`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gem_data import Batch, DevicePrefetcher, ShardedBatchLoader
+
+
+def _same(left: Batch, right: Batch) -> None:
+    for name in ("sequence_features", "sparse_features"):
+        a, b = getattr(left, name), getattr(right, name)
+        assert a.keys() == b.keys()
+        assert torch.equal(a.values().cpu(), b.values().cpu())
+        assert torch.equal(a.lengths().cpu(), b.lengths().cpu())
+    for name in (
+        "sequence_offsets",
+        "sequence_timestamps",
+        "dense_features",
+        "labels",
+        "label_probs",
+        "sample_indices",
+    ):
+        assert torch.equal(getattr(left, name).cpu(), getattr(right, name).cpu()), name
+
+
+def test_cpu_prefetcher_passes_batches_through(dataset):
+    loader = ShardedBatchLoader(dataset.directory, 64, seed=1, sub_batch_size=16)
+    reference = list(ShardedBatchLoader(dataset.directory, 64, seed=1, sub_batch_size=16))
+    prefetcher = DevicePrefetcher(loader, "cpu", depth=2)
+    assert len(prefetcher) == len(loader)
+    moved = list(prefetcher)
+    assert len(moved) == len(reference)
+    for left, right in zip(moved, reference, strict=True):
+        _same(left, right)
+        assert left.dense_features.device.type == "cpu"
+
+
+def test_prefetcher_arguments():
+    with pytest.raises(ValueError, match="depth"):
+        DevicePrefetcher([], "cpu", depth=0)
+    assert list(DevicePrefetcher([], "cpu")) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_prefetch_on_side_stream(dataset):
+    loader = ShardedBatchLoader(dataset.directory, 64, seed=1, sub_batch_size=16)
+    assert loader.pin_memory  # CUDA is available: batches come pinned
+    reference = list(ShardedBatchLoader(dataset.directory, 64, seed=1, pin_memory=False))
+    first = next(iter(ShardedBatchLoader(dataset.directory, 64, seed=1)))
+    assert first.is_pinned()
+    compute = torch.cuda.Stream()
+    with torch.cuda.stream(compute):  # the consumer works on a non-default stream
+        sums = []
+        moved = []
+        for batch in DevicePrefetcher(loader, "cuda", depth=2):
+            assert batch.dense_features.is_cuda and batch.sequence_features.values().is_cuda
+            # Work on the consumer stream right away: it must see the finished copy.
+            sums.append((batch.dense_features.double().sum(), batch.sequence_offsets[-1]))
+            moved.append(batch)
+    torch.cuda.synchronize()
+    assert len(moved) == len(reference)
+    for (dense_sum, total), left, right in zip(sums, moved, reference, strict=True):
+        _same(left, right)
+        assert dense_sum.item() == pytest.approx(right.dense_features.double().sum().item())
+        assert total.item() == right.sequence_offsets[-1].item()

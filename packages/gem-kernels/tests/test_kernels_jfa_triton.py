@@ -1,0 +1,328 @@
+"""Triton jagged flash attention vs the naive float64 oracle (forward and every gradient).
+
+CPU tests run the kernels under the Triton interpreter: the ``interpret`` fixture sets
+``TRITON_INTERPRET=1`` through monkeypatch before any kernel is launched (gem_kernels.jfa_triton
+loads an interpreted copy of the kernel module at call time, so the variable need not be set
+before import) and removes it afterwards, which leaves the rest of the suite untouched.
+Interpreter tiles are 16x16 and head_dim 16, so lengths 1, 5, 17, 37 cross tile edges.
+GPU tests (``-m gpu``) use the compiled kernels on larger shapes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gem_kernels import jagged_flash_attention
+from gem_kernels import jfa_triton
+from gem_kernels.jfa_triton import (
+    JfaTritonConfig,
+    jagged_flash_attention_from_lengths,
+    jagged_flash_attention_triton,
+)
+from gem_kernels.reference import jagged_flash_attention_reference
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kernels_naive import naive_jfa, offsets_of
+
+H, D = 2, 16
+SELF_LENGTHS = [0, 1, 5, 37, 16, 0, 17, 33]  # empty, 1, multiple of the tile and not
+LONG_SKEWED = [150, 2, 2, 0, 1, 3]  # one sequence much longer than the rest
+CROSS_Q = [0, 1, 5, 9, 2, 40, 6, 20]
+CROSS_K = [3, 0, 17, 4, 1, 20, 6, 45]  # Lk = 0 with Lq > 0, Lq = 0 with Lk > 0, Lq <> Lk
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _inputs(q_lengths, k_lengths, *, seed, dtype=torch.float32, heads=H, dim=D, rel=None,
+            jagged=False):  # fmt: skip
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {
+        "q": torch.randn(sum(q_lengths), heads, dim, generator=gen),
+        "k": torch.randn(sum(k_lengths), heads, dim, generator=gen),
+        "v": torch.randn(sum(k_lengths), heads, dim, generator=gen),
+    }
+    if rel is not None:
+        tensors["rel_pos_bias"] = torch.randn(heads, rel, generator=gen)
+    if jagged:
+        pairs = sum(a * b for a, b in zip(q_lengths, k_lengths, strict=True))
+        tensors["jagged_bias"] = torch.randn(heads, pairs, generator=gen)
+    return {name: t.to(dtype) for name, t in tensors.items()}
+
+
+def _check_grads(q_lengths, k_lengths, tensors, *, tol, config=None, **options):
+    """Output and every gradient of the Triton path against the float64 oracle."""
+    leaves = {n: t.clone().requires_grad_(True) for n, t in tensors.items()}
+    oracle_leaves = {n: t.double().requires_grad_(True) for n, t in tensors.items()}
+    biases = {n: leaves[n] for n in ("rel_pos_bias", "jagged_bias") if n in leaves}
+    out = jagged_flash_attention_triton(
+        leaves["q"],
+        leaves["k"],
+        leaves["v"],
+        offsets_of(q_lengths),
+        offsets_of(k_lengths),
+        **biases,
+        config=config,
+        **options,
+    )
+    expected = naive_jfa(
+        oracle_leaves["q"],
+        oracle_leaves["k"],
+        oracle_leaves["v"],
+        q_lengths,
+        k_lengths,
+        rel_pos_bias=oracle_leaves.get("rel_pos_bias"),
+        jagged_bias=oracle_leaves.get("jagged_bias"),
+        **options,
+    )
+    assert out.dtype == tensors["q"].dtype and out.shape == expected.shape
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    (out.double() * grad_out).sum().backward()
+    (expected * grad_out).sum().backward()
+    for name, leaf in leaves.items():
+        reference_grad = oracle_leaves[name].grad
+        if reference_grad is None:
+            reference_grad = torch.zeros_like(oracle_leaves[name])
+        assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype, name
+        assert torch.isfinite(leaf.grad).all(), name
+        # Scale-aware tolerance: gradients of biases can be ~0 analytically (one bucket).
+        scale = max(1.0, reference_grad.abs().max().item())
+        torch.testing.assert_close(
+            leaf.grad.double(), reference_grad, atol=tol * scale, rtol=tol, msg=f"grad of {name}"
+        )
+    return out
+
+
+CASES = [
+    (False, None),
+    (True, None),
+    (False, (3, 2)),
+    (True, (20, None)),
+    (False, (None, 0)),
+    (False, (0, 0)),
+    (False, (18, 40)),
+]
+
+
+@pytest.mark.parametrize(("causal", "window"), CASES)
+def test_self_attention_matches_oracle(interpret, causal, window):
+    tensors = _inputs(SELF_LENGTHS, SELF_LENGTHS, seed=1)
+    _check_grads(SELF_LENGTHS, SELF_LENGTHS, tensors, tol=2e-5, causal=causal, window=window)
+
+
+@pytest.mark.parametrize(("causal", "window"), [(False, None), (True, None), (False, (4, 1)), (True, (6, None))])
+def test_cross_attention_bottom_right_alignment(interpret, causal, window):
+    tensors = _inputs(CROSS_Q, CROSS_K, seed=2)
+    _check_grads(CROSS_Q, CROSS_K, tensors, tol=2e-5, causal=causal, window=window, scale=0.3)
+
+
+@pytest.mark.parametrize("window", [None, (40, 0)])
+def test_one_long_sequence(interpret, window):
+    tensors = _inputs(LONG_SKEWED, LONG_SKEWED, seed=3)
+    _check_grads(LONG_SKEWED, LONG_SKEWED, tensors, tol=2e-5, causal=True, window=window)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tol"), [(torch.float16, 3e-3), (torch.bfloat16, 3e-2)]
+)
+def test_half_precision_inputs(interpret, dtype, tol):
+    tensors = _inputs(CROSS_Q, CROSS_K, seed=4, dtype=dtype, rel=9, jagged=True)
+    _check_grads(CROSS_Q, CROSS_K, tensors, tol=tol, causal=True)
+
+
+@pytest.mark.parametrize(
+    ("num_buckets", "causal", "window"),
+    [(1, False, None), (2, True, None), (7, True, (5, None)), (40, False, (5, 3)), (64, False, None)],
+)
+def test_biases_and_their_gradients(interpret, num_buckets, causal, window):
+    tensors = _inputs(CROSS_Q, CROSS_K, seed=5, rel=num_buckets, jagged=True)
+    _check_grads(CROSS_Q, CROSS_K, tensors, tol=2e-5, causal=causal, window=window)
+
+
+def test_each_bias_alone(interpret):
+    for rel, jagged in ((33, False), (None, True)):
+        tensors = _inputs(SELF_LENGTHS, SELF_LENGTHS, seed=6, rel=rel, jagged=jagged)
+        _check_grads(SELF_LENGTHS, SELF_LENGTHS, tensors, tol=2e-5, causal=True)
+
+
+def test_fully_masked_rows_are_zero_with_zero_grads(interpret):
+    # Causal with Lq > Lk: the first Lq - Lk queries of a sample see no key at all.
+    q_lengths, k_lengths = [6, 20], [2, 0]
+    tensors = _inputs(q_lengths, k_lengths, seed=8)
+    out = _check_grads(q_lengths, k_lengths, tensors, tol=2e-5, causal=True)
+    assert (out[:4] == 0).all() and (out[6:] == 0).all()
+    assert (out[4:6] != 0).any()
+
+
+@pytest.mark.parametrize("lengths", [[], [0, 0, 0]])
+def test_empty_batches(interpret, lengths):
+    tensors = _inputs(lengths, lengths, seed=0)
+    q = tensors["q"].requires_grad_(True)
+    out = jagged_flash_attention_triton(q, tensors["k"], tensors["v"], offsets_of(lengths))
+    assert out.shape == (0, H, D)
+    out.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape
+
+
+def test_backward_is_deterministic(interpret):
+    tensors = _inputs(LONG_SKEWED, LONG_SKEWED, seed=9, rel=24, jagged=True)
+    grads = []
+    for _ in range(2):
+        leaves = {n: t.clone().requires_grad_(True) for n, t in tensors.items()}
+        out = jagged_flash_attention_from_lengths(
+            leaves["q"], leaves["k"], leaves["v"], torch.tensor(LONG_SKEWED), causal=True,
+            rel_pos_bias=leaves["rel_pos_bias"], jagged_bias=leaves["jagged_bias"],
+        )  # fmt: skip
+        out.square().sum().backward()
+        grads.append([leaves[n].grad for n in sorted(leaves)])
+    for first, second in zip(*grads, strict=True):
+        assert torch.equal(first, second)
+
+
+def test_other_tile_shapes(interpret):
+    """Rectangular tiles (dK/dV keys 32 x queries 16, forward 16 x 32) give the same result."""
+    config = JfaTritonConfig(16, 32, 1, 1, 32, 16, 32, 16, 1, 1)
+    tensors = _inputs(CROSS_Q, CROSS_K, seed=10, rel=11, jagged=True)
+    _check_grads(CROSS_Q, CROSS_K, tensors, tol=2e-5, causal=True, window=(7, None), config=config)
+
+
+def test_plan_has_only_real_tiles_longest_first():
+    q_lengths = torch.tensor([0, 1, 16, 17, 100, 0, 5])
+    k_lengths = torch.tensor([3, 0, 16, 40, 100, 2, 5])
+    config = jfa_triton.default_config(D, interpret=True)
+    plan = jfa_triton._plan(q_lengths, k_lengths, None, 0, config, torch.device("cpu"), True)
+    expected_q_tiles = sum(-(-int(n) // 16) for n in q_lengths)
+    expected_k_tiles = sum(-(-int(n) // 16) for n in k_lengths)
+    assert plan.fwd.shape == (expected_q_tiles, 8)
+    assert plan.dkdv.shape == (expected_k_tiles, 8)
+    # Every (sample, tile) pair appears exactly once.
+    pairs = {(int(r[0]), int(r[4])) for r in plan.fwd}
+    assert len(pairs) == expected_q_tiles
+    # Longest first: the 100-long sample's last (causal: heaviest) tile leads.
+    work = torch.minimum(plan.fwd[:, 3], plan.fwd[:, 4] + 16 + plan.fwd[:, 3] - plan.fwd[:, 1])
+    assert torch.all(work[:-1] >= work[1:])
+    assert int(plan.fwd[0, 1]) == 100 and int(plan.fwd[0, 4]) == 96
+
+
+def test_public_entry_point_dispatch(interpret, monkeypatch):
+    lengths = [3, 0, 20]
+    tensors = _inputs(lengths, lengths, seed=11)
+    offsets = offsets_of(lengths)
+    args = (tensors["q"], tensors["k"], tensors["v"], offsets)
+    via_triton = jagged_flash_attention(*args, causal=True, backend="triton")
+    via_reference = jagged_flash_attention(*args, causal=True, backend="reference")
+    torch.testing.assert_close(via_triton, via_reference, atol=1e-5, rtol=1e-5)
+
+    # "auto" on CPU float32 is the reference even under the interpreter.
+    def boom(*_, **__):
+        raise AssertionError("auto must not run the Triton path on CPU")
+
+    monkeypatch.setattr(jfa_triton, "jagged_flash_attention_from_lengths", boom)
+    torch.testing.assert_close(jagged_flash_attention(*args, causal=True), via_reference)
+
+
+def test_backend_errors(monkeypatch):
+    lengths = [3, 4]
+    tensors = _inputs(lengths, lengths, seed=12)
+    args = (tensors["q"], tensors["k"], tensors["v"], offsets_of(lengths))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        jagged_flash_attention(*args, backend="cuda")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        jagged_flash_attention(*args, backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    doubles = [t.double() for t in args[:3]]
+    with pytest.raises(ValueError, match="float64"):
+        jagged_flash_attention(*doubles, args[3], backend="triton")
+    with pytest.raises(ValueError, match="head_dim 320"):
+        wide = torch.zeros(7, 1, 320)
+        jagged_flash_attention(wide, wide, wide, args[3], backend="triton")
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    data=st.data(),
+    batch=st.integers(0, 3),
+    causal=st.booleans(),
+    window=st.one_of(
+        st.none(),
+        st.tuples(st.one_of(st.none(), st.integers(0, 20)), st.one_of(st.none(), st.integers(0, 20))),
+    ),
+    use_rel=st.booleans(),
+    use_jagged=st.booleans(),
+    cross=st.booleans(),
+)
+def test_random_jagged_shapes(data, batch, causal, window, use_rel, use_jagged, cross):
+    q_lengths = data.draw(st.lists(st.integers(0, 40), min_size=batch, max_size=batch))
+    k_lengths = (
+        data.draw(st.lists(st.integers(0, 40), min_size=batch, max_size=batch))
+        if cross
+        else q_lengths
+    )
+    rel = data.draw(st.integers(1, 40)) if use_rel else None
+    tensors = _inputs(q_lengths, k_lengths, seed=data.draw(st.integers(0, 2**16)), heads=1,
+                      rel=rel, jagged=use_jagged)  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        _check_grads(q_lengths, k_lengths, tensors, tol=2e-5, causal=causal, window=window)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU (compiled kernels, larger shapes).
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _gpu_case(q_lengths, k_lengths, dtype, *, seed, heads=4, dim=128, rel=None, jagged=False,
+              **options):  # fmt: skip
+    tensors = {
+        n: t.cuda()
+        for n, t in _inputs(q_lengths, k_lengths, seed=seed, dtype=dtype, heads=heads, dim=dim,
+                            rel=rel, jagged=jagged).items()  # fmt: skip
+    }
+    leaves = {n: t.clone().requires_grad_(True) for n, t in tensors.items()}
+    ref_leaves = {n: t.float().requires_grad_(True) for n, t in tensors.items()}
+    biases = {n: leaves[n] for n in ("rel_pos_bias", "jagged_bias") if n in leaves}
+    ref_biases = {n: ref_leaves[n] for n in biases}
+    q_off, k_off = offsets_of(q_lengths), offsets_of(k_lengths)
+    out = jagged_flash_attention(
+        leaves["q"], leaves["k"], leaves["v"], q_off, k_off, backend="triton", **biases, **options
+    )
+    expected = jagged_flash_attention_reference(
+        ref_leaves["q"], ref_leaves["k"], ref_leaves["v"], q_off, k_off, **ref_biases, **options
+    )
+    grad_out = torch.randn_like(expected)
+    (out.float() * grad_out).sum().backward()
+    (expected * grad_out).sum().backward()
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    pairs = [("out", out.float(), expected)]
+    pairs += [(n, leaves[n].grad.float(), ref_leaves[n].grad) for n in leaves]
+    for name, got, want in pairs:
+        error = (got - want).norm() / want.norm().clamp(min=1e-6)
+        assert torch.isfinite(got).all(), name
+        assert error < tol, (name, float(error))
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("causal", "window"), [(False, None), (True, None), (True, (256, None))])
+def test_gpu_matches_reference(dtype, causal, window, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 1025, (24,), generator=gen).tolist() + [0, 1, 2048]
+    _gpu_case(lengths, lengths, dtype, seed=1, causal=causal, window=window)
+
+
+@pytest.mark.gpu
+@cuda_only
+def test_gpu_cross_attention_with_biases(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q_lengths = [0, 1, 300, 77, 513, 64]
+    k_lengths = [5, 0, 129, 600, 513, 1]
+    _gpu_case(q_lengths, k_lengths, torch.bfloat16, seed=2, rel=257, jagged=True, causal=True,
+              window=(200, None))  # fmt: skip
