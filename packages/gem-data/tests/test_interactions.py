@@ -59,6 +59,13 @@ def ratings_csv(tmp_path_factory, interactions):
 
 def _expected_samples(rows, config: InteractionConfig) -> list[dict]:
     """Independent plain-Python conversion (canonical order: user id, time, file order)."""
+
+    def action(rating: float) -> int:
+        return int(rating >= config.click_threshold) + int(rating >= config.conversion_threshold)
+
+    def category(raw: int) -> int:
+        return _splitmix64(raw) % config.num_category_buckets
+
     users = sorted({u for u, _, _, _ in rows})
     items = sorted({i for _, i, _, _ in rows})
     by_user: dict[int, list] = {u: [] for u in users}
@@ -72,10 +79,6 @@ def _expected_samples(rows, config: InteractionConfig) -> list[dict]:
             time, _, item, rating = events[k]
             earlier = events[:k]
             clicks = sum(r >= config.click_threshold for _, _, _, r in earlier)
-            action = lambda r: int(r >= config.click_threshold) + int(  # noqa: E731
-                r >= config.conversion_threshold
-            )
-            category = lambda raw: _splitmix64(raw) % config.num_category_buckets  # noqa: E731
             samples.append(
                 {
                     "user_id": users.index(user),

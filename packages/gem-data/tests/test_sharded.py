@@ -97,7 +97,15 @@ def test_batch_contents_match_rows(dataset, rows_by_index):
     epoch=st.integers(0, 2),
 )
 def test_ranks_cover_every_sample_once(
-    dataset, world_size, batch_per_sub, sub_batch_size, pool_batches, shuffle, drop_last, balance, epoch
+    dataset,
+    world_size,
+    batch_per_sub,
+    sub_batch_size,
+    pool_batches,
+    shuffle,
+    drop_last,
+    balance,
+    epoch,
 ):
     batch_size = batch_per_sub * sub_batch_size
     seen: list[int] = []
@@ -117,13 +125,17 @@ def test_ranks_cover_every_sample_once(
         )
         loader.load_state_dict({**loader.state_dict(), "epoch": epoch})
         batches = list(loader)
-        assert len(batches) == len(loader) == len(
-            ParquetBatchLoader(
-                dataset.directory,
-                batch_size,
-                rank=rank,
-                world_size=world_size,
-                drop_last=drop_last,
+        assert (
+            len(batches)
+            == len(loader)
+            == len(
+                ParquetBatchLoader(
+                    dataset.directory,
+                    batch_size,
+                    rank=rank,
+                    world_size=world_size,
+                    drop_last=drop_last,
+                )
             )
         )
         lengths.add(len(batches))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -156,3 +157,57 @@ def test_writing_does_not_import_torch(tmp_path):
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_older_description_without_source_reads_as_synthetic(tmp_path, dataset):
+    document = json.loads((dataset.directory / "dataset.json").read_text())
+    for key in ("source", "label_probs_known", "metadata"):
+        document.pop(key, None)
+    (tmp_path / "dataset.json").write_text(json.dumps(document))
+    info = read_dataset_info(tmp_path)
+    assert info.source == "synthetic" and info.label_probs_known
+    assert info.config == dataset.config
+    assert info.file_num_rows == [200, 200, 200]
+
+
+def test_unknown_oracle_ne_is_null_in_json_and_nan_in_python(tmp_path, dataset):
+    document = json.loads((dataset.directory / "dataset.json").read_text())
+    document.update(
+        source="interactions",
+        label_probs_known=False,
+        config=None,
+        oracle_ne={"ctr": None, "cvr": None},
+    )
+    (tmp_path / "dataset.json").write_text(json.dumps(document))
+    info = read_dataset_info(tmp_path)
+    assert info.config is None and not info.label_probs_known
+    assert all(np.isnan(value) for value in info.oracle_ne.values())
+    document["source"] = "scraped"
+    (tmp_path / "dataset.json").write_text(json.dumps(document))
+    with pytest.raises(DatasetFormatError, match="source"):
+        read_dataset_info(tmp_path)
+
+
+def test_synthetic_shards_carry_page_checksums(dataset):
+    # The loaders verify them: a flipped byte in a data page is an error, not garbage.
+    path = dataset.files[0]
+    raw = path.read_bytes()
+    column = pq.ParquetFile(path).metadata.row_group(0).column(2)
+    middle = column.data_page_offset + column.total_compressed_size // 2
+    corrupt = bytearray(raw)
+    corrupt[middle] ^= 0xFF
+    reader = pq.ParquetFile(pa.BufferReader(bytes(corrupt)), page_checksum_verification=True)
+    with pytest.raises(OSError, match="CRC"):
+        reader.read_row_group(0)
+
+
+def test_probabilities_must_be_nan_when_declared_unknown(tmp_path, dataset):
+    from gem_data import ParquetBatchLoader
+
+    directory = tmp_path / "copy"
+    shutil.copytree(dataset.directory, directory)
+    document = json.loads((directory / "dataset.json").read_text())
+    document.update(label_probs_known=False)
+    (directory / "dataset.json").write_text(json.dumps(document))
+    with pytest.raises(DatasetFormatError, match="'click_prob' must be NaN"):
+        ParquetBatchLoader(directory, 8)

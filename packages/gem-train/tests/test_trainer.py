@@ -16,10 +16,18 @@ def test_resume_gives_the_same_next_losses_as_an_uninterrupted_run(small_config,
     reference_losses = uninterrupted.fit(progress=False)
     assert len(reference_losses) == 5
 
-    first = Trainer(dataclasses.replace(config, max_steps=3), train_data, output_dir=tmp_path / "b")
+    first = Trainer(
+        dataclasses.replace(config, max_steps=3, checkpoint_every=1),
+        train_data,
+        output_dir=tmp_path / "b",
+    )
     first.fit(progress=False)
     first.save(tmp_path / "b" / "checkpoints")
     assert latest_checkpoint(tmp_path / "b" / "checkpoints").name == "step_00000003"
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").glob("step_*")) == [
+        "step_00000002",
+        "step_00000003",
+    ], "only the newest two checkpoints are kept"
 
     torch.manual_seed(1234)  # a different init: everything must come from the checkpoint
     resumed = Trainer(config, train_data, output_dir=tmp_path / "c")
@@ -54,3 +62,18 @@ def test_run_trains_evaluates_and_writes_metrics(small_config):
     lines = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     assert any(line["split"] == "train" for line in lines)
     assert any(line["split"] == "eval" and "ne_ctr" in line for line in lines)
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint_in_use(small_config, tmp_path):
+    train_data, _ = prepare_data(small_config.data, progress=False)
+    config = dataclasses.replace(small_config, max_steps=2, checkpoint_every=2)
+    trainer = Trainer(config, train_data, output_dir=tmp_path / "run")
+    trainer.fit(progress=False)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    # A writer killed mid-save leaves only a .partial directory behind.
+    (checkpoints / "step_00000004.partial").mkdir()
+    (checkpoints / "step_00000004.partial" / "garbage.distcp").write_bytes(b"\0" * 10)
+    assert latest_checkpoint(checkpoints).name == "step_00000002"
+    resumed = Trainer(config, train_data, output_dir=tmp_path / "other")
+    assert resumed.resume(checkpoints)
+    assert resumed.step == 2

@@ -308,6 +308,9 @@ class GemMesh:
     sparse: DeviceMesh
     """2-D mesh with dims ``("sparse_replica", "model_parallel")``; ``model_parallel`` is
     contiguous ranks."""
+    expert_replica: DeviceMesh | None = None
+    """1-D mesh over the ranks holding the same experts as this one, one per expert group
+    (stride ``expert``); set by :func:`build_gem_mesh`."""
 
     @property
     def dense_shard_group(self) -> dist.ProcessGroup:
@@ -323,6 +326,14 @@ class GemMesh:
     def expert_group(self) -> dist.ProcessGroup:
         """This rank's expert-parallel group."""
         return self.expert.get_group()
+
+    @property
+    def expert_replica_group(self) -> dist.ProcessGroup:
+        """Ranks holding the same experts (same position in every expert group); expert
+        gradients are summed over it (see ``ExpertParallel.reduce_grads``)."""
+        if self.expert_replica is None:
+            raise ValueError("this GemMesh was built without an expert_replica mesh")
+        return self.expert_replica.get_group()
 
     @property
     def model_parallel_group(self) -> dist.ProcessGroup:
@@ -390,4 +401,14 @@ def build_gem_mesh(
     expert = DeviceMesh.from_group(
         expert_2d.get_group("expert"), device_type, mesh_dim_names=("expert",)
     )
-    return GemMesh(layout=layout, topology=topology, dense=dense, expert=expert, sparse=sparse)
+    expert_replica = DeviceMesh.from_group(
+        expert_2d.get_group("expert_replica"), device_type, mesh_dim_names=("expert_replica",)
+    )
+    return GemMesh(
+        layout=layout,
+        topology=topology,
+        dense=dense,
+        expert=expert,
+        sparse=sparse,
+        expert_replica=expert_replica,
+    )

@@ -36,10 +36,20 @@ def _is_writer() -> bool:
 
 
 def save_checkpoint(
-    root: str | Path, step: int, app_state: dict[str, Any], trainer_state: dict[str, Any]
+    root: str | Path,
+    step: int,
+    app_state: dict[str, Any],
+    trainer_state: dict[str, Any],
+    *,
+    keep_last: int = 2,
 ) -> Path:
     """Saves ``app_state`` (model / optimizer state dicts, possibly sharded) and the JSON-able
-    ``trainer_state`` of this step; returns the final checkpoint directory."""
+    ``trainer_state`` of this step; returns the final checkpoint directory.
+
+    Older complete checkpoints beyond the newest ``keep_last`` are deleted after the new one
+    is in place."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     root = Path(root)
     final = root / f"step_{step:08d}"
     partial = root / f"step_{step:08d}.partial"
@@ -56,6 +66,9 @@ def save_checkpoint(
         pointer = root / "latest.tmp"
         pointer.write_text(final.name)
         os.replace(pointer, root / "latest")
+        complete = sorted(p for p in root.glob("step_*") if p.suffix != ".partial")
+        for old in complete[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
 

@@ -20,6 +20,7 @@ def tiny() -> TrainConfig:
         model=GemArchitecture(embedding_dim=32, num_heads=2, num_sequence_layers=1, dhen_layers=2),
         batch_size=256,
         epochs=1,
+        checkpoint_every=250,
         output_dir="runs/tiny",
         device="cpu",
     )
