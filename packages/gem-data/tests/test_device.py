@@ -47,8 +47,11 @@ def test_prefetcher_arguments():
 def test_cuda_prefetch_on_side_stream(dataset):
     loader = ShardedBatchLoader(dataset.directory, 64, seed=1, sub_batch_size=16)
     assert loader.pin_memory  # CUDA is available: batches come pinned
-    reference = list(ShardedBatchLoader(dataset.directory, 64, seed=1, pin_memory=False))
-    first = next(iter(ShardedBatchLoader(dataset.directory, 64, seed=1)))
+    reference = list(
+        ShardedBatchLoader(dataset.directory, 64, seed=1, sub_batch_size=16, pin_memory=False)
+    )
+    assert not reference[0].is_pinned()
+    first = next(iter(ShardedBatchLoader(dataset.directory, 64, seed=1, sub_batch_size=16)))
     assert first.is_pinned()
     compute = torch.cuda.Stream()
     with torch.cuda.stream(compute):  # the consumer works on a non-default stream

@@ -82,7 +82,8 @@ def test_batch_contents_match_rows(dataset, rows_by_index):
         assert batch.label_probs.tolist() == [
             [row["click_prob"], row["conversion_prob"]] for row in rows
         ]
-        assert not batch.dense_features.is_pinned()  # no CUDA here: pinning is off
+        # Pinned exactly when CUDA is available (pin_memory=None).
+        assert batch.dense_features.is_pinned() == torch.cuda.is_available()
 
 
 @settings(max_examples=25, deadline=None)
@@ -282,6 +283,12 @@ def test_stage_profile_is_recorded(big):
         ({"batch_size": 64, "num_workers": -1}, ValueError, "num_workers"),
         ({"batch_size": 64, "rank": 3, "world_size": 3}, ValueError, "rank"),
         ({"batch_size": 2.0}, TypeError, "batch_size"),
+        pytest.param(
+            {"batch_size": 64, "pin_memory": True},
+            ValueError,
+            "pin_memory",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present"),
+        ),
     ],
 )
 def test_bad_arguments(dataset, kwargs, error, message):

@@ -240,6 +240,7 @@ def simulate_balance(
     cost_model: CostModel = attention_cost,
     balance_cost_model: CostModel | None = None,
     seed: int = 0,
+    rebalance_globally: bool = True,
 ) -> BalanceSimulation:
     """Simulate per-rank step costs without balancing, with BBS and with a global rebalance.
 
@@ -251,7 +252,8 @@ def simulate_balance(
     Step time is assumed proportional to the rank's summed ``cost_model`` cost (compute-bound,
     no overlap); the step waits for the busiest rank. ``balance_cost_model`` (default
     ``cost_model``) is what BBS and the global rebalance sort by, to study a mismatched model.
-    Simulates ``num_pools * pool_batches`` steps.
+    Simulates ``num_pools * pool_batches`` steps; ``rebalance_globally=False`` skips the
+    (slowest) global reference and leaves ``global_`` NaN.
     """
     for name, value, minimum in (
         ("num_ranks", num_ranks, 1),
@@ -273,7 +275,7 @@ def simulate_balance(
     rng = np.random.default_rng(seed)
     none = np.empty((steps, num_ranks))
     bbs = np.empty((steps, num_ranks))
-    best = np.empty(steps)
+    best = np.full(steps, np.nan)
     for pool in range(num_pools):
         true_costs = np.empty((num_ranks, pool_sub_batches))
         sort_costs = np.empty((num_ranks, pool_sub_batches))
@@ -287,7 +289,7 @@ def simulate_balance(
             ].sum(axis=1)
         steps_of_pool = slice(pool * pool_batches, (pool + 1) * pool_batches)
         none[steps_of_pool] = true_costs.reshape(num_ranks, pool_batches, per_batch).sum(-1).T
-        for step in range(pool_batches):
+        for step in range(pool_batches if rebalance_globally else 0):
             window = slice(step * per_batch, (step + 1) * per_batch)
             assignment = global_rebalance(sort_costs[:, window].reshape(-1), num_ranks)
             loads = true_costs[:, window].reshape(-1)[assignment].sum(axis=1)

@@ -126,6 +126,8 @@ class ShardedBatchLoader:
         self.shuffle = bool(shuffle)
         self.drop_last = bool(drop_last)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        if self.pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory=True needs CUDA (pinned memory is for device copies)")
         self.directory = Path(directory)
         self.dataset_info, files, num_dense = dataset_files(self.directory)
         self.files = [Path(path) for path in files]

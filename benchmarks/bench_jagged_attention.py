@@ -1,0 +1,543 @@
+"""Jagged softmax attention on one GPU: gem's Triton kernels against the usual alternatives.
+
+Protocol (shared/BENCHMARKS.md): jagged lengths ``randint(1, Lmax + 1, (B,))`` with a fixed
+seed, H=4, D=128, bf16, (B, Lmax) in {(512, 1024), (128, 4096), (32, 16384)}, causal and not,
+forward and forward+backward, plus a causal sliding window of 256 at L16384 and gem's bias
+variants at B512xL1024. ``triton.testing.do_bench`` medians; every provider is measured in the
+same run. TFLOP/s count useful work only: ``4 * H * D * sum(L^2)`` forward (half of it when
+causal; the exact visible pairs for the window), x3.5 for forward+backward.
+
+Peers: FlexAttention (document mask, ``torch.compile``), flash varlen
+(``aten._flash_attention_forward`` / ``_backward``), nested-jagged SDPA, padded SDPA with the
+flash and cuDNN backends (no mask: padding costs them work that is not counted).
+
+    PYTHONPATH=packages/gem-kernels/src python benchmarks/bench_jagged_attention.py \
+        --out benchmarks/results/h200/jagged_attention.json
+
+Writes the JSON (schema in BENCHMARKS.md) and prints a table. ``--sweep`` first times a few
+tile configurations of gem's kernels at B128xL4096 and uses the fastest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "packages" / "gem-kernels" / "src"))
+
+from gem_kernels import jagged_flash_attention  # noqa: E402
+from gem_kernels.jfa_triton import JfaTritonConfig, default_config  # noqa: E402
+
+H, D = 4, 128
+SHAPES = [(512, 1024), (128, 4096), (32, 16384)]
+WINDOW = 256
+DTYPE = torch.bfloat16
+
+
+def _bench(fn, grad_to_none=None) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(
+        fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"
+    )
+
+
+def _lengths(batch: int, max_len: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1234 + max_len)
+    return torch.randint(1, max_len + 1, (batch,), generator=gen)
+
+
+def _visible_pairs(lengths: torch.Tensor, causal: bool, window: int | None) -> float:
+    lengths = lengths.double()
+    if window is not None:
+        # Query i sees min(i, window) + 1 keys (causal sliding window).
+        full = torch.clamp(lengths - window, min=0)
+        ramp = lengths - full
+        return float((ramp * (ramp + 1) / 2 + full * (window + 1)).sum())
+    squares = float((lengths * lengths).sum())
+    return squares / 2 if causal else squares
+
+
+class Case:
+    """One (shape, mask) case with its inputs, built once and shared by the providers."""
+
+    def __init__(self, batch, max_len, causal, window, device):
+        self.batch, self.max_len, self.causal, self.window = batch, max_len, causal, window
+        self.lengths = _lengths(batch, max_len)
+        self.total = int(self.lengths.sum())
+        self.offsets = torch.zeros(batch + 1, dtype=torch.int64)
+        self.offsets[1:] = torch.cumsum(self.lengths, 0)
+        self.offsets_dev = self.offsets.to(device)
+        gen = torch.Generator(device=device).manual_seed(7)
+        shape = (self.total, H, D)
+        self.q, self.k, self.v = (
+            torch.randn(shape, generator=gen, device=device, dtype=DTYPE) for _ in range(3)
+        )
+        self.grad = torch.randn(shape, generator=gen, device=device, dtype=DTYPE)
+        mask = "causal" if causal else "full"
+        if window is not None:
+            mask = f"causal_window{window}"
+        self.name = f"B{batch}xL{max_len}/{mask}"
+        self.fwd_flops = 4.0 * H * D * _visible_pairs(self.lengths, causal, window)
+
+    def leaves(self):
+        return [t.detach().clone().requires_grad_(True) for t in (self.q, self.k, self.v)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Providers: each returns (fwd_fn, fwd_bwd_fn, grad_leaves) or raises NotImplementedError.
+
+
+def provider_gem(case: Case, config=None, rel=None, jagged=None):
+    window = None if case.window is None else (case.window, None)
+    options = dict(causal=case.causal, window=window)
+
+    def call(q, k, v, **extra):
+        if config is not None:
+            from gem_kernels.jfa_triton import jagged_flash_attention_from_lengths
+
+            return jagged_flash_attention_from_lengths(
+                q, k, v, case.lengths, config=config, **options, **extra
+            )
+        return jagged_flash_attention(q, k, v, case.offsets, backend="triton", **options, **extra)
+
+    biases = {}
+    if rel is not None:
+        biases["rel_pos_bias"] = rel
+    if jagged is not None:
+        biases["jagged_bias"] = jagged
+
+    def fwd():
+        with torch.no_grad():
+            return call(case.q, case.k, case.v, **biases)
+
+    leaves = case.leaves()
+    bias_leaves = {n: b.detach().clone().requires_grad_(True) for n, b in biases.items()}
+
+    def fwd_bwd():
+        out = call(*leaves, **bias_leaves)
+        out.backward(case.grad)
+
+    return fwd, fwd_bwd, leaves + list(bias_leaves.values())
+
+
+def provider_flash_varlen(case: Case):
+    cu = case.offsets_dev.to(torch.int32)
+    max_len = int(case.lengths.max())
+    window = {}
+    if case.window is not None:
+        window = dict(window_size_left=case.window, window_size_right=0)
+
+    def forward(q, k, v):
+        return torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, max_len, max_len, 0.0, case.causal, False, **window
+        )
+
+    def fwd():
+        return forward(case.q, case.k, case.v)[0]
+
+    def fwd_bwd():
+        out, lse, rng, unused, _ = forward(case.q, case.k, case.v)
+        return torch.ops.aten._flash_attention_backward(
+            case.grad, case.q, case.k, case.v, out, lse, cu, cu, max_len, max_len, 0.0,
+            case.causal, rng, unused, **window,
+        )  # fmt: skip
+
+    return fwd, fwd_bwd, None
+
+
+def provider_njt(case: Case):
+    if case.window is not None:
+        raise NotImplementedError("nested-jagged SDPA has no sliding window")
+    offsets = case.offsets_dev
+    max_len = int(case.lengths.max())
+
+    def nest(t):
+        return torch.nested.nested_tensor_from_jagged(
+            t, offsets=offsets, max_seqlen=max_len, min_seqlen=int(case.lengths.min())
+        ).transpose(1, 2)
+
+    def run(q, k, v):
+        return F.scaled_dot_product_attention(nest(q), nest(k), nest(v), is_causal=case.causal)
+
+    def fwd():
+        with torch.no_grad():
+            return run(case.q, case.k, case.v)
+
+    leaves = case.leaves()
+
+    def fwd_bwd():
+        out = run(*leaves).transpose(1, 2).values()
+        out.backward(case.grad)
+
+    return fwd, fwd_bwd, leaves
+
+
+def _padded(case: Case, t: torch.Tensor) -> torch.Tensor:
+    padded = torch.zeros(case.batch, case.max_len, H, D, dtype=t.dtype, device=t.device)
+    sample = torch.repeat_interleave(torch.arange(case.batch), case.lengths)
+    position = torch.arange(case.total) - case.offsets[:-1][sample]
+    padded[sample.to(t.device), position.to(t.device)] = t
+    return padded.transpose(1, 2).contiguous()  # (B, H, L, D)
+
+
+def provider_padded(case: Case, backend):
+    if case.window is not None:
+        raise NotImplementedError("padded SDPA without a mask has no sliding window")
+    from torch.nn.attention import sdpa_kernel
+
+    qp, kp, vp, gp = (_padded(case, t) for t in (case.q, case.k, case.v, case.grad))
+
+    def fwd():
+        with sdpa_kernel([backend]), torch.no_grad():
+            return F.scaled_dot_product_attention(qp, kp, vp, is_causal=case.causal)
+
+    leaves = [t.detach().clone().requires_grad_(True) for t in (qp, kp, vp)]
+
+    def fwd_bwd():
+        with sdpa_kernel([backend]):
+            out = F.scaled_dot_product_attention(*leaves, is_causal=case.causal)
+        out.backward(gp)
+
+    return fwd, fwd_bwd, leaves
+
+
+_FLEX = {}
+
+
+def provider_flex(case: Case):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _FLEX:
+        # One compiled graph per shape, mask and grad mode: lift dynamo's recompile cap (8),
+        # past which flex would run eagerly and materialise the full score matrix.
+        import torch._dynamo
+
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 256)
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    flex = _FLEX["fn"]
+    device = case.q.device
+    doc = torch.repeat_interleave(torch.arange(case.batch), case.lengths).to(device)
+    causal, window = case.causal, case.window
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = doc[q_idx] == doc[kv_idx]
+        if causal:
+            keep = keep & (q_idx >= kv_idx)
+        if window is not None:
+            keep = keep & (q_idx - kv_idx <= window)
+        return keep
+
+    block_mask = create_block_mask(
+        mask_mod, None, None, case.total, case.total, device=device, _compile=True
+    )
+    qf, kf, vf, gf = (
+        t.transpose(0, 1).unsqueeze(0).contiguous() for t in (case.q, case.k, case.v, case.grad)
+    )
+
+    def fwd():
+        with torch.no_grad():
+            return flex(qf, kf, vf, block_mask=block_mask)
+
+    leaves = [t.detach().clone().requires_grad_(True) for t in (qf, kf, vf)]
+
+    def fwd_bwd():
+        out = flex(*leaves, block_mask=block_mask)
+        out.backward(gf)
+
+    return fwd, fwd_bwd, leaves
+
+
+PEERS = {
+    "flex": provider_flex,
+    "flash_varlen": provider_flash_varlen,
+    "njt_sdpa": provider_njt,
+    "sdpa_flash_padded": lambda c: provider_padded(c, _backend("FLASH_ATTENTION")),
+    "sdpa_cudnn_padded": lambda c: provider_padded(c, _backend("CUDNN_ATTENTION")),
+}
+
+
+def _backend(name):
+    from torch.nn.attention import SDPBackend
+
+    return getattr(SDPBackend, name)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.float(), want.float()
+    return float((got - want).norm() / want.norm().clamp(min=1e-12))
+
+
+def _check_against_flash(case: Case, results: dict) -> None:
+    """gem's output and gradients against flash varlen on the same inputs."""
+    try:
+        fwd, _, _ = provider_gem(case)
+        ours = fwd()
+        ref_out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            case.q, case.k, case.v, case.offsets_dev.int(), case.offsets_dev.int(),
+            int(case.lengths.max()), int(case.lengths.max()), 0.0, case.causal, False,
+            **({} if case.window is None else dict(window_size_left=case.window,
+                                                     window_size_right=0)),
+        )  # fmt: skip
+        leaves = case.leaves()
+        window = None if case.window is None else (case.window, None)
+        out = jagged_flash_attention(
+            *leaves, case.offsets, causal=case.causal, window=window, backend="triton"
+        )
+        out.backward(case.grad)
+        ref_grads = torch.ops.aten._flash_attention_backward(
+            case.grad, case.q, case.k, case.v, ref_out, lse, case.offsets_dev.int(),
+            case.offsets_dev.int(), int(case.lengths.max()), int(case.lengths.max()), 0.0,
+            case.causal, rng, unused,
+            **({} if case.window is None else dict(window_size_left=case.window,
+                                                     window_size_right=0)),
+        )  # fmt: skip
+        errors = {"out": _rel_error(ours, ref_out)}
+        for name, leaf, ref in zip("qkv", leaves, ref_grads, strict=True):
+            errors[f"d{name}"] = _rel_error(leaf.grad, ref)
+        results[case.name] = errors
+        print(f"check {case.name}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
+    except Exception as error:  # noqa: BLE001 - report and keep benchmarking
+        results[case.name] = {"error": repr(error)[:300]}
+        print(f"check {case.name} failed: {error!r}"[:400])
+
+
+def _measure(rows, errors, case, provider, make, modes=("fwd", "fwd_bwd")):
+    try:
+        fwd, fwd_bwd, leaves = make()
+    except NotImplementedError as why:
+        print(f"skip {case.name} {provider}: {why}")
+        return {}
+    except Exception as error:  # noqa: BLE001
+        errors.append(f"{case.name} {provider} setup: {error!r}"[:400])
+        print(errors[-1])
+        traceback.print_exc(limit=2)
+        return {}
+    times = {}
+    for mode in modes:
+        fn = fwd if mode == "fwd" else fwd_bwd
+        try:
+            ms = _bench(fn, grad_to_none=leaves if mode == "fwd_bwd" else None)
+        except Exception as error:  # noqa: BLE001
+            errors.append(f"{case.name} {provider} {mode}: {error!r}"[:400])
+            print(errors[-1])
+            continue
+        flops = case.fwd_flops * (3.5 if mode == "fwd_bwd" else 1.0)
+        tflops = flops / (ms * 1e-3) / 1e12
+        times[mode] = (ms, tflops)
+        for metric, value in (("ms", ms), ("tflops", tflops)):
+            rows.append(
+                {
+                    "case": case.name,
+                    "provider": provider,
+                    "mode": mode,
+                    "metric": metric,
+                    "value": round(value, 4),
+                }  # fmt: skip
+            )
+        print(f"{case.name:28s} {provider:18s} {mode:8s} {ms:9.3f} ms {tflops:7.1f} TFLOP/s")
+    return times
+
+
+def _sweep(device, deadline) -> JfaTritonConfig:
+    """Time a few tile configurations at B128xL4096 (non-causal); return the fastest mix."""
+    base = default_config(D)
+    case = Case(128, 4096, False, None, device)
+    fwd_candidates = [
+        base,
+        JfaTritonConfig(128, 128, 8, 3, *_bwd_fields(base)),
+        JfaTritonConfig(128, 64, 8, 4, *_bwd_fields(base)),
+        JfaTritonConfig(64, 64, 4, 3, *_bwd_fields(base)),
+    ]
+    best_fwd, best_ms = base, math.inf
+    for config in fwd_candidates:
+        if time.time() > deadline:
+            break
+        try:
+            fwd, _, _ = provider_gem(case, config=config)
+            ms = _bench(fwd)
+        except Exception as error:  # noqa: BLE001
+            print(f"sweep fwd {config}: {error!r}"[:300])
+            continue
+        print(f"sweep fwd {_fwd_fields(config)}: {ms:.3f} ms")
+        if ms < best_ms:
+            best_fwd, best_ms = config, ms
+    bwd_candidates = [
+        _bwd_fields(base),
+        (128, 32, 128, 32, 4, 3),
+        (128, 64, 128, 64, 8, 3),
+        (64, 64, 64, 64, 4, 3),
+    ]
+    best_bwd, best_ms = _bwd_fields(base), math.inf
+    for fields in bwd_candidates:
+        if time.time() > deadline:
+            break
+        config = JfaTritonConfig(*_fwd_fields(best_fwd), *fields)
+        try:
+            _, fwd_bwd, leaves = provider_gem(case, config=config)
+            ms = _bench(fwd_bwd, grad_to_none=leaves)
+        except Exception as error:  # noqa: BLE001
+            print(f"sweep bwd {fields}: {error!r}"[:300])
+            continue
+        print(f"sweep fwd+bwd {fields}: {ms:.3f} ms")
+        if ms < best_ms:
+            best_bwd, best_ms = fields, ms
+    chosen = JfaTritonConfig(*_fwd_fields(best_fwd), *best_bwd)
+    print(f"chosen config: {chosen}")
+    return chosen
+
+
+def _fwd_fields(c: JfaTritonConfig):
+    return (c.fwd_block_m, c.fwd_block_n, c.fwd_warps, c.fwd_stages)
+
+
+def _bwd_fields(c: JfaTritonConfig):
+    return (c.dkdv_block_n, c.dkdv_block_m, c.dq_block_m, c.dq_block_n, c.bwd_warps, c.bwd_stages)
+
+
+def _commit() -> str:
+    if os.environ.get("GEM_COMMIT"):
+        return os.environ["GEM_COMMIT"]
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=True
+        ).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _write(path, args, config, checks, errors, rows, start) -> None:
+    import triton
+
+    result = {
+        "meta": {
+            "benchmark": "jagged_attention",
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "commit": _commit(),
+            "date": datetime.date.today().isoformat(),
+            "command": "python benchmarks/bench_jagged_attention.py " + " ".join(sys.argv[1:]),
+            "shape": {"heads": H, "head_dim": D, "dtype": "bfloat16", "window": WINDOW},
+            "gem_config": str(config or default_config(D)),
+            "gem_config_with_bias": str(config or default_config(D, with_bias=True)),
+            "checks_vs_flash_varlen_rel_error": checks,
+            "errors": errors,
+            "wall_s": round(time.time() - start, 1),
+        },
+        "rows": rows,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--out", default=str(ROOT / "benchmarks/results/h200/jagged_attention.json")
+    )
+    parser.add_argument("--sweep", action="store_true", help="pick gem's tiles by a short sweep")
+    parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated peer names")
+    parser.add_argument("--shapes", default="all", help="'all' or e.g. 128x4096,512x1024")
+    parser.add_argument(
+        "--config", default="", help="gem tiles: 10 comma-separated JfaTritonConfig fields"
+    )
+    parser.add_argument("--budget-s", type=float, default=480.0, help="stop starting new cases")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    device = torch.device("cuda")
+    start = time.time()
+    shapes = SHAPES
+    if args.shapes != "all":
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    rows, errors, checks = [], [], {}
+    config = None
+    if args.config:
+        config = JfaTritonConfig(*(int(x) for x in args.config.split(",")))
+    if args.sweep:
+        config = _sweep(device, start + 0.3 * args.budget_s)
+        if config == default_config(D):
+            config = None
+    peers = [p for p in args.peers.split(",") if p]
+
+    cases = [(b, length, causal, None) for b, length in shapes for causal in (False, True)]
+    if (32, 16384) in shapes:
+        cases.append((32, 16384, True, WINDOW))
+    for batch, max_len, causal, window in cases:
+        if time.time() - start > args.budget_s:
+            errors.append(f"budget reached before B{batch}xL{max_len} causal={causal}")
+            break
+        case = Case(batch, max_len, causal, window, device)
+        _check_against_flash(case, checks)
+        _measure(rows, errors, case, "gem", lambda c=case: provider_gem(c, config=config))
+        for peer in peers:
+            modes = ("fwd", "fwd_bwd")
+            _measure(rows, errors, case, peer, lambda c=case, p=peer: PEERS[p](c), modes)
+        del case
+        torch.cuda.empty_cache()
+        _write(Path(args.out), args, config, checks, errors, rows, start)  # partial results
+
+    # Bias variants (gem only) at B512xL1024 causal.
+    if (512, 1024) in shapes and time.time() - start < args.budget_s:
+        case = Case(512, 1024, True, None, device)
+        gen = torch.Generator(device=device).manual_seed(3)
+        rel = torch.randn(H, 512, generator=gen, device=device, dtype=DTYPE)
+        pairs = int((case.lengths * case.lengths).sum())
+        jagged = torch.randn(H, pairs, generator=gen, device=device, dtype=DTYPE)
+        for variant, extra in (
+            ("rel_pos_bias", dict(rel=rel)),
+            ("jagged_bias", dict(jagged=jagged)),
+        ):
+            _measure(rows, errors, case, f"gem-{variant}",
+                     lambda c=case, e=extra: provider_gem(c, config=config, **e))  # fmt: skip
+        del case, jagged
+        torch.cuda.empty_cache()
+
+    out = Path(args.out)
+    _write(out, args, config, checks, errors, rows, start)
+    _print_table(rows)
+    print(f"wrote {out} in {time.time() - start:.0f} s; {len(errors)} errors")
+
+
+def _print_table(rows) -> None:
+    tflops = {
+        (r["case"], r["provider"], r["mode"]): r["value"] for r in rows if r["metric"] == "tflops"
+    }
+    cases = sorted({k[0] for k in tflops}, key=lambda c: (len(c), c))
+    print("\nTFLOP/s (useful work)        mode     gem    best peer")
+    for case in cases:
+        for mode in ("fwd", "fwd_bwd"):
+            ours = tflops.get((case, "gem", mode))
+            peers = {
+                p: v
+                for (c, p, m), v in tflops.items()
+                if c == case and m == mode and not p.startswith("gem")
+            }
+            best = max(peers.items(), key=lambda kv: kv[1]) if peers else ("-", float("nan"))
+            ours_text = "-" if ours is None else f"{ours:6.1f}"
+            print(f"{case:28s} {mode:8s} {ours_text:>6s}  {best[1]:6.1f} ({best[0]})")
+    for (case, provider, mode), value in sorted(tflops.items()):
+        if provider.startswith("gem-"):
+            print(f"{case:28s} {mode:8s} {provider}: {value:.1f}")
+
+
+if __name__ == "__main__":
+    main()
