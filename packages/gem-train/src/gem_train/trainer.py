@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gem_data import Batch, DatasetInfo, ParquetBatchLoader
+from gem_data import Batch, DatasetInfo, ParquetBatchLoader, ShardedBatchLoader
 from gem_model import GemModel, GemModelConfig
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.nn import functional as F
@@ -122,7 +122,9 @@ class Trainer:
             [("dense", self.dense_optimizer), self.model.fused_optimizer]
         )
 
-        self.loader = ParquetBatchLoader(
+        # Streams row groups, merges 128-sample sub-batches with Base Batch Shuffling so ranks
+        # get balanced attention cost, and resumes exactly from its state.
+        self.loader = ShardedBatchLoader(
             train_data.directory,
             config.batch_size,
             shuffle=True,
