@@ -223,11 +223,11 @@ def provider_flex(case: Case):
     if "fn" not in _FLEX:
         # One compiled graph per shape, mask and grad mode: lift dynamo's recompile cap (8),
         # past which flex would run eagerly and materialise the full score matrix.
-        import torch._dynamo
+        import torch._dynamo as dynamo  # binds only `dynamo`: `torch` stays the global
 
         for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
-            if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, 256)
+            if hasattr(dynamo.config, name):
+                setattr(dynamo.config, name, 256)
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     flex = _FLEX["fn"]
     device = case.q.device

@@ -12,21 +12,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gem_kernels import jagged_flash_attention
-from gem_kernels import jfa_triton
+from gem_kernels import jagged_flash_attention, jfa_triton
 from gem_kernels.jfa_triton import (
     JfaTritonConfig,
     jagged_flash_attention_from_lengths,
     jagged_flash_attention_triton,
 )
 from gem_kernels.reference import jagged_flash_attention_reference
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from kernels_naive import naive_jfa, offsets_of
 
 H, D = 2, 16
-SELF_LENGTHS = [0, 1, 5, 37, 16, 0, 17, 33]  # empty, 1, multiple of the tile and not
-LONG_SKEWED = [150, 2, 2, 0, 1, 3]  # one sequence much longer than the rest
+SELF_LENGTHS = [0, 1, 5, 37, 16, 0, 17]  # empty, 1, multiple of the tile and not
+LONG_SKEWED = [100, 2, 2, 0, 1, 3]  # one sequence much longer than the rest
 CROSS_Q = [0, 1, 5, 9, 2, 40, 6, 20]
 CROSS_K = [3, 0, 17, 4, 1, 20, 6, 45]  # Lk = 0 with Lq > 0, Lq = 0 with Lk > 0, Lq <> Lk
 
@@ -80,7 +79,9 @@ def _check_grads(q_lengths, k_lengths, tensors, *, tol, config=None, **options):
     assert out.dtype == tensors["q"].dtype and out.shape == expected.shape
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    grad_out = torch.randn(
+        out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64
+    )
     (out.double() * grad_out).sum().backward()
     (expected * grad_out).sum().backward()
     for name, leaf in leaves.items():
@@ -90,7 +91,7 @@ def _check_grads(q_lengths, k_lengths, tensors, *, tol, config=None, **options):
         assert leaf.grad is not None and leaf.grad.dtype == leaf.dtype, name
         assert torch.isfinite(leaf.grad).all(), name
         # Scale-aware tolerance: gradients of biases can be ~0 analytically (one bucket).
-        scale = max(1.0, reference_grad.abs().max().item())
+        scale = max(1.0, float(reference_grad.abs().amax())) if reference_grad.numel() else 1.0
         torch.testing.assert_close(
             leaf.grad.double(), reference_grad, atol=tol * scale, rtol=tol, msg=f"grad of {name}"
         )
@@ -103,7 +104,6 @@ CASES = [
     (False, (3, 2)),
     (True, (20, None)),
     (False, (None, 0)),
-    (False, (0, 0)),
     (False, (18, 40)),
 ]
 
@@ -114,7 +114,9 @@ def test_self_attention_matches_oracle(interpret, causal, window):
     _check_grads(SELF_LENGTHS, SELF_LENGTHS, tensors, tol=2e-5, causal=causal, window=window)
 
 
-@pytest.mark.parametrize(("causal", "window"), [(False, None), (True, None), (False, (4, 1)), (True, (6, None))])
+@pytest.mark.parametrize(
+    ("causal", "window"), [(False, None), (True, None), (False, (4, 1)), (True, (6, None))]
+)
 def test_cross_attention_bottom_right_alignment(interpret, causal, window):
     tensors = _inputs(CROSS_Q, CROSS_K, seed=2)
     _check_grads(CROSS_Q, CROSS_K, tensors, tol=2e-5, causal=causal, window=window, scale=0.3)
@@ -126,9 +128,7 @@ def test_one_long_sequence(interpret, window):
     _check_grads(LONG_SKEWED, LONG_SKEWED, tensors, tol=2e-5, causal=True, window=window)
 
 
-@pytest.mark.parametrize(
-    ("dtype", "tol"), [(torch.float16, 3e-3), (torch.bfloat16, 3e-2)]
-)
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float16, 3e-3), (torch.bfloat16, 3e-2)])
 def test_half_precision_inputs(interpret, dtype, tol):
     tensors = _inputs(CROSS_Q, CROSS_K, seed=4, dtype=dtype, rel=9, jagged=True)
     _check_grads(CROSS_Q, CROSS_K, tensors, tol=tol, causal=True)
@@ -136,7 +136,13 @@ def test_half_precision_inputs(interpret, dtype, tol):
 
 @pytest.mark.parametrize(
     ("num_buckets", "causal", "window"),
-    [(1, False, None), (2, True, None), (7, True, (5, None)), (40, False, (5, 3)), (64, False, None)],
+    [
+        (1, False, None),
+        (2, True, None),
+        (7, True, (5, None)),
+        (40, False, (5, 3)),
+        (64, False, None),
+    ],
 )
 def test_biases_and_their_gradients(interpret, num_buckets, causal, window):
     tensors = _inputs(CROSS_Q, CROSS_K, seed=5, rel=num_buckets, jagged=True)
@@ -144,9 +150,10 @@ def test_biases_and_their_gradients(interpret, num_buckets, causal, window):
 
 
 def test_each_bias_alone(interpret):
+    lengths = [1, 37, 0, 20]
     for rel, jagged in ((33, False), (None, True)):
-        tensors = _inputs(SELF_LENGTHS, SELF_LENGTHS, seed=6, rel=rel, jagged=jagged)
-        _check_grads(SELF_LENGTHS, SELF_LENGTHS, tensors, tol=2e-5, causal=True)
+        tensors = _inputs(lengths, lengths, seed=6, rel=rel, jagged=jagged)
+        _check_grads(lengths, lengths, tensors, tol=2e-5, causal=True)
 
 
 def test_fully_masked_rows_are_zero_with_zero_grads(interpret):
@@ -169,12 +176,13 @@ def test_empty_batches(interpret, lengths):
 
 
 def test_backward_is_deterministic(interpret):
-    tensors = _inputs(LONG_SKEWED, LONG_SKEWED, seed=9, rel=24, jagged=True)
+    lengths = [40, 3, 0, 17]
+    tensors = _inputs(lengths, lengths, seed=9, rel=24, jagged=True)
     grads = []
     for _ in range(2):
         leaves = {n: t.clone().requires_grad_(True) for n, t in tensors.items()}
         out = jagged_flash_attention_from_lengths(
-            leaves["q"], leaves["k"], leaves["v"], torch.tensor(LONG_SKEWED), causal=True,
+            leaves["q"], leaves["k"], leaves["v"], torch.tensor(lengths), causal=True,
             rel_pos_bias=leaves["rel_pos_bias"], jagged_bias=leaves["jagged_bias"],
         )  # fmt: skip
         out.square().sum().backward()
@@ -243,14 +251,17 @@ def test_backend_errors(monkeypatch):
         jagged_flash_attention(wide, wide, wide, args[3], backend="triton")
 
 
-@settings(max_examples=8, deadline=None)
+# No shrinking phase: one interpreted example takes ~1 s, shrinking could take minutes.
+@settings(max_examples=6, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))
 @given(
     data=st.data(),
     batch=st.integers(0, 3),
     causal=st.booleans(),
     window=st.one_of(
         st.none(),
-        st.tuples(st.one_of(st.none(), st.integers(0, 20)), st.one_of(st.none(), st.integers(0, 20))),
+        st.tuples(
+            st.one_of(st.none(), st.integers(0, 20)), st.one_of(st.none(), st.integers(0, 20))
+        ),
     ),
     use_rel=st.booleans(),
     use_jagged=st.booleans(),
@@ -281,8 +292,16 @@ def _gpu_case(q_lengths, k_lengths, dtype, *, seed, heads=4, dim=128, rel=None, 
               **options):  # fmt: skip
     tensors = {
         n: t.cuda()
-        for n, t in _inputs(q_lengths, k_lengths, seed=seed, dtype=dtype, heads=heads, dim=dim,
-                            rel=rel, jagged=jagged).items()  # fmt: skip
+        for n, t in _inputs(
+            q_lengths,
+            k_lengths,
+            seed=seed,
+            dtype=dtype,
+            heads=heads,
+            dim=dim,
+            rel=rel,
+            jagged=jagged,
+        ).items()  # fmt: skip
     }
     leaves = {n: t.clone().requires_grad_(True) for n, t in tensors.items()}
     ref_leaves = {n: t.float().requires_grad_(True) for n, t in tensors.items()}
@@ -309,8 +328,15 @@ def _gpu_case(q_lengths, k_lengths, dtype, *, seed, heads=4, dim=128, rel=None, 
 
 @pytest.mark.gpu
 @cuda_only
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("causal", "window"), [(False, None), (True, None), (True, (256, None))])
+@pytest.mark.parametrize(
+    ("dtype", "causal", "window"),
+    [
+        (torch.bfloat16, False, None),
+        (torch.bfloat16, True, None),
+        (torch.bfloat16, True, (256, None)),
+        (torch.float16, True, None),
+    ],
+)
 def test_gpu_matches_reference(dtype, causal, window, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     gen = torch.Generator().manual_seed(0)

@@ -1,9 +1,15 @@
-"""gem-kernels: jagged attention kernels (PyTorch reference today, Triton later) and helpers."""
+"""gem-kernels: jagged attention for recommendation models.
 
-from gem_kernels.attention import block_attention, gdpa, jagged_flash_attention
+``jagged_flash_attention`` runs Triton kernels for CUDA fp16/bf16 inputs and the PyTorch
+reference everywhere else; ``gdpa`` and ``block_attention`` run their references (Triton
+kernels for them are next). ``gem_kernels.reference`` is the test oracle.
+"""
+
+from gem_kernels.attention import JFA_BACKENDS, block_attention, gdpa, jagged_flash_attention
 from gem_kernels.jagged import lengths_to_offsets, offsets_to_lengths, validate_offsets
 
 __all__ = [
+    "JFA_BACKENDS",
     "block_attention",
     "gdpa",
     "jagged_flash_attention",

@@ -257,7 +257,9 @@ def jfa_fwd_kernel(
     hi_t = ((key_hi + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
     full_lo = lo_t
     if HAS_LEFT:
-        full_lo = tl.maximum(full_lo, ((tl.maximum(p_hi - left, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N)
+        full_lo = tl.maximum(
+            full_lo, ((tl.maximum(p_hi - left, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        )
     limit = k_len
     if HAS_RIGHT:
         limit = tl.minimum(limit, p_lo + right + 1)
@@ -652,7 +654,9 @@ def jfa_bwd_dkdv_kernel(
         mask=kv_mask,
     )
     if HAS_REL:
-        tl.store(rel_partial_ptr + pid.to(tl.int64) * BUCKETS_PAD + tl.arange(0, BUCKETS_PAD), rel_acc)
+        tl.store(
+            rel_partial_ptr + pid.to(tl.int64) * BUCKETS_PAD + tl.arange(0, BUCKETS_PAD), rel_acc
+        )
 
 
 @triton.jit
@@ -695,7 +699,7 @@ def _dq_inner(
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < k_len
         rows64 = offs_n.to(tl.int64)
-        if MASKED:
+        if MASKED:  # noqa: SIM108 - constexpr branch, kept as a plain if for Triton
             load_mask = n_ok[None, :] & d_ok[:, None]
         else:
             load_mask = d_ok[:, None]
@@ -831,7 +835,9 @@ def jfa_bwd_dq_kernel(
     hi_t = ((key_hi + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
     full_lo = lo_t
     if HAS_LEFT:
-        full_lo = tl.maximum(full_lo, ((tl.maximum(p_hi - left, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N)
+        full_lo = tl.maximum(
+            full_lo, ((tl.maximum(p_hi - left, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        )
     limit = k_len
     if HAS_RIGHT:
         limit = tl.minimum(limit, p_lo + right + 1)
