@@ -1,6 +1,15 @@
 """gem-parallel: topology-aware device meshes and parallelism for the GEM training stack."""
 
 from gem_parallel.collectives import all_gather_dim0, reduce_scatter_dim0
+from gem_parallel.cost_model import (
+    SPARSE_MODES,
+    Bandwidths,
+    CollectiveCost,
+    ModelSizes,
+    StepCost,
+    Workload,
+    estimate_step,
+)
 from gem_parallel.expert import ExpertParallel, expert_assignment
 from gem_parallel.fsdp import apply_fsdp, default_fsdp_blocks
 from gem_parallel.mesh import (
@@ -25,6 +34,13 @@ from gem_parallel.mesh import (
 from gem_parallel.testing import run_in_processes
 
 __all__ = [
+    "SPARSE_MODES",
+    "Bandwidths",
+    "CollectiveCost",
+    "ModelSizes",
+    "StepCost",
+    "Workload",
+    "estimate_step",
     "DIM_NAMES",
     "TIERS",
     "TIER_CROSS_ZONE",

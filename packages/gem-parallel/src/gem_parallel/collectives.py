@@ -21,9 +21,7 @@ __all__ = ["all_gather_dim0", "reduce_scatter_dim0"]
 
 # torch 2.14 deprecates *_tensor in favour of *_single; 2.11 only has *_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = (
-    getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # Set once a backend reported that it cannot reduce-scatter; then all_reduce + slice is used.
 _NATIVE_REDUCE_SCATTER_UNSUPPORTED: set[str] = set()
@@ -88,9 +86,7 @@ class _ReduceScatterDim0(torch.autograd.Function):
         return _all_gather(grad, ctx.group), None
 
 
-def all_gather_dim0(
-    tensor: torch.Tensor, group: dist.ProcessGroup | None = None
-) -> torch.Tensor:
+def all_gather_dim0(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0, in group-rank order (differentiable).
 
     Every rank must pass the same shape. Backward reduce-scatters (sums) the gradient, so each

@@ -28,7 +28,7 @@ the global-batch mean loss.
 
 Experts must treat samples independently (no BatchNorm-like statistics across the batch), and
 every rank of the group must call forward and backward the same number of times, because both
-contain collectives.
+contain collectives; the input must require grad on every rank of the group or on none.
 """
 
 from __future__ import annotations
@@ -147,7 +147,9 @@ class ExpertParallel(nn.Module):
         padded = F.pad(x, (0, 0) * (x.dim() - 1) + (0, widest - x.shape[0]))
         gathered = all_gather_dim0(padded, self.group)
         if any(n != widest for n in sizes):
-            gathered = torch.cat([gathered[g * widest : g * widest + n] for g, n in enumerate(sizes)])
+            gathered = torch.cat(
+                [gathered[g * widest : g * widest + n] for g, n in enumerate(sizes)]
+            )
 
         partial = None
         for expert in self.experts:
@@ -173,6 +175,9 @@ class ExpertParallel(nn.Module):
         # One tiny all-gather per call so ranks may hold different batch sizes.
         local = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
         return [int(n) for n in all_gather_dim0(local, self.group)]
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, local experts={list(self.expert_indices)}"
 
     @torch.no_grad()
     def reduce_grads(self, *, average: bool = True) -> None:

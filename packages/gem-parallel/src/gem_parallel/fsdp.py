@@ -11,9 +11,11 @@ all ``replicate * shard`` ranks of the per-rank gradients. If every rank's loss 
 its own batch shard and shards are equal, that is the gradient of the mean loss over the global
 batch, i.e. what one process computes on the whole batch.
 
-``fully_shard`` is ``torch.distributed.fsdp.fully_shard`` in torch 2.6+ (checked in the 2.11 and
-2.14 sources); older releases kept it in ``torch.distributed._composable.fsdp``, which is tried
-as a fallback. It runs on CPU with gloo (the tests) as well as on CUDA with NCCL.
+``fully_shard`` is ``torch.distributed.fsdp.fully_shard`` in torch 2.6+; it and
+``set_modules_to_forward_prefetch`` were imported and the tests passed on CPU/gloo with torch
+2.11 and 2.14. Older releases kept it in ``torch.distributed._composable.fsdp``, which is tried
+as a fallback. It runs on CPU with gloo (the tests) as well as on CUDA with NCCL (not yet run
+here on GPUs).
 """
 
 from __future__ import annotations

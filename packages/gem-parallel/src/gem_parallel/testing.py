@@ -9,8 +9,9 @@ When one rank fails, its peers usually fail soon after (their collectives lose a
 so the error raised lists every rank's traceback in the order they failed: the first is the
 root cause.
 
-Processes start from a ``forkserver`` that imports torch once, so each rank starts in well under
-a second instead of paying torch's multi-second import; the forkserver itself is a clean,
+Processes start from a ``forkserver`` that imports torch (and FSDP2, and ``torch._dynamo`` which
+FSDP2's first ``fully_shard`` pulls in) once, so each rank starts in well under a second instead
+of paying those multi-second imports; the forkserver itself is a clean,
 single-threaded process, which plain ``fork`` of a test runner is not.
 """
 
@@ -32,7 +33,15 @@ import torch.multiprocessing as torch_mp
 
 __all__ = ["run_in_processes"]
 
-_PRELOAD = ("torch", "torch.distributed", "torch.distributed.device_mesh", "gem_parallel")
+# FSDP2's first fully_shard imports torch._dynamo: ~5 s per process unless the forkserver has it.
+_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.device_mesh",
+    "torch.distributed.fsdp",
+    "torch._dynamo",
+    "gem_parallel",
+)
 
 
 def _entry(
