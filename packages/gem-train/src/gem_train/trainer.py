@@ -102,13 +102,15 @@ class Trainer:
 
         torch.manual_seed(config.seed)
         self.model_config = model_config(config, train_data, use_sequence_tower=use_sequence_tower)
-        model = GemModel(self.model_config, device=torch.device("meta"))
+        # Dense layers are created on the training device; tables stay on "meta" until
+        # DistributedModelParallel materialises each shard where the plan puts it.
+        with self.device:
+            model = GemModel(self.model_config, device=torch.device("meta"))
         apply_optimizer_in_backward(
             RowWiseAdagrad,
             [p for name, p in model.named_parameters() if "_embeddings." in name],
             {"lr": config.optim.sparse_lr},
         )
-        # Dense layers were built on the real device already; DMP materialises the tables.
         self.model = DistributedModelParallel(model, device=self.device)
         dense_parameters = dict(in_backward_optimizer_filter(self.model.named_parameters()))
         self.dense_parameters = list(dense_parameters.values())
