@@ -21,16 +21,13 @@ Usage (from the workspace root):
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
+from _results import ROOT, meta, write_results
 from gem_data import (
     ShardedBatchLoader,
     SyntheticConfig,
@@ -39,26 +36,6 @@ from gem_data import (
     simulate_balance,
     write_synthetic_dataset,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def meta(benchmark: str, command: str) -> dict:
-    """The ``meta`` block shared by every benchmark JSON."""
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return {
-        "benchmark": benchmark,
-        "device": "cpu (2 cores)",
-        "torch": torch.__version__,
-        "commit": commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": command,
-    }
 
 
 def simulate(config: SyntheticConfig, ranks: int, seeds: int, **kwargs) -> dict[str, float]:
@@ -224,12 +201,10 @@ def main() -> None:
     )
 
     output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/bench_bbs_balance.py" + (
         " " + " ".join(sys.argv[1:]) if sys.argv[1:] else ""
     )
-    document = {"meta": meta("bbs_balance", command), "rows": rows}
-    output.write_text(json.dumps(document, indent=2) + "\n")
+    write_results(output, meta("bbs_balance", command), rows)
     print(f"wrote {output}")
 
 

@@ -17,44 +17,21 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime
 import io
-import json
 import pstats
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
+from _results import ROOT, meta, write_results
 from gem_data import (
     ParquetBatchLoader,
     ShardedBatchLoader,
     SyntheticConfig,
     write_synthetic_dataset,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def meta(benchmark: str, command: str) -> dict:
-    """The ``meta`` block shared by every benchmark JSON."""
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return {
-        "benchmark": benchmark,
-        "device": "cpu (2 cores)",
-        "torch": torch.__version__,
-        "commit": commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": command,
-    }
 
 
 def timed_epochs(loader, repeats: int) -> tuple[float, int]:
@@ -195,11 +172,10 @@ def main() -> None:
         print("\n".join(line[:150] for line in lines[header : header + 13]))
 
     output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
     command = "python benchmarks/bench_loader.py" + (
         " " + " ".join(sys.argv[1:]) if sys.argv[1:] else ""
     )
-    output.write_text(json.dumps({"meta": meta("loader", command), "rows": rows}, indent=2) + "\n")
+    write_results(output, meta("loader", command), rows)
     print(f"wrote {output}")
 
 

@@ -1,0 +1,37 @@
+"""The result schema every benchmark writes (see BENCHMARKS.md): ``{"meta": ..., "rows": [...]}``."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def meta(benchmark: str, command: str, device: str = "cpu (2 cores)", **extra: object) -> dict:
+    """The ``meta`` block: what ran, where, on which commit and versions."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {
+        "benchmark": benchmark,
+        "device": device,
+        "torch": torch.__version__,
+        "commit": commit,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        **extra,
+    }
+
+
+def write_results(path: Path, meta_block: dict, rows: list[dict]) -> None:
+    """Writes one run's results, creating the machine folder if needed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": meta_block, "rows": rows}, indent=2) + "\n")
