@@ -3,9 +3,15 @@
 Protocol (shared/BENCHMARKS.md): jagged lengths ``randint(1, Lmax + 1, (B,))`` with a fixed
 seed, H=4, D=128, bf16, (B, Lmax) in {(512, 1024), (128, 4096), (32, 16384)}, causal and not,
 forward and forward+backward, plus a causal sliding window of 256 at L16384 and gem's bias
-variants at B512xL1024. ``triton.testing.do_bench`` medians; every provider is measured in the
-same run. TFLOP/s count useful work only: ``4 * H * D * sum(L^2)`` forward (half of it when
-causal; the exact visible pairs for the window), x3.5 for forward+backward.
+variants (``rel_pos_bias`` with 512 buckets, ``jagged_bias``) at every shape, causal.
+``triton.testing.do_bench`` medians; every provider is measured in the same run. TFLOP/s count
+useful work only: ``4 * H * D * sum(L^2)`` forward (half of it when causal; the exact visible
+pairs for the window), x3.5 for forward+backward.
+
+Peak memory (metric ``peak_mib``): ``torch.cuda.max_memory_allocated`` during one
+forward+backward (inputs and upstream gradient already allocated, so it counts them too;
+``peak_extra_mib`` is the part above what was allocated before the call), non-causal, for gem
+and three peers at the three shapes and at B16xL16384 (half the tokens: memory linear in tokens).
 
 Peers: FlexAttention (document mask, ``torch.compile``), flash varlen
 (``aten._flash_attention_forward`` / ``_backward``), nested-jagged SDPA, padded SDPA with the
@@ -15,7 +21,8 @@ flash and cuDNN backends (no mask: padding costs them work that is not counted).
         --out benchmarks/results/h200/jagged_attention.json
 
 Writes the JSON (schema in BENCHMARKS.md) and prints a table. ``--sweep`` first times a few
-tile configurations of gem's kernels at B128xL4096 and uses the fastest.
+tile configurations of gem's kernels at B128xL4096 and uses the fastest. ``--bias-sweep`` only
+checks and times the bias variants under a few tile configurations (no JSON).
 """
 
 from __future__ import annotations
@@ -214,6 +221,9 @@ def provider_padded(case: Case, backend):
     return fwd, fwd_bwd, leaves
 
 
+# Peers whose peak memory is measured (flex would recompile for the extra half-token shape).
+MEMORY_PEERS = ("flash_varlen", "njt_sdpa", "sdpa_flash_padded")
+
 _FLEX = {}
 
 
@@ -319,6 +329,36 @@ def _check_against_flash(case: Case, results: dict) -> None:
         print(f"check {case.name} failed: {error!r}"[:400])
 
 
+def _peak_memory(rows, errors, case, provider, make) -> None:
+    """Peak allocated memory of one forward+backward (MiB), as ``peak_mib`` rows."""
+    try:
+        _, fwd_bwd, leaves = make()
+        fwd_bwd()  # warm-up (compilation, autotuning, workspaces)
+        for leaf in leaves or ():
+            leaf.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fwd_bwd()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        for leaf in leaves or ():
+            leaf.grad = None
+    except NotImplementedError as why:
+        print(f"skip memory {case.name} {provider}: {why}")
+        return
+    except Exception as error:  # noqa: BLE001
+        errors.append(f"{case.name} {provider} memory: {error!r}"[:400])
+        print(errors[-1])
+        return
+    for metric, value in (("peak_mib", peak / 2**20), ("peak_extra_mib", (peak - before) / 2**20)):
+        rows.append({"case": case.name, "provider": provider, "mode": "fwd_bwd",
+                     "metric": metric, "value": round(value, 1), "tokens": case.total})  # fmt: skip
+    print(f"{case.name:28s} {provider:18s} peak {peak / 2**20:9.1f} MiB "
+          f"(+{(peak - before) / 2**20:.1f} over inputs) tokens {case.total}")  # fmt: skip
+
+
 def _measure(rows, errors, case, provider, make, modes=("fwd", "fwd_bwd")):
     try:
         fwd, fwd_bwd, leaves = make()
@@ -404,6 +444,83 @@ def _sweep(device, deadline) -> JfaTritonConfig:
     return chosen
 
 
+def _bias_inputs(case: Case, device, jagged: bool):
+    gen = torch.Generator(device=device).manual_seed(3)
+    rel = torch.randn(H, 512, generator=gen, device=device, dtype=DTYPE)
+    if not jagged:
+        return rel, None
+    pairs = int((case.lengths * case.lengths).sum())
+    return rel, torch.randn(H, pairs, generator=gen, device=device, dtype=DTYPE)
+
+
+def _bias_sweep(device) -> None:
+    """Check the bias variants against the reference and time them under a few tile configs."""
+    from gem_kernels.jfa_triton import jagged_flash_attention_from_lengths
+    from gem_kernels.reference import jagged_flash_attention_reference
+
+    base = default_config(D)
+    configs = {
+        "default": default_config(D, with_bias=True),
+        "unbiased_tiles": base,
+        "f128x64_s3": JfaTritonConfig(128, 64, 8, 3, *_bwd_fields(base)),
+    }
+    gen = torch.Generator().manual_seed(0)
+    q_len = [0, 1, 300, 77, 513, 64, 1000]
+    k_len = [5, 0, 129, 600, 513, 1, 1000]
+    qo = torch.tensor([0, *torch.tensor(q_len).cumsum(0).tolist()])
+    ko = torch.tensor([0, *torch.tensor(k_len).cumsum(0).tolist()])
+    q = torch.randn(sum(q_len), H, D, generator=gen).to(device, DTYPE)
+    k = torch.randn(sum(k_len), H, D, generator=gen).to(device, DTYPE)
+    v = torch.randn(sum(k_len), H, D, generator=gen).to(device, DTYPE)
+    g = torch.randn(sum(q_len), H, D, generator=gen).to(device, DTYPE)
+    rel = torch.randn(H, 257, generator=gen).to(device, DTYPE)
+    jb = torch.randn(H, sum(a * b for a, b in zip(q_len, k_len, strict=True)), generator=gen).to(
+        device, DTYPE
+    )
+    for window in ((200, None),):
+        ref_leaves = [t.float().requires_grad_(True) for t in (q, k, v, rel, jb)]
+        ref = jagged_flash_attention_reference(
+            *ref_leaves[:3], qo.to(device), ko.to(device), causal=True, window=window,
+            rel_pos_bias=ref_leaves[3], jagged_bias=ref_leaves[4],
+        )  # fmt: skip
+        ref.backward(g.float())
+        for name, config in configs.items():
+            try:
+                leaves = [t.clone().requires_grad_(True) for t in (q, k, v, rel, jb)]
+                out = jagged_flash_attention_from_lengths(
+                    *leaves[:3], torch.tensor(q_len), torch.tensor(k_len), causal=True,
+                    window=window, rel_pos_bias=leaves[3], jagged_bias=leaves[4], config=config,
+                )  # fmt: skip
+                out.backward(g)
+                errs = [_rel_error(out, ref)] + [
+                    _rel_error(a.grad, b.grad) for a, b in zip(leaves, ref_leaves, strict=True)
+                ]
+                print(f"check {name} window={window}: " + " ".join(f"{e:.1e}" for e in errs))
+            except Exception as error:  # noqa: BLE001
+                print(f"check {name}: {error!r}"[:300])
+    for batch, max_len in ((512, 1024),):
+        case = Case(batch, max_len, True, None, device)
+        rel, jagged = _bias_inputs(case, device, jagged=True)
+        for name, config in configs.items():
+            for variant, extra in (
+                ("none", {}),
+                ("rel", dict(rel=rel)),
+                ("jagged", dict(jagged=jagged)),
+            ):
+                if variant == "none" and name != "unbiased_tiles":
+                    continue
+                try:
+                    fwd, fwd_bwd, leaves = provider_gem(case, config=config, **extra)
+                    ms_f = _bench(fwd)
+                    ms_b = _bench(fwd_bwd, grad_to_none=leaves)
+                    print(f"{case.name} {name:16s} {variant:7s} fwd {ms_f:7.3f} ms "
+                          f"fwd_bwd {ms_b:7.3f} ms")  # fmt: skip
+                except Exception as error:  # noqa: BLE001
+                    print(f"{case.name} {name} {variant}: {error!r}"[:300])
+        del case, jagged
+        torch.cuda.empty_cache()
+
+
 def _fwd_fields(c: JfaTritonConfig):
     return (c.fwd_block_m, c.fwd_block_n, c.fwd_warps, c.fwd_stages)
 
@@ -423,6 +540,19 @@ def _commit() -> str:
         return "unknown"
 
 
+def _user_args() -> list[str]:
+    """Command-line arguments without ``--out`` (the result path is the default one)."""
+    argv, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif arg == "--out":
+            skip = True
+        elif not arg.startswith("--out="):
+            argv.append(arg)
+    return argv
+
+
 def _write(path, args, config, checks, errors, rows, start) -> None:
     import triton
 
@@ -434,7 +564,7 @@ def _write(path, args, config, checks, errors, rows, start) -> None:
             "triton": triton.__version__,
             "commit": _commit(),
             "date": datetime.date.today().isoformat(),
-            "command": "python benchmarks/bench_jagged_attention.py " + " ".join(sys.argv[1:]),
+            "command": " ".join(["python benchmarks/bench_jagged_attention.py", *_user_args()]),
             "shape": {"heads": H, "head_dim": D, "dtype": "bfloat16", "window": WINDOW},
             "gem_config": str(config or default_config(D)),
             "gem_config_with_bias": str(config or default_config(D, with_bias=True)),
@@ -459,11 +589,15 @@ def main() -> None:
     parser.add_argument(
         "--config", default="", help="gem tiles: 10 comma-separated JfaTritonConfig fields"
     )
-    parser.add_argument("--budget-s", type=float, default=480.0, help="stop starting new cases")
+    parser.add_argument("--budget-s", type=float, default=200.0, help="stop starting new cases")
+    parser.add_argument("--bias-sweep", action="store_true", help="only time bias variants")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
     device = torch.device("cuda")
+    if args.bias_sweep:
+        _bias_sweep(device)
+        return
     start = time.time()
     shapes = SHAPES
     if args.shapes != "all":
@@ -495,13 +629,27 @@ def main() -> None:
         torch.cuda.empty_cache()
         _write(Path(args.out), args, config, checks, errors, rows, start)  # partial results
 
-    # Bias variants (gem only) at B512xL1024 causal.
-    if (512, 1024) in shapes and time.time() - start < args.budget_s:
-        case = Case(512, 1024, True, None, device)
-        gen = torch.Generator(device=device).manual_seed(3)
-        rel = torch.randn(H, 512, generator=gen, device=device, dtype=DTYPE)
-        pairs = int((case.lengths * case.lengths).sum())
-        jagged = torch.randn(H, pairs, generator=gen, device=device, dtype=DTYPE)
+    # Peak memory of one forward+backward (non-causal), gem and peers; B16xL16384 has half the
+    # tokens of the other shapes.
+    memory_shapes = list(shapes) + ([(16, 16384)] if (32, 16384) in shapes else [])
+    for batch, max_len in memory_shapes:
+        if time.time() - start > args.budget_s:
+            errors.append(f"budget reached before peak memory at B{batch}xL{max_len}")
+            break
+        case = Case(batch, max_len, False, None, device)
+        _peak_memory(rows, errors, case, "gem", lambda c=case: provider_gem(c, config=config))
+        for peer in [p for p in peers if p in MEMORY_PEERS]:
+            _peak_memory(rows, errors, case, peer, lambda c=case, p=peer: PEERS[p](c))
+        del case
+        torch.cuda.empty_cache()
+
+    # Bias variants (gem only), causal, at every shape; the unbiased causal row is above.
+    for batch, max_len in shapes:
+        if time.time() - start > args.budget_s:
+            errors.append(f"budget reached before the bias variants at B{batch}xL{max_len}")
+            break
+        case = Case(batch, max_len, True, None, device)
+        rel, jagged = _bias_inputs(case, device, jagged=True)
         for variant, extra in (
             ("rel_pos_bias", dict(rel=rel)),
             ("jagged_bias", dict(jagged=jagged)),
@@ -510,6 +658,7 @@ def main() -> None:
                      lambda c=case, e=extra: provider_gem(c, config=config, **e))  # fmt: skip
         del case, jagged
         torch.cuda.empty_cache()
+        _write(Path(args.out), args, config, checks, errors, rows, start)
 
     out = Path(args.out)
     _write(out, args, config, checks, errors, rows, start)

@@ -50,6 +50,7 @@ def _visible(rows, cols, shift, q_len, k_len, left, right, HAS_LEFT, HAS_RIGHT):
 
 @triton.jit
 def _bias_log2(
+    s,
     rows,
     cols,
     shift,
@@ -57,21 +58,50 @@ def _bias_log2(
     k_len,
     rel_base,
     num_buckets,
+    rel_value,
     jb_base,
+    MASKED: tl.constexpr,
     HAS_REL: tl.constexpr,
+    REL_CONST: tl.constexpr,
     HAS_JAGGED: tl.constexpr,
 ):
-    """Additive bias of a (rows x cols) tile, times log2(e); rows/cols broadcast to 2-D."""
-    bias = tl.zeros_like(rows + cols).to(tl.float32)
+    """``s`` plus the additive bias of a (rows x cols) tile in the log2 domain.
+
+    ``rows`` / ``cols`` are sample-local query / key indices already shaped to broadcast (one of
+    them (n, 1), the other (1, m)), so every per-row or per-column term is computed on 1-D data
+    and the per-element work is one add (address) and one load. ``rel_base`` points at the
+    head's table, pre-scaled by log2(e) in float32; ``REL_CONST``: every pair of the tile falls
+    in one clamped bucket whose value is ``rel_value`` (no load at all).
+    """
     if HAS_REL:
-        bucket = rows + shift - cols + num_buckets // 2
-        bucket = tl.minimum(tl.maximum(bucket, 0), num_buckets - 1)
-        bias += tl.load(rel_base + bucket).to(tl.float32)
+        if REL_CONST:
+            s += rel_value
+        else:
+            bucket = (rows + (shift + num_buckets // 2)) - cols
+            bucket = tl.minimum(tl.maximum(bucket, 0), num_buckets - 1)
+            s += tl.load(rel_base + bucket)
     if HAS_JAGGED:
-        valid = (rows < q_len) & (cols < k_len)
-        flat = rows.to(tl.int64) * k_len + cols
-        bias += tl.load(jb_base + flat, mask=valid, other=0.0).to(tl.float32)
-    return bias * 1.4426950408889634
+        if MASKED:
+            row_ptr = jb_base + rows.to(tl.int64) * k_len
+            valid = (rows < q_len) & (cols < k_len)
+            s += tl.load(row_ptr + cols, mask=valid, other=0.0).to(tl.float32) * 1.4426950408889634
+        else:
+            # Rows past q_len (last query tile) are never stored: clamp them instead of masking.
+            row_ptr = jb_base + tl.minimum(rows, q_len - 1).to(tl.int64) * k_len
+            s += tl.load(row_ptr + cols).to(tl.float32) * 1.4426950408889634
+    return s
+
+
+@triton.jit
+def _rel_const_split(lo, hi, near, far, BLOCK: tl.constexpr):
+    """Split the BLOCK-aligned range [lo, hi) at BLOCK-aligned points a <= b: tiles before
+    ``near`` (exclusive end, rounded down) and from ``far`` on (rounded up) are constant-bucket
+    tiles; the caller decides which side is which."""
+    a = (tl.maximum(near, 0) // BLOCK) * BLOCK
+    a = tl.minimum(tl.maximum(a, lo), hi)
+    b = ((tl.maximum(far, 0) + BLOCK - 1) // BLOCK) * BLOCK
+    b = tl.minimum(tl.maximum(b, a), hi)
+    return a, b
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,6 +130,7 @@ def _fwd_inner(
     qk_scale,
     rel_base,
     num_buckets,
+    rel_value,
     jb_base,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -108,6 +139,7 @@ def _fwd_inner(
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     HAS_REL: tl.constexpr,
+    REL_CONST: tl.constexpr,
     HAS_JAGGED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -141,18 +173,10 @@ def _fwd_inner(
             )
         s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * qk_scale
         if HAS_REL or HAS_JAGGED:
-            s += _bias_log2(
-                offs_m[:, None],
-                offs_n[None, :],
-                shift,
-                q_len,
-                k_len,
-                rel_base,
-                num_buckets,
-                jb_base,
-                HAS_REL,
-                HAS_JAGGED,
-            )
+            s = _bias_log2(
+                s, offs_m[:, None], offs_n[None, :], shift, q_len, k_len, rel_base, num_buckets,
+                rel_value, jb_base, MASKED, HAS_REL, REL_CONST, HAS_JAGGED,
+            )  # fmt: skip
         if MASKED:
             visible = _visible(
                 offs_m[:, None],
@@ -272,20 +296,50 @@ def jfa_fwd_kernel(
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo_t, full_lo, offs_m, offs_d,
-        shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, jb_base,
-        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, HAS_JAGGED,
+        shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, 0.0, jb_base,
+        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
         DOT_PRECISION, UPCAST,
     )  # fmt: skip
-    acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m, offs_d,
-        shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, jb_base,
-        HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, HAS_JAGGED,
-        DOT_PRECISION, UPCAST,
-    )  # fmt: skip
+    if HAS_REL:
+        # Key tiles far below the diagonal (all distances clamp to the last bucket), the band
+        # that needs the table, and tiles far above it (first bucket).
+        far_hi, near_lo = _rel_const_split(
+            full_lo, full_hi, m0 + shift - (num_buckets - 1 - num_buckets // 2) + 1,
+            p_hi + num_buckets // 2, BLOCK_N,
+        )  # fmt: skip
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, far_hi, offs_m,
+            offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets,
+            tl.load(rel_base + num_buckets - 1), jb_base,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True, HAS_JAGGED,
+            DOT_PRECISION, UPCAST,
+        )  # fmt: skip
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, far_hi, near_lo, offs_m,
+            offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, 0.0,
+            jb_base,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
+            DOT_PRECISION, UPCAST,
+        )  # fmt: skip
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, near_lo, full_hi, offs_m,
+            offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets,
+            tl.load(rel_base), jb_base,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True, HAS_JAGGED,
+            DOT_PRECISION, UPCAST,
+        )  # fmt: skip
+    else:
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m,
+            offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, 0.0,
+            jb_base,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
+            DOT_PRECISION, UPCAST,
+        )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m, offs_d,
-        shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, jb_base,
-        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, HAS_JAGGED,
+        shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, 0.0, jb_base,
+        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
         DOT_PRECISION, UPCAST,
     )  # fmt: skip
 
@@ -392,6 +446,7 @@ def _dkdv_inner(
     dk,
     dv,
     rel_acc,
+    rel_const_sum,
     k,
     v,
     q_base,
@@ -413,6 +468,7 @@ def _dkdv_inner(
     qk_scale,
     rel_base,
     num_buckets,
+    rel_value,
     jb_base,
     jb_grad_base,
     HEAD_DIM: tl.constexpr,
@@ -423,6 +479,7 @@ def _dkdv_inner(
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     HAS_REL: tl.constexpr,
+    REL_CONST: tl.constexpr,
     HAS_JAGGED: tl.constexpr,
     DIAG_W: tl.constexpr,
     BUCKETS_PAD: tl.constexpr,
@@ -463,18 +520,10 @@ def _dkdv_inner(
         # Transposed tile: rows are keys (offs_n), columns are queries (offs_m).
         s_t = _dot(k, q_t, None, DOT_PRECISION, UPCAST) * qk_scale
         if HAS_REL or HAS_JAGGED:
-            s_t += _bias_log2(
-                offs_m[None, :],
-                offs_n[:, None],
-                shift,
-                q_len,
-                k_len,
-                rel_base,
-                num_buckets,
-                jb_base,
-                HAS_REL,
-                HAS_JAGGED,
-            )
+            s_t = _bias_log2(
+                s_t, offs_m[None, :], offs_n[:, None], shift, q_len, k_len, rel_base,
+                num_buckets, rel_value, jb_base, MASKED, HAS_REL, REL_CONST, HAS_JAGGED,
+            )  # fmt: skip
         p_t = tl.math.exp2(s_t - lse[None, :])
         if MASKED:
             visible = _visible(
@@ -495,17 +544,24 @@ def _dkdv_inner(
         dk = _dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, DOT_PRECISION, UPCAST)
         if HAS_JAGGED:
             # dL/d(bias) = dS; each (i, j) pair is visited by exactly one program.
-            flat = offs_m.to(tl.int64)[None, :] * k_len + offs_n[:, None]
-            tl.store(
-                jb_grad_base + flat,
-                ds_t.to(jb_grad_base.dtype.element_ty),
-                mask=m_ok[None, :] & (offs_n < k_len)[:, None],
-            )
+            grad_ptr = (jb_grad_base + rows64 * k_len)[None, :] + offs_n[:, None]
+            if MASKED:
+                tl.store(
+                    grad_ptr,
+                    ds_t.to(jb_grad_base.dtype.element_ty),
+                    mask=m_ok[None, :] & (offs_n < k_len)[:, None],
+                )
+            else:
+                tl.store(grad_ptr, ds_t.to(jb_grad_base.dtype.element_ty))
         if HAS_REL:
-            rel_acc = _rel_bias_grad_update(
-                rel_acc, ds_t, start, n0, shift, num_buckets, BLOCK_M, BLOCK_N, DIAG_W, BUCKETS_PAD
-            )
-    return dk, dv, rel_acc
+            if REL_CONST:
+                rel_const_sum += tl.sum(tl.sum(ds_t, 1), 0)
+            else:
+                rel_acc = _rel_bias_grad_update(
+                    rel_acc, ds_t, start, n0, shift, num_buckets, BLOCK_M, BLOCK_N, DIAG_W,
+                    BUCKETS_PAD,
+                )  # fmt: skip
+    return dk, dv, rel_acc, rel_const_sum
 
 
 @triton.jit
@@ -621,26 +677,58 @@ def jfa_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     rel_acc = tl.zeros([BUCKETS_PAD], dtype=tl.float32)
-    dk, dv, rel_acc = _dkdv_inner(
-        dk, dv, rel_acc, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-        lo_t, full_lo, n0, offs_n, offs_d, shift, q_len, k_len, left, right, qk_scale,
-        rel_base, num_buckets, jb_base, jb_grad_base,
-        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, HAS_JAGGED,
-        DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST,
+    zero = tl.sum(tl.zeros([BUCKETS_PAD], dtype=tl.float32), 0)
+    lo_sum = zero  # dS summed over the tiles whose pairs all fall in the first bucket
+    hi_sum = zero  # ... in the last bucket
+    dk, dv, rel_acc, zero = _dkdv_inner(
+        dk, dv, rel_acc, zero, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
+        stride_dot, lo_t, full_lo, n0, offs_n, offs_d, shift, q_len, k_len, left, right,
+        qk_scale, rel_base, num_buckets, 0.0, jb_base, jb_grad_base,
+        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False,
+        HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST,
     )  # fmt: skip
-    dk, dv, rel_acc = _dkdv_inner(
-        dk, dv, rel_acc, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-        full_lo, full_hi, n0, offs_n, offs_d, shift, q_len, k_len, left, right, qk_scale,
-        rel_base, num_buckets, jb_base, jb_grad_base,
-        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, HAS_JAGGED,
-        DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST,
-    )  # fmt: skip
-    dk, dv, rel_acc = _dkdv_inner(
-        dk, dv, rel_acc, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot,
-        full_hi, hi_t, n0, offs_n, offs_d, shift, q_len, k_len, left, right, qk_scale,
-        rel_base, num_buckets, jb_base, jb_grad_base,
-        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, HAS_JAGGED,
-        DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST,
+    if HAS_REL:
+        # Query tiles far above the diagonal (first bucket), the band, far below (last bucket).
+        near_hi, far_lo = _rel_const_split(
+            full_lo, full_hi, n0 - num_buckets // 2 - shift + 1,
+            n0 + BLOCK_N - 1 + (num_buckets - 1 - num_buckets // 2) - shift, BLOCK_M,
+        )  # fmt: skip
+        dk, dv, rel_acc, lo_sum = _dkdv_inner(
+            dk, dv, rel_acc, lo_sum, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
+            stride_dot, full_lo, near_hi, n0, offs_n, offs_d, shift, q_len, k_len, left, right,
+            qk_scale, rel_base, num_buckets, tl.load(rel_base), jb_base, jb_grad_base,
+            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True,
+            HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
+        dk, dv, rel_acc, zero = _dkdv_inner(
+            dk, dv, rel_acc, zero, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
+            stride_dot, near_hi, far_lo, n0, offs_n, offs_d, shift, q_len, k_len, left, right,
+            qk_scale, rel_base, num_buckets, 0.0, jb_base, jb_grad_base,
+            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False,
+            HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
+        dk, dv, rel_acc, hi_sum = _dkdv_inner(
+            dk, dv, rel_acc, hi_sum, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
+            stride_dot, far_lo, full_hi, n0, offs_n, offs_d, shift, q_len, k_len, left, right,
+            qk_scale, rel_base, num_buckets, tl.load(rel_base + num_buckets - 1), jb_base,
+            jb_grad_base,
+            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True,
+            HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
+    else:
+        dk, dv, rel_acc, zero = _dkdv_inner(
+            dk, dv, rel_acc, zero, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
+            stride_dot, full_lo, full_hi, n0, offs_n, offs_d, shift, q_len, k_len, left, right,
+            qk_scale, rel_base, num_buckets, 0.0, jb_base, jb_grad_base,
+            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False,
+            HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
+    dk, dv, rel_acc, zero = _dkdv_inner(
+        dk, dv, rel_acc, zero, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
+        stride_dot, full_hi, hi_t, n0, offs_n, offs_d, shift, q_len, k_len, left, right,
+        qk_scale, rel_base, num_buckets, 0.0, jb_base, jb_grad_base,
+        HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False,
+        HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST,
     )  # fmt: skip
 
     tl.store(
@@ -654,9 +742,10 @@ def jfa_bwd_dkdv_kernel(
         mask=kv_mask,
     )
     if HAS_REL:
-        tl.store(
-            rel_partial_ptr + pid.to(tl.int64) * BUCKETS_PAD + tl.arange(0, BUCKETS_PAD), rel_acc
-        )
+        buckets = tl.arange(0, BUCKETS_PAD)
+        rel_acc += tl.where(buckets == 0, lo_sum, 0.0)
+        rel_acc += tl.where(buckets == num_buckets - 1, hi_sum, 0.0)
+        tl.store(rel_partial_ptr + pid.to(tl.int64) * BUCKETS_PAD + buckets, rel_acc)
 
 
 @triton.jit
@@ -682,6 +771,7 @@ def _dq_inner(
     qk_scale,
     rel_base,
     num_buckets,
+    rel_value,
     jb_base,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -690,6 +780,7 @@ def _dq_inner(
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     HAS_REL: tl.constexpr,
+    REL_CONST: tl.constexpr,
     HAS_JAGGED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -711,18 +802,10 @@ def _dq_inner(
         )
         s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * qk_scale
         if HAS_REL or HAS_JAGGED:
-            s += _bias_log2(
-                offs_m[:, None],
-                offs_n[None, :],
-                shift,
-                q_len,
-                k_len,
-                rel_base,
-                num_buckets,
-                jb_base,
-                HAS_REL,
-                HAS_JAGGED,
-            )
+            s = _bias_log2(
+                s, offs_m[:, None], offs_n[None, :], shift, q_len, k_len, rel_base, num_buckets,
+                rel_value, jb_base, MASKED, HAS_REL, REL_CONST, HAS_JAGGED,
+            )  # fmt: skip
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
             visible = _visible(
@@ -848,20 +931,49 @@ def jfa_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _dq_inner(
         dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo_t, full_lo, offs_m,
-        offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, jb_base,
-        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, HAS_JAGGED,
+        offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, 0.0, jb_base,
+        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
         DOT_PRECISION, UPCAST,
     )  # fmt: skip
-    dq = _dq_inner(
-        dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m,
-        offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, jb_base,
-        HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, HAS_JAGGED,
-        DOT_PRECISION, UPCAST,
-    )  # fmt: skip
+    if HAS_REL:
+        # Same split as the forward.
+        far_hi, near_lo = _rel_const_split(
+            full_lo, full_hi, m0 + shift - (num_buckets - 1 - num_buckets // 2) + 1,
+            p_hi + num_buckets // 2, BLOCK_N,
+        )  # fmt: skip
+        dq = _dq_inner(
+            dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, far_hi,
+            offs_m, offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets,
+            tl.load(rel_base + num_buckets - 1), jb_base,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True, HAS_JAGGED,
+            DOT_PRECISION, UPCAST,
+        )  # fmt: skip
+        dq = _dq_inner(
+            dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, far_hi, near_lo,
+            offs_m, offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets,
+            0.0, jb_base,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
+            DOT_PRECISION, UPCAST,
+        )  # fmt: skip
+        dq = _dq_inner(
+            dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, near_lo, full_hi,
+            offs_m, offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets,
+            tl.load(rel_base), jb_base,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True, HAS_JAGGED,
+            DOT_PRECISION, UPCAST,
+        )  # fmt: skip
+    else:
+        dq = _dq_inner(
+            dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi,
+            offs_m, offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets,
+            0.0, jb_base,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
+            DOT_PRECISION, UPCAST,
+        )  # fmt: skip
     dq = _dq_inner(
         dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m,
-        offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, jb_base,
-        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, HAS_JAGGED,
+        offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, 0.0, jb_base,
+        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
         DOT_PRECISION, UPCAST,
     )  # fmt: skip
     tl.store(

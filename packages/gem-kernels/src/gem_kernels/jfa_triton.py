@@ -306,10 +306,11 @@ def _flags(q: torch.Tensor, launch: _Launch) -> dict:
 
 
 def _bias_args(q, rel_pos_bias, jagged_bias):
-    rel = q if rel_pos_bias is None else rel_pos_bias
+    # The kernels read the (small) table in float32, pre-scaled to the log2 domain of the scores.
+    rel = q if rel_pos_bias is None else (rel_pos_bias.float() * _LOG2E).contiguous()
     jb = q if jagged_bias is None else jagged_bias
     num_buckets = 1 if rel_pos_bias is None else rel_pos_bias.shape[1]
-    stride_rel = 0 if rel_pos_bias is None else rel_pos_bias.stride(0)
+    stride_rel = 0 if rel_pos_bias is None else rel.stride(0)
     stride_jb = 0 if jagged_bias is None else jagged_bias.stride(0)
     return rel, jb, num_buckets, stride_rel, stride_jb
 
