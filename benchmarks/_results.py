@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -13,13 +14,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def meta(benchmark: str, command: str, device: str = "cpu (2 cores)", **extra: object) -> dict:
-    """The ``meta`` block: what ran, where, on which commit and versions."""
+    """The ``meta`` block: what ran, where, on which commit and versions.
+
+    ``GEM_COMMIT`` overrides the commit (the GPU machine gets a copy of the tree without git).
+    """
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
+    commit = os.environ.get("GEM_COMMIT", commit)
     return {
         "benchmark": benchmark,
         "device": device,

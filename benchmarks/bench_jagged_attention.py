@@ -28,11 +28,7 @@ checks and times the bias variants under a few tile configurations (no JSON).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import os
-import subprocess
 import sys
 import time
 import traceback
@@ -40,8 +36,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _results import ROOT, meta, write_results  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "packages" / "gem-kernels" / "src"))
 
 from gem_kernels import jagged_flash_attention  # noqa: E402
@@ -529,17 +525,6 @@ def _bwd_fields(c: JfaTritonConfig):
     return (c.dkdv_block_n, c.dkdv_block_m, c.dq_block_m, c.dq_block_n, c.bwd_warps, c.bwd_stages)
 
 
-def _commit() -> str:
-    if os.environ.get("GEM_COMMIT"):
-        return os.environ["GEM_COMMIT"]
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=True
-        ).stdout.strip()
-    except Exception:  # noqa: BLE001
-        return "unknown"
-
-
 def _user_args() -> list[str]:
     """Command-line arguments without ``--out`` (the result path is the default one)."""
     argv, skip = [], False
@@ -556,26 +541,19 @@ def _user_args() -> list[str]:
 def _write(path, args, config, checks, errors, rows, start) -> None:
     import triton
 
-    result = {
-        "meta": {
-            "benchmark": "jagged_attention",
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "commit": _commit(),
-            "date": datetime.date.today().isoformat(),
-            "command": " ".join(["python benchmarks/bench_jagged_attention.py", *_user_args()]),
-            "shape": {"heads": H, "head_dim": D, "dtype": "bfloat16", "window": WINDOW},
-            "gem_config": str(config or default_config(D)),
-            "gem_config_with_bias": str(config or default_config(D, with_bias=True)),
-            "checks_vs_flash_varlen_rel_error": checks,
-            "errors": errors,
-            "wall_s": round(time.time() - start, 1),
-        },
-        "rows": rows,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
+    meta_block = meta(
+        "jagged_attention",
+        " ".join(["python benchmarks/bench_jagged_attention.py", *_user_args()]),
+        device=torch.cuda.get_device_name(),
+        triton=triton.__version__,
+        shape={"heads": H, "head_dim": D, "dtype": "bfloat16", "window": WINDOW},
+        gem_config=str(config or default_config(D)),
+        gem_config_with_bias=str(config or default_config(D, with_bias=True)),
+        checks_vs_flash_varlen_rel_error=checks,
+        errors=errors,
+        wall_s=round(time.time() - start, 1),
+    )
+    write_results(path, meta_block, rows)
 
 
 def main() -> None:
