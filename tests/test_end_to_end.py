@@ -31,7 +31,7 @@ SMALL = [
 # trains a few steps with tables sharded across ranks, evaluates, and writes what it saw.
 _WORKER = """
 import json, sys
-import torch, torch.distributed as dist
+import torch
 from gem_model import GemArchitecture
 from gem_train import DataConfig, TrainConfig, Trainer
 from gem_train.cli import prepare_data
@@ -45,10 +45,7 @@ config = TrainConfig(
     output_dir=out + "/run",
 )
 rank, world = init_distributed(torch.device("cpu"))
-if rank == 0:  # one writer; the others wait and then read the same files
-    prepare_data(config.data, progress=False)
-dist.barrier()
-train, evaluation = prepare_data(config.data, progress=False)
+train, evaluation = prepare_data(config.data, progress=False)  # rank 0 writes, the others wait
 trainer = Trainer(config, train, output_dir=out + "/run")
 losses = trainer.fit(progress=False)
 metrics = trainer.evaluate(evaluation)

@@ -11,19 +11,31 @@ import warnings
 from dataclasses import asdict
 from pathlib import Path
 
+import torch.distributed as dist
 from gem_data import DatasetInfo, SyntheticConfig, read_dataset_info, write_synthetic_dataset
 from rich.console import Console
 from rich.table import Table
 
 from gem_train.config import DataConfig, TrainConfig, apply_overrides
 from gem_train.recipes import RECIPES, get_recipe
-from gem_train.trainer import Trainer
+from gem_train.trainer import Trainer, init_distributed, resolve_device
 
 __all__ = ["main", "prepare_data", "run"]
 
 
 def prepare_data(data: DataConfig, *, progress: bool = True) -> tuple[DatasetInfo, DatasetInfo]:
-    """Returns the train and eval splits, generating them unless an identical copy exists."""
+    """Returns the train and eval splits, generating them unless an identical copy exists.
+
+    In a process group, rank 0 generates while the others wait, then every rank reads."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.get_rank() == 0:
+            _prepare_data(data, progress=progress)
+        dist.barrier()
+        progress = False
+    return _prepare_data(data, progress=progress)
+
+
+def _prepare_data(data: DataConfig, *, progress: bool) -> tuple[DatasetInfo, DatasetInfo]:
     root = Path(data.directory)
     synthetic = SyntheticConfig(seed=data.seed, max_seq_len=data.max_seq_len)
     splits = {"train": (0, data.num_train), "eval": (data.num_train, data.num_eval)}
@@ -55,6 +67,9 @@ def run(config: TrainConfig, *, resume: bool = False, console: Console | None = 
     """Trains and evaluates the recipe (and the no-sequence reference); returns the summary."""
     console = console or Console()
     started = time.perf_counter()
+    rank, _ = init_distributed(resolve_device(config.device))
+    if rank != 0:  # one rank reports; the others train and evaluate silently
+        console = Console(quiet=True)
     train_data, eval_data = prepare_data(config.data, progress=console.is_terminal)
     console.print(
         f"data: {train_data.num_samples} train / {eval_data.num_samples} eval samples "
@@ -87,8 +102,9 @@ def run(config: TrainConfig, *, resume: bool = False, console: Console | None = 
         "results": results,
         "seconds": time.perf_counter() - started,
     }
-    output.mkdir(parents=True, exist_ok=True)
-    (output / "summary.json").write_text(json.dumps(summary, indent=2))
+    if rank == 0:
+        output.mkdir(parents=True, exist_ok=True)
+        (output / "summary.json").write_text(json.dumps(summary, indent=2))
     _print_summary(console, summary)
     return summary
 
