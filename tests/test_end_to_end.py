@@ -49,6 +49,7 @@ train, evaluation = prepare_data(config.data, progress=False)  # rank 0 writes, 
 trainer = Trainer(config, train, output_dir=out + "/run")
 losses = trainer.fit(progress=False)
 metrics = trainer.evaluate(evaluation)
+trainer.save(out + "/run/checkpoints")
 result = {"losses": losses, "metrics": metrics, "world": world, "plan": str(trainer.model.plan)}
 with open(f"{out}/rank{rank}.json", "w") as handle:
     json.dump(result, handle)
@@ -119,6 +120,46 @@ def test_two_process_sharded_training_agrees_across_ranks(tmp_path, world_size):
     """torchrun-style launch: real gloo process group, tables sharded by torchrec across ranks."""
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
+    _launch(script, tmp_path, world_size)
+    results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world_size)]
+    assert all(r["world"] == world_size for r in results)
+    # Evaluation gathers every rank's predictions, so all ranks report the same metrics.
+    assert results[0]["metrics"] == results[1]["metrics"]
+    assert "rank:1" in results[0]["plan"], "torchrec placed no table on the second rank"
+    assert len(results[0]["losses"]) == 6
+
+
+_RESHARD_WORKER = """
+import json, sys
+import torch
+from gem_model import GemArchitecture
+from gem_train import DataConfig, TrainConfig, Trainer
+from gem_train.cli import prepare_data
+from gem_train.trainer import init_distributed
+
+out = sys.argv[1]
+config = TrainConfig(
+    data=DataConfig(directory=out + "/data", num_train=1024, num_eval=512, max_seq_len=32,
+                    num_shards=2, workers=1),
+    model=GemArchitecture(embedding_dim=16), batch_size=64, max_steps=6, device="cpu",
+    output_dir=out + "/resharded",
+)
+rank, world = init_distributed(torch.device("cpu"))
+train, evaluation = prepare_data(config.data, progress=False)
+trainer = Trainer(config, train, output_dir=out + "/resharded")
+try:
+    trainer.resume(out + "/run/checkpoints")
+    refused = False
+except ValueError as error:
+    refused = "allow_mesh_change" in str(error)
+assert trainer.resume(out + "/run/checkpoints", allow_mesh_change=True)
+metrics = trainer.evaluate(evaluation)
+with open(f"{out}/resharded{world}_rank{rank}.json", "w") as handle:
+    json.dump({"metrics": metrics, "step": trainer.step, "refused": refused}, handle)
+"""
+
+
+def _launch(script: Path, tmp_path: Path, world_size: int) -> None:
     port = _free_port()
     processes = []
     for rank in range(world_size):
@@ -142,9 +183,21 @@ def test_two_process_sharded_training_agrees_across_ranks(tmp_path, world_size):
     outputs = [p.communicate(timeout=600)[0] for p in processes]
     for p, output in zip(processes, outputs, strict=True):
         assert p.returncode == 0, output[-3000:]
-    results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world_size)]
-    assert all(r["world"] == world_size for r in results)
-    # Evaluation gathers every rank's predictions, so all ranks report the same metrics.
-    assert results[0]["metrics"] == results[1]["metrics"]
-    assert "rank:1" in results[0]["plan"], "torchrec placed no table on the second rank"
-    assert len(results[0]["losses"]) == 6
+
+
+def test_checkpoint_from_two_ranks_loads_resharded_on_one_and_three(tmp_path):
+    """DCP reshards: a 2-rank checkpoint (tables sharded across ranks) loads on 1 and on 3
+    ranks and gives the same model, seen through identical eval metrics."""
+    trainer_script = tmp_path / "worker.py"
+    trainer_script.write_text(_WORKER)
+    _launch(trainer_script, tmp_path, 2)
+    saved = json.loads((tmp_path / "rank0.json").read_text())["metrics"]
+    reshard_script = tmp_path / "reshard.py"
+    reshard_script.write_text(_RESHARD_WORKER)
+    for world_size in (1, 3):
+        _launch(reshard_script, tmp_path, world_size)
+        loaded = json.loads((tmp_path / f"resharded{world_size}_rank0.json").read_text())
+        assert loaded["refused"], "a world-size change must need allow_mesh_change=True"
+        assert loaded["step"] == 6
+        for key, value in saved.items():
+            assert abs(loaded["metrics"][key] - value) < 1e-6, (world_size, key, value, loaded)

@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "read_trainer_state"]
 
 _TRAINER_STATE = "trainer_state.json"
 
@@ -84,14 +84,19 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return path
 
 
-def load_checkpoint(path: str | Path, app_state: dict[str, Any]) -> dict[str, Any]:
-    """Loads a checkpoint in place into ``app_state`` (whose tensors give the target layout)
-    and returns its trainer state."""
-    path = Path(path)
-    state_file = path / _TRAINER_STATE
+def read_trainer_state(path: str | Path) -> dict[str, Any]:
+    """The JSON trainer state (step, data position, ...) of a complete checkpoint."""
+    state_file = Path(path) / _TRAINER_STATE
     if not state_file.is_file():
         raise FileNotFoundError(
             f"checkpoint {path} has no {_TRAINER_STATE}; it is not a complete checkpoint"
         )
-    dcp.load(app_state, checkpoint_id=str(path))
     return json.loads(state_file.read_text())
+
+
+def load_checkpoint(path: str | Path, app_state: dict[str, Any]) -> dict[str, Any]:
+    """Loads a checkpoint in place into ``app_state`` (whose tensors give the target layout,
+    which may be sharded differently from the saved one) and returns its trainer state."""
+    trainer_state = read_trainer_state(path)
+    dcp.load(app_state, checkpoint_id=str(path))
+    return trainer_state

@@ -22,7 +22,12 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from gem_train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from gem_train.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    read_trainer_state,
+    save_checkpoint,
+)
 from gem_train.config import TrainConfig
 from gem_train.metrics import auc, normalized_entropy
 
@@ -252,23 +257,39 @@ class Trainer:
         """Atomically saves model, both optimizers, data position and step."""
         trainer_state = {
             "step": self.step,
+            "world_size": self.world_size,
             "loader": self.loader.state_dict(),
             "torch_rng": torch.get_rng_state().tolist(),
         }
         return save_checkpoint(checkpoint_dir, self.step, self._app_state(), trainer_state)
 
-    def resume(self, checkpoint_dir: str | Path) -> bool:
-        """Restores the newest checkpoint under ``checkpoint_dir``; False when there is none."""
+    def resume(self, checkpoint_dir: str | Path, *, allow_mesh_change: bool = False) -> bool:
+        """Restores the newest checkpoint under ``checkpoint_dir``; False when there is none.
+
+        The model and optimizer reshard onto any number of ranks (DCP reads each shard's
+        slice of the saved tensors). The data position is exact only for the same number of
+        ranks: with ``allow_mesh_change=True`` a checkpoint from another world size is
+        accepted and this job's data order starts from its own beginning.
+        """
         path = latest_checkpoint(checkpoint_dir)
         if path is None:
             return False
+        trainer_state = read_trainer_state(path)
+        saved_world = int(trainer_state.get("world_size", self.world_size))
+        if saved_world != self.world_size and not allow_mesh_change:
+            raise ValueError(
+                f"checkpoint {path} was written by {saved_world} ranks but this job has "
+                f"{self.world_size}; pass allow_mesh_change=True to reshard the model and "
+                "optimizer (the data position cannot carry over exactly)"
+            )
         self.dense_optimizer.init_state()  # AdamW state is lazy; DCP loads in place
         app_state = self._app_state()
-        trainer_state = load_checkpoint(path, app_state)
+        load_checkpoint(path, app_state)
         self.model.load_state_dict(app_state["model"])
         self.optimizer.load_state_dict(app_state["optimizer"])
         self.step = int(trainer_state["step"])
-        self.loader.load_state_dict(trainer_state["loader"])
+        if saved_world == self.world_size:
+            self.loader.load_state_dict(trainer_state["loader"])
         torch.set_rng_state(torch.tensor(trainer_state["torch_rng"], dtype=torch.uint8))
         return True
 
