@@ -159,7 +159,8 @@ with open(f"{out}/resharded{world}_rank{rank}.json", "w") as handle:
 """
 
 
-def _launch(script: Path, tmp_path: Path, world_size: int) -> None:
+def _start(script: Path, tmp_path: Path, world_size: int) -> list[subprocess.Popen]:
+    """Starts ``world_size`` ranks of ``script`` the way torchrun would (env:// rendezvous)."""
     port = _free_port()
     processes = []
     for rank in range(world_size):
@@ -180,6 +181,12 @@ def _launch(script: Path, tmp_path: Path, world_size: int) -> None:
                 text=True,
             )
         )
+    return processes
+
+
+def _launch(script: Path, tmp_path: Path, world_size: int) -> None:
+    """Runs ``world_size`` ranks of ``script`` and asserts that every one exits 0."""
+    processes = _start(script, tmp_path, world_size)
     outputs = [p.communicate(timeout=600)[0] for p in processes]
     for p, output in zip(processes, outputs, strict=True):
         assert p.returncode == 0, output[-3000:]
@@ -201,3 +208,41 @@ def test_checkpoint_from_two_ranks_loads_resharded_on_one_and_three(tmp_path):
         assert loaded["step"] == 6
         for key, value in saved.items():
             assert abs(loaded["metrics"][key] - value) < 1e-6, (world_size, key, value, loaded)
+
+
+_DYING_WORKER = """
+import dataclasses, os, sys
+import torch
+from gem_model import GemArchitecture
+from gem_train import DataConfig, TrainConfig, Trainer
+from gem_train.cli import prepare_data
+from gem_train.trainer import init_distributed
+
+out = sys.argv[1]
+config = TrainConfig(
+    data=DataConfig(directory=out + "/data", num_train=1024, num_eval=512, max_seq_len=32,
+                    num_shards=2, workers=1),
+    model=GemArchitecture(embedding_dim=16), batch_size=64, max_steps=2, device="cpu",
+    output_dir=out + "/run",
+)
+rank, world = init_distributed(torch.device("cpu"))
+train, evaluation = prepare_data(config.data, progress=False)
+trainer = Trainer(config, train, output_dir=out + "/run")
+trainer.fit(progress=False)
+if rank == 1:
+    os._exit(17)  # killed mid-run: no clean shutdown, no error message
+trainer.total_steps = 8
+trainer.fit(progress=False)
+"""
+
+
+def test_a_killed_rank_makes_the_other_ranks_fail_instead_of_hanging(tmp_path):
+    script = tmp_path / "dying.py"
+    script.write_text(_DYING_WORKER)
+    survivor, killed = _start(script, tmp_path, 2)
+    # A hang would raise TimeoutExpired here and fail the test.
+    survivor_output = survivor.communicate(timeout=300)[0]
+    killed.communicate(timeout=60)
+    assert killed.returncode == 17
+    assert survivor.returncode != 0, survivor_output[-3000:]
+    assert "Connection reset by peer" in survivor_output or "Connection closed" in survivor_output
