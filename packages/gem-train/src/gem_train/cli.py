@@ -89,7 +89,8 @@ def run(config: TrainConfig, *, resume: bool = False, console: Console | None = 
         if resume and trainer.resume(checkpoints):
             console.print(f"{name}: resumed at step {trainer.step} from {checkpoints}")
         losses = trainer.fit(checkpoint_dir=checkpoints)
-        trainer.save(checkpoints)
+        if not config.checkpoint_every or trainer.step % config.checkpoint_every:
+            trainer.save(checkpoints)  # fit() did not already save this final step
         results[name] = trainer.evaluate(eval_data)
         results[name]["train_seconds"] = time.perf_counter() - variant_started
         results[name]["final_train_loss"] = sum(losses[-20:]) / max(1, len(losses[-20:]))
