@@ -1,0 +1,327 @@
+"""FP8 linear layer (Hopper block-scaled recipe, emulated) and a per-layer precision policy.
+
+:class:`Fp8Linear` runs its three GEMMs on FP8-quantized operands:
+
+* forward ``y = x @ W.T``: ``x`` 1x128 tiles along K, ``W`` 128x128 tiles;
+* dgrad ``dx = dy @ W``: ``dy`` 1x128 tiles along N, ``W`` 128x128 tiles;
+* wgrad ``dW = dy.T @ x``: both operands 1x128 tiles along the token dim M (or plain bf16 with
+  ``Fp8Recipe.wgrad_in_bf16``).
+
+Scales are powers of two (see :mod:`gem_precision.blockwise`). The GEMM itself is emulated on
+every device: quantize -> dequantize -> float32 matmul, which has the numerics of a scaled FP8
+GEMM with float32 accumulation up to summation order. ``torch._scaled_mm`` is not used yet: its
+blockwise-scale (1x128 / 128x128) support differs between torch 2.11 and 2.14 and is untested
+here, so a native sm90 path is future work.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gem_precision.blockwise import fake_quantize_blockwise
+from gem_precision.hadamard import random_hadamard_transform
+from gem_precision.mx import MX_ELEMENT_DTYPES
+
+__all__ = [
+    "ConversionReport",
+    "Fp8Linear",
+    "Fp8Recipe",
+    "PrecisionPolicy",
+    "convert_to_fp8",
+    "fp8_gemm_emulated",
+]
+
+_ACT_BLOCK = (1, 128)
+_WEIGHT_BLOCK = (128, 128)
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """Options of the FP8 GEMM recipe used by :class:`Fp8Linear`."""
+
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    """Element dtype of activations and weights."""
+    grad_dtype: torch.dtype = torch.float8_e4m3fn
+    """Element dtype of output gradients (E4M3 with fine block scales, as in DeepSeek-V3)."""
+    wgrad_in_bf16: bool = False
+    """Compute the weight-gradient GEMM on bfloat16 operands instead of FP8."""
+    tensorwise: bool = False
+    """Fast mode: one scale per tensor instead of 1x128 / 128x128 tiles."""
+    stochastic_rounding_grads: bool = False
+    """Round output gradients to FP8 stochastically (Philox) instead of nearest-even."""
+    hadamard: bool = False
+    """Apply a random Hadamard transform along the reduction dim of both operands of each GEMM
+    before quantizing (it cancels in the product, but spreads outliers)."""
+    hadamard_block_size: int = 32
+    """Block size of the random Hadamard transform (a power of two)."""
+    seed: int = 0
+    """Philox seed for stochastic rounding and the Hadamard signs."""
+
+    def __post_init__(self) -> None:
+        for name in ("fp8_dtype", "grad_dtype"):
+            if getattr(self, name) not in MX_ELEMENT_DTYPES:
+                raise TypeError(
+                    f"{name} must be torch.float8_e4m3fn or torch.float8_e5m2, "
+                    f"got {getattr(self, name)}"
+                )
+        for name in ("wgrad_in_bf16", "tensorwise", "stochastic_rounding_grads", "hadamard"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        b = self.hadamard_block_size
+        if isinstance(b, bool) or not isinstance(b, int) or b <= 0 or b & (b - 1):
+            raise ValueError(f"hadamard_block_size must be a positive power of two, got {b!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+
+
+def fp8_gemm_emulated(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_block: tuple[int, int] | None,
+    b_block: tuple[int, int] | None,
+    recipe: Fp8Recipe,
+    *,
+    a_dtype: torch.dtype | None = None,
+    b_dtype: torch.dtype | None = None,
+    a_stochastic_offset: int | None = None,
+) -> torch.Tensor:
+    """``a @ b.T`` (float32) with both operands quantized along their shared last dim K.
+
+    ``a`` is ``(M, K)``, ``b`` is ``(N, K)``. Tiles are ``a_block`` / ``b_block`` (``None`` =
+    tensorwise; ``recipe.tensorwise`` forces it). With ``a_stochastic_offset`` the ``a`` operand
+    is rounded stochastically with ``recipe.seed`` and that Philox offset.
+    """
+    a32, b32 = a.to(torch.float32), b.to(torch.float32)
+    if recipe.hadamard:
+        pad = (-a32.shape[1]) % recipe.hadamard_block_size  # zero padding of K keeps a @ b.T
+        a32, b32 = F.pad(a32, (0, pad)), F.pad(b32, (0, pad))
+        a32 = random_hadamard_transform(
+            a32, block_size=recipe.hadamard_block_size, seed=recipe.seed
+        )
+        b32 = random_hadamard_transform(
+            b32, block_size=recipe.hadamard_block_size, seed=recipe.seed
+        )
+    if recipe.tensorwise:
+        a_block = b_block = None
+    a_q = fake_quantize_blockwise(
+        a32,
+        a_block,
+        a_dtype or recipe.fp8_dtype,
+        stochastic_seed=None if a_stochastic_offset is None else recipe.seed,
+        offset=a_stochastic_offset or 0,
+    )
+    b_q = fake_quantize_blockwise(b32, b_block, b_dtype or recipe.fp8_dtype)
+    return a_q @ b_q.T
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, recipe, sr_offset):
+        ctx.save_for_backward(x2d, weight)
+        ctx.recipe = recipe
+        ctx.sr_offset = sr_offset
+        return fp8_gemm_emulated(x2d, weight, _ACT_BLOCK, _WEIGHT_BLOCK, recipe)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2d, weight = ctx.saved_tensors
+        recipe: Fp8Recipe = ctx.recipe
+        sr = recipe.stochastic_rounding_grads
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            # dgrad: dy (M, N) @ W (N, K) = dy @ (W.T).T, reduction over N.
+            grad_x = fp8_gemm_emulated(
+                grad_out,
+                weight.T,
+                _ACT_BLOCK,
+                _WEIGHT_BLOCK,
+                recipe,
+                a_dtype=recipe.grad_dtype,
+                a_stochastic_offset=ctx.sr_offset if sr else None,
+            )
+        if ctx.needs_input_grad[1]:
+            # wgrad: dy.T (N, M) @ x (M, K), reduction over tokens M.
+            if recipe.wgrad_in_bf16:
+                grad_w = grad_out.to(torch.bfloat16).float().T @ x2d.to(torch.bfloat16).float()
+            else:
+                grad_w = fp8_gemm_emulated(
+                    grad_out.T,
+                    x2d.T,
+                    _ACT_BLOCK,
+                    _ACT_BLOCK,
+                    recipe,
+                    a_dtype=recipe.grad_dtype,
+                    # A second, disjoint range of counters: dgrad used numel of grad_out.
+                    a_stochastic_offset=ctx.sr_offset + grad_out.numel() if sr else None,
+                )
+        return (
+            None if grad_x is None else grad_x.to(x2d.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None,
+            None,
+        )
+
+
+class Fp8Linear(nn.Linear):
+    """Drop-in :class:`torch.nn.Linear` whose forward, dgrad and wgrad GEMMs use FP8 operands.
+
+    Parameters stay in their original dtype (the master copy); only GEMM operands are quantized
+    (emulated, see the module docstring). The bias is added in high precision.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        recipe: Fp8Recipe | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        if recipe is not None and not isinstance(recipe, Fp8Recipe):
+            raise TypeError(f"recipe must be an Fp8Recipe or None, got {type(recipe).__name__}")
+        self.recipe = recipe or Fp8Recipe()
+        # Philox counter for stochastic rounding; advanced each forward so steps differ.
+        self._sr_offset = 0
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe | None = None) -> Fp8Linear:
+        """Wrap an existing ``nn.Linear``, sharing (not copying) its parameters."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.register_parameter("bias", linear.bias)
+        new.recipe = recipe or Fp8Recipe()
+        new._sr_offset = 0
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + b`` with FP8-quantized GEMM operands; any leading dims are kept."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"the last dim of x must be in_features={self.in_features}, got {tuple(x.shape)}"
+            )
+        x2d = x.reshape(-1, self.in_features)
+        offset = self._sr_offset
+        if self.training and torch.is_grad_enabled():
+            # Room for dgrad + wgrad draws of this step.
+            self._sr_offset += 2 * x2d.shape[0] * self.out_features
+        out = _Fp8LinearFunction.apply(x2d, self.weight, self.recipe, offset)
+        out = out.to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe}"
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """Which ``nn.Linear`` layers :func:`convert_to_fp8` turns into :class:`Fp8Linear`.
+
+    A layer is converted when its qualified name matches one of ``include``, matches none of
+    ``exclude``, is not in ``keep_high_precision`` and ``min(in_features, out_features) >=
+    min_features``. Patterns are :mod:`fnmatch` globs on the dotted module name.
+    """
+
+    include: tuple[str, ...] = ("*",)
+    """Glob patterns of layer names eligible for FP8."""
+    exclude: tuple[str, ...] = ()
+    """Glob patterns of layer names kept in high precision."""
+    min_features: int = 128
+    """Layers with ``min(in_features, out_features)`` below this stay high precision (small
+    GEMMs gain nothing from FP8 and lose accuracy)."""
+    keep_high_precision: tuple[str, ...] = ()
+    """Exact names of layers (e.g. the output head) that stay high precision; each must exist."""
+    recipe: Fp8Recipe = field(default_factory=Fp8Recipe)
+    """Recipe given to every converted layer."""
+
+    def __post_init__(self) -> None:
+        for name in ("include", "exclude", "keep_high_precision"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(isinstance(p, str) for p in value):
+                raise TypeError(f"{name} must be a tuple of str, got {value!r}")
+        m = self.min_features
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"min_features must be a non-negative int, got {m!r}")
+        if not isinstance(self.recipe, Fp8Recipe):
+            raise TypeError(f"recipe must be an Fp8Recipe, got {type(self.recipe).__name__}")
+
+    def decide(self, name: str, linear: nn.Linear) -> str | None:
+        """``None`` if the layer should be converted, else the reason it stays."""
+        if name in self.keep_high_precision:
+            return "keep_high_precision"
+        if not any(fnmatch.fnmatchcase(name, p) for p in self.include):
+            return "not included"
+        if any(fnmatch.fnmatchcase(name, p) for p in self.exclude):
+            return "excluded"
+        if min(linear.in_features, linear.out_features) < self.min_features:
+            return f"min(in, out) < {self.min_features}"
+        return None
+
+
+@dataclass
+class ConversionReport:
+    """What :func:`convert_to_fp8` did."""
+
+    converted: list[str] = field(default_factory=list)
+    """Qualified names of the layers replaced by :class:`Fp8Linear`."""
+    kept: dict[str, str] = field(default_factory=dict)
+    """Linear layers left alone, with the reason."""
+
+    @property
+    def converted_fraction(self) -> float:
+        """Fraction of linear layers that were converted (NaN if there are none)."""
+        total = len(self.converted) + len(self.kept)
+        return len(self.converted) / total if total else math.nan
+
+
+def convert_to_fp8(module: nn.Module, policy: PrecisionPolicy | None = None) -> ConversionReport:
+    """Replace (in place) the ``nn.Linear`` children of ``module`` selected by ``policy``.
+
+    Converted layers share their parameters with the originals, so optimizers built before the
+    conversion keep working. Layers that are already :class:`Fp8Linear` are left as they are.
+    Raises ``ValueError`` if a name in ``policy.keep_high_precision`` is not a linear layer of
+    ``module``.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    policy = policy or PrecisionPolicy()
+    if not isinstance(policy, PrecisionPolicy):
+        raise TypeError(f"policy must be a PrecisionPolicy, got {type(policy).__name__}")
+    linears = {
+        name: m
+        for name, m in module.named_modules()
+        if isinstance(m, nn.Linear) and not isinstance(m, Fp8Linear)
+    }
+    missing = [n for n in policy.keep_high_precision if n not in linears]
+    if missing:
+        raise ValueError(
+            f"policy.keep_high_precision names {missing} that are not nn.Linear layers of the "
+            f"module (linear layers: {sorted(linears)})"
+        )
+    report = ConversionReport()
+    for name, linear in linears.items():
+        reason = policy.decide(name, linear)
+        if reason is not None:
+            report.kept[name] = reason
+            continue
+        if not name:
+            raise ValueError("module itself is an nn.Linear; wrap it with Fp8Linear.from_linear")
+        parent_name, _, child_name = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        setattr(parent, child_name, Fp8Linear.from_linear(linear, policy.recipe))
+        report.converted.append(name)
+    return report
