@@ -27,10 +27,11 @@ SMALL = [
 ]
 
 
-# One rank of a torchrun-style job: joins the process group from the environment,
-# trains a few steps with tables sharded across ranks, evaluates, and writes what it saw.
-_WORKER = """
-import json, sys
+# Every worker below is one rank of a torchrun-style job. This prelude joins the process
+# group from the environment, builds a tiny config under the output folder argv[1], and makes
+# (rank 0) or waits for (other ranks) the data; torchrec shards the tables across the ranks.
+_PRELUDE = """
+import json, os, sys
 import torch
 from gem_model import GemArchitecture
 from gem_train import DataConfig, TrainConfig, Trainer
@@ -45,7 +46,13 @@ config = TrainConfig(
     output_dir=out + "/run",
 )
 rank, world = init_distributed(torch.device("cpu"))
-train, evaluation = prepare_data(config.data, progress=False)  # rank 0 writes, the others wait
+train, evaluation = prepare_data(config.data, progress=False)
+"""
+
+# Trains 6 steps, evaluates, checkpoints, and writes what it saw.
+_WORKER = (
+    _PRELUDE
+    + """
 trainer = Trainer(config, train, output_dir=out + "/run")
 losses = trainer.fit(progress=False)
 metrics = trainer.evaluate(evaluation)
@@ -54,6 +61,7 @@ result = {"losses": losses, "metrics": metrics, "world": world, "plan": str(trai
 with open(f"{out}/rank{rank}.json", "w") as handle:
     json.dump(result, handle)
 """
+)
 
 
 def _free_port() -> int:
@@ -129,23 +137,10 @@ def test_two_process_sharded_training_agrees_across_ranks(tmp_path, world_size):
     assert len(results[0]["losses"]) == 6
 
 
-_RESHARD_WORKER = """
-import json, sys
-import torch
-from gem_model import GemArchitecture
-from gem_train import DataConfig, TrainConfig, Trainer
-from gem_train.cli import prepare_data
-from gem_train.trainer import init_distributed
-
-out = sys.argv[1]
-config = TrainConfig(
-    data=DataConfig(directory=out + "/data", num_train=1024, num_eval=512, max_seq_len=32,
-                    num_shards=2, workers=1),
-    model=GemArchitecture(embedding_dim=16), batch_size=64, max_steps=6, device="cpu",
-    output_dir=out + "/resharded",
-)
-rank, world = init_distributed(torch.device("cpu"))
-train, evaluation = prepare_data(config.data, progress=False)
+# Loads the 2-rank checkpoint on this job's world size and evaluates.
+_RESHARD_WORKER = (
+    _PRELUDE
+    + """
 trainer = Trainer(config, train, output_dir=out + "/resharded")
 try:
     trainer.resume(out + "/run/checkpoints")
@@ -157,6 +152,7 @@ metrics = trainer.evaluate(evaluation)
 with open(f"{out}/resharded{world}_rank{rank}.json", "w") as handle:
     json.dump({"metrics": metrics, "step": trainer.step, "refused": refused}, handle)
 """
+)
 
 
 def _start(script: Path, tmp_path: Path, world_size: int) -> list[subprocess.Popen]:
@@ -210,30 +206,19 @@ def test_checkpoint_from_two_ranks_loads_resharded_on_one_and_three(tmp_path):
             assert abs(loaded["metrics"][key] - value) < 1e-6, (world_size, key, value, loaded)
 
 
-_DYING_WORKER = """
-import dataclasses, os, sys
-import torch
-from gem_model import GemArchitecture
-from gem_train import DataConfig, TrainConfig, Trainer
-from gem_train.cli import prepare_data
-from gem_train.trainer import init_distributed
-
-out = sys.argv[1]
-config = TrainConfig(
-    data=DataConfig(directory=out + "/data", num_train=1024, num_eval=512, max_seq_len=32,
-                    num_shards=2, workers=1),
-    model=GemArchitecture(embedding_dim=16), batch_size=64, max_steps=2, device="cpu",
-    output_dir=out + "/run",
-)
-rank, world = init_distributed(torch.device("cpu"))
-train, evaluation = prepare_data(config.data, progress=False)
+# Rank 1 dies after 2 steps; rank 0 keeps training and must fail, not hang.
+_DYING_WORKER = (
+    _PRELUDE
+    + """
 trainer = Trainer(config, train, output_dir=out + "/run")
+trainer.total_steps = 2
 trainer.fit(progress=False)
 if rank == 1:
     os._exit(17)  # killed mid-run: no clean shutdown, no error message
 trainer.total_steps = 8
 trainer.fit(progress=False)
 """
+)
 
 
 def test_a_killed_rank_makes_the_other_ranks_fail_instead_of_hanging(tmp_path):
