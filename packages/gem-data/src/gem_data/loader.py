@@ -17,8 +17,6 @@ from gem_data.writer import DATASET_INFO_FILE, DatasetInfo, read_dataset_info
 
 __all__ = ["ParquetBatchLoader"]
 
-_STATE_FORMAT = "gem_data.ParquetBatchLoader"
-_STATE_VERSION = 1
 _check_int = check_int
 
 
@@ -36,7 +34,53 @@ def dataset_files(directory: Path) -> tuple[DatasetInfo | None, list[Path], int 
     return info, files, num_dense
 
 
-class ParquetBatchLoader:
+class ResumablePosition:
+    """``state_dict`` / ``load_state_dict`` shared by the loaders.
+
+    The state is the position (epoch, batches already yielded in it) plus the loader's
+    ``_identity()``: everything that fixes the sample order, which must match on load. It
+    may come from another rank of the same run, since the position is shared.
+    """
+
+    _STATE_FORMAT: str
+    _STATE_VERSION: int
+    rank: int
+    _epoch: int
+    _batches_yielded: int
+    _iteration_token: int
+
+    def _identity(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position of this loader plus the setup that fixes its sample order."""
+        return {
+            "format": self._STATE_FORMAT,
+            "version": self._STATE_VERSION,
+            "epoch": self._epoch,
+            "batches_yielded": self._batches_yielded,
+            "rank": self.rank,
+            **self._identity(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state``: the next batch is the one that would have followed it."""
+        epoch, batches = check_state(
+            state, self._STATE_FORMAT, self._STATE_VERSION, self._identity()
+        )
+        if batches > len(self):
+            raise ValueError(
+                f"state['batches_yielded'] = {batches} exceeds the {len(self)} batches per epoch"
+            )
+        self._iteration_token += 1  # running iterators stop: the position has moved
+        self._epoch = epoch
+        self._batches_yielded = batches
+
+
+class ParquetBatchLoader(ResumablePosition):
     """Batches of a Parquet dataset for one rank, one epoch per ``iter()``.
 
     The needed columns of every shard are read into memory once (and validated). Epoch ``e``
@@ -55,6 +99,9 @@ class ParquetBatchLoader:
     For datasets larger than memory, or to balance jagged batches across ranks, use
     :class:`gem_data.ShardedBatchLoader` (streams row groups, Base Batch Shuffling).
     """
+
+    _STATE_FORMAT = "gem_data.ParquetBatchLoader"
+    _STATE_VERSION = 1
 
     def __init__(
         self,
@@ -173,32 +220,6 @@ class ParquetBatchLoader:
             "drop_last": self.drop_last,
             "total_samples": self.total_samples,
         }
-
-    def state_dict(self) -> dict[str, Any]:
-        """Position of this loader: epoch and batches already yielded in it, plus its setup."""
-        return {
-            "format": _STATE_FORMAT,
-            "version": _STATE_VERSION,
-            "epoch": self._epoch,
-            "batches_yielded": self._batches_yielded,
-            "rank": self.rank,
-            **self._identity(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at ``state``: the next batch is the one that would have followed it.
-
-        The state may come from another rank of the same run (the position is shared), but
-        seed, shuffle, batch size, world size, drop_last and the dataset size must match.
-        """
-        epoch, batches = check_state(state, _STATE_FORMAT, _STATE_VERSION, self._identity())
-        if batches > len(self):
-            raise ValueError(
-                f"state['batches_yielded'] = {batches} exceeds the {len(self)} batches per epoch"
-            )
-        self._iteration_token += 1  # running iterators stop: the position has moved
-        self._epoch = epoch
-        self._batches_yielded = batches
 
 
 def check_state(

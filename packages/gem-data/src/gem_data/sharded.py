@@ -20,7 +20,7 @@ import torch
 from gem_data._columns import Columns, check_int, open_parquet, table_to_columns
 from gem_data.balance import CostModel, attention_cost, bbs_merge, sub_batch_costs
 from gem_data.batch import Batch
-from gem_data.loader import check_state, dataset_files
+from gem_data.loader import ResumablePosition, dataset_files
 from gem_data.schema import DatasetFormatError, dataset_schema, validate_schema
 from gem_data.writer import DATASET_INFO_FILE
 
@@ -28,8 +28,6 @@ __all__ = ["ShardedBatchLoader", "BALANCE_MODES"]
 
 #: ``balance`` values: ``"bbs"`` (Base Batch Shuffling) or ``"none"`` (stream order).
 BALANCE_MODES = ("bbs", "none")
-_STATE_FORMAT = "gem_data.ShardedBatchLoader"
-_STATE_VERSION = 1
 # Entropy words separating the row-group order stream from the per-row-group row streams.
 _ROW_GROUP_ORDER_STREAM = 0x52474F52
 _ROW_ORDER_STREAM = 0x524F5753
@@ -41,7 +39,7 @@ def _cost_model_name(cost_model: CostModel) -> str:
     return f"{getattr(cost_model, '__module__', '')}.{name}" if name else repr(cost_model)
 
 
-class ShardedBatchLoader:
+class ShardedBatchLoader(ResumablePosition):
     """Batches for one rank, streamed row group by row group and balanced by BBS.
 
     **Plan of epoch e** (a pure function of ``seed``, ``e`` and the row-group layout, identical
@@ -75,6 +73,9 @@ class ShardedBatchLoader:
     row group, never a silent partial read). Page checksums written by the generator are
     verified.
     """
+
+    _STATE_FORMAT = "gem_data.ShardedBatchLoader"
+    _STATE_VERSION = 1
 
     def __init__(
         self,
@@ -400,30 +401,3 @@ class ShardedBatchLoader:
             "pool_batches": self.pool_batches,
             "cost_model": _cost_model_name(self.cost_model),
         }
-
-    def state_dict(self) -> dict[str, Any]:
-        """Position (epoch, batches yielded in it) plus the setup that fixes the sample order."""
-        return {
-            "format": _STATE_FORMAT,
-            "version": _STATE_VERSION,
-            "epoch": self._epoch,
-            "batches_yielded": self._batches_yielded,
-            "rank": self.rank,
-            **self._identity(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at ``state``: the next batch is the one that would have followed it.
-
-        The state may come from another rank of the same run; everything that decides the
-        sample order (seed, shuffle, sizes, world size, balance, pool, cost model, row-group
-        count) must match.
-        """
-        epoch, batches = check_state(state, _STATE_FORMAT, _STATE_VERSION, self._identity())
-        if batches > len(self):
-            raise ValueError(
-                f"state['batches_yielded'] = {batches} exceeds the {len(self)} batches per epoch"
-            )
-        self._iteration_token += 1
-        self._epoch = epoch
-        self._batches_yielded = batches
