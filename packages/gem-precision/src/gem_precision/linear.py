@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -211,6 +212,14 @@ class Fp8Linear(nn.Linear):
         if x.shape[-1] != self.in_features:
             raise ValueError(
                 f"the last dim of x must be in_features={self.in_features}, got {tuple(x.shape)}"
+            )
+        if x.is_cuda:
+            # Not silent: on a GPU a user expects FP8 speed, and this path only has FP8 numerics.
+            warnings.warn(
+                "Fp8Linear emulates its FP8 GEMMs (quantize -> dequantize -> float32 matmul): "
+                "FP8 numerics, but slower than bf16 nn.Linear; no native scaled-GEMM path yet",
+                RuntimeWarning,
+                stacklevel=2,
             )
         x2d = x.reshape(-1, self.in_features)
         offset = self._sr_offset
