@@ -58,7 +58,7 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend)
         else:
-            store = dist.FileStore(tempfile.mktemp(prefix="gem-train-store-"), 1)
+            store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="gem-train-"), "store"), 1)
             dist.init_process_group(backend, store=store, rank=0, world_size=1)
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
