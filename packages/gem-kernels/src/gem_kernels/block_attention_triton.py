@@ -1,0 +1,374 @@
+"""Triton implementation of block attention with fused RoPE: launches and autograd.
+
+The kernels live in ``_block_kernels.py``. :func:`block_attention_triton` runs them on validated
+input (the public, validating entry point is :func:`gem_kernels.block_attention`, which
+dispatches here for CUDA float16/bfloat16 inputs).
+
+One forward kernel and one backward kernel, no other launches: RoPE is applied to q and k in
+registers (no rotated copies in HBM), and the backward computes dq, dk and dv of a block in one
+program (a block is at most 128 tokens and fits in registers/shared memory), rotating dq and dk
+back before storing them. No atomics, no saved softmax statistics: the backward reads q, k, v
+and dO and writes dq, dk, dv; the forward reads q, k, v and writes out.
+
+The host ships ``offsets``, the per-sample block prefix sums and the sample of every block in
+one small copy (pinned, non-blocking: no device sync when the offsets are on the CPU).
+
+CPU tensors run under the Triton interpreter when ``TRITON_INTERPRET=1`` is set at call time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = [
+    "MAX_TRITON_BLOCK_SIZE",
+    "MAX_TRITON_HEAD_DIM",
+    "BlockAttentionFunction",
+    "BlockAttentionTritonConfig",
+    "block_attention_from_lengths",
+    "block_attention_triton",
+    "default_config",
+    "triton_unsupported_reason",
+]
+
+#: Largest head dimension the Triton kernels take (bigger ones go to the reference).
+MAX_TRITON_HEAD_DIM = 256
+#: Largest block the Triton kernels take: a whole block lives in one program's registers.
+MAX_TRITON_BLOCK_SIZE = 128
+
+_LOG2E = 1.4426950408889634
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TURN_BITS = 40  # fixed-point fraction bits of the per-frequency "turns per position" table
+
+
+@dataclass(frozen=True)
+class BlockAttentionTritonConfig:
+    """Launch parameters of the two kernels (heads per program are reduced to divide H).
+
+    The defaults are the fastest of a short sweep on an H200 at D=128 (bf16, B128xL4096).
+    """
+
+    fwd_heads_per_program: int = 4
+    """Heads handled by one forward program (sines/cosines computed once for all of them)."""
+    fwd_warps: int = 4
+    """Warps per forward program."""
+    fwd_stages: int = 2
+    """Software-pipelining depth of the forward's head loop."""
+    bwd_heads_per_program: int = 4
+    """Heads handled by one backward program."""
+    bwd_warps: int = 8
+    """Warps per backward program."""
+    bwd_stages: int = 2
+    """Software-pipelining depth of the backward's head loop."""
+
+
+def default_config(head_dim: int, *, interpret: bool = False) -> BlockAttentionTritonConfig:
+    """Launch configuration for a head dimension (one warp under the interpreter)."""
+    if interpret:
+        return BlockAttentionTritonConfig(2, 1, 1, 2, 1, 1)
+    if head_dim > 128:
+        return BlockAttentionTritonConfig(1, 8, 1, 1, 8, 1)
+    return BlockAttentionTritonConfig()
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel module loading (compiled or interpreted).
+
+_KERNEL_MODULES: dict[bool, ModuleType] = {}
+
+
+def _interpret_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the environment
+        return False
+    return True
+
+
+def _kernels(interpret: bool) -> ModuleType:
+    """The kernel module decorated for this mode (``triton.jit`` reads the mode at decoration)."""
+    module = _KERNEL_MODULES.get(interpret)
+    if module is not None:
+        return module
+    name = f"gem_kernels._block_kernels_{'interpreted' if interpret else 'compiled'}"
+    path = Path(__file__).with_name("_block_kernels.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+    _KERNEL_MODULES[interpret] = module
+    return module
+
+
+# ---------------------------------------------------------------------------------------------
+# Support check.
+
+
+def triton_unsupported_reason(q: torch.Tensor, block_size: int) -> str | None:
+    """Why the Triton path cannot run this call, or ``None`` when it can.
+
+    The Triton path takes float16/bfloat16/float32 on CUDA (float32 with IEEE-exact dot
+    products), or CPU tensors when ``TRITON_INTERPRET=1`` is set; head_dim up to
+    ``MAX_TRITON_HEAD_DIM`` and block_size up to ``MAX_TRITON_BLOCK_SIZE``.
+    """
+    if q.dtype not in _TRITON_DTYPES:
+        return f"dtype {q.dtype} is not supported by the Triton kernels (float16/bfloat16/float32)"
+    if q.shape[2] > MAX_TRITON_HEAD_DIM:
+        return f"head_dim {q.shape[2]} is larger than {MAX_TRITON_HEAD_DIM}"
+    if block_size > MAX_TRITON_BLOCK_SIZE:
+        return f"block_size {block_size} is larger than {MAX_TRITON_BLOCK_SIZE}"
+    if q.device.type != "cuda" and not _interpret_requested():
+        return f"tensors on {q.device.type} need TRITON_INTERPRET=1 (Triton runs CUDA tensors)"
+    if not _triton_importable():
+        return "triton is not importable"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning and launches.
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """Everything both launches share besides tensors."""
+
+    meta: torch.Tensor
+    """Device int64: ``offsets`` (B + 1), ``cum_blocks`` (B + 1), the sample of every block
+    (``num_blocks``), then the fixed-point RoPE frequencies (D / 2)."""
+    num_samples: int
+    num_blocks: int
+    block_size: int
+    scale: float
+    config: BlockAttentionTritonConfig
+    interpret: bool
+
+
+def _turn_frequencies(head_dim: int, theta: float) -> list[int]:
+    """``round(theta^(-2i/D) / (2 pi) * 2^40)``: turns per position unit, fixed point."""
+    half = head_dim // 2
+    return [
+        round(theta ** (-2.0 * i / head_dim) / (2.0 * math.pi) * (1 << _TURN_BITS))
+        for i in range(half)
+    ]
+
+
+def _plan(lengths, block_size, head_dim, theta, scale, config, interpret, device) -> _Launch:
+    lengths = lengths.to("cpu", torch.int64)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    blocks = (lengths + block_size - 1) // block_size
+    cum_blocks = torch.zeros_like(offsets)
+    torch.cumsum(blocks, 0, out=cum_blocks[1:])
+    num_blocks = int(cum_blocks[-1])
+    # Sample of every block: +1 at each sample's first block, then a prefix sum (cheaper on the
+    # host than repeat_interleave, which goes multi-threaded from a few hundred samples on).
+    marks = torch.zeros(num_blocks + 1, dtype=torch.int64)
+    firsts = cum_blocks[1:-1]
+    marks.scatter_add_(0, firsts, torch.ones_like(firsts))
+    block_sample = torch.cumsum(marks[:num_blocks], 0)
+    freqs = torch.tensor(_turn_frequencies(head_dim, theta), dtype=torch.int64)
+    packed = torch.cat([offsets, cum_blocks, block_sample, freqs])
+    if device.type == "cuda":
+        # Pinned + non_blocking: the copy is queued behind running kernels, no host sync.
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    else:
+        packed = packed.to(device)
+    return _Launch(
+        meta=packed,
+        num_samples=lengths.numel(),
+        num_blocks=num_blocks,
+        block_size=block_size,
+        scale=scale,
+        config=config,
+        interpret=interpret,
+    )
+
+
+def _unit_stride(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def _common(q: torch.Tensor, launch: _Launch, positions: torch.Tensor | None, per_program: int):
+    heads, head_dim = q.shape[1], q.shape[2]
+    half = head_dim // 2
+    per_program = math.gcd(heads, per_program)
+    grid = (launch.num_blocks, heads // per_program)
+    freq = launch.meta[2 * (launch.num_samples + 1) + launch.num_blocks :]
+    args = (
+        launch.meta,
+        freq,
+        launch.meta if positions is None else positions,
+    )
+    sizes = (
+        launch.num_samples,
+        launch.block_size,
+        launch.scale * _LOG2E,
+    )
+    flags = {
+        "HEADS_PER_PROGRAM": per_program,
+        "HEAD_DIM": head_dim,
+        "HALF": half,
+        "BLOCK_M": max(16, 1 << (launch.block_size - 1).bit_length()),
+        "BLOCK_HALF": max(16, 1 << (half - 1).bit_length()),
+        "BLOCK_D": max(16, 1 << (head_dim - 1).bit_length()),
+        "HAS_POS": positions is not None,
+        "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+        "UPCAST": launch.interpret and q.dtype == torch.bfloat16,
+    }
+    return grid, args, sizes, flags
+
+
+def _forward(q, k, v, positions, launch: _Launch) -> torch.Tensor:
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if launch.num_blocks == 0:
+        return out
+    cfg = launch.config
+    grid, args, sizes, flags = _common(q, launch, positions, cfg.fwd_heads_per_program)
+    _kernels(launch.interpret).block_attn_fwd_kernel[grid](
+        q, k, v, out, *args,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), *sizes,
+        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **flags,
+    )  # fmt: skip
+    return out
+
+
+def _backward(grad_out, q, k, v, positions, launch: _Launch):
+    grad_out = _unit_stride(grad_out)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if launch.num_blocks == 0:
+        return dq, dk, dv
+    cfg = launch.config
+    grid, args, sizes, flags = _common(q, launch, positions, cfg.bwd_heads_per_program)
+    _kernels(launch.interpret).block_attn_bwd_kernel[grid](
+        q, k, v, grad_out, dq, dk, dv, *args,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), *sizes, launch.scale,
+        num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages, **flags,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+class BlockAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper of the two kernels (inputs validated and planned by the caller).
+
+    ``apply(q, k, v, positions, launch)``; ``positions`` may be ``None``. Backward is
+    once-differentiable; ``positions`` gets no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, positions, launch):
+        out = _forward(q, k, v, positions, launch)
+        ctx.save_for_backward(q, k, v, positions)
+        ctx.launch = launch
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, positions = ctx.saved_tensors
+        dq, dk, dv = _backward(grad_out, q, k, v, positions, ctx.launch)
+        return dq, dk, dv, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points (validated input).
+
+
+def block_attention_from_lengths(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    block_size: int = 64,
+    positions: torch.Tensor | None = None,
+    rope_theta: float = 10000.0,
+    scale: float | None = None,
+    config: BlockAttentionTritonConfig | None = None,
+) -> torch.Tensor:
+    """Triton block attention from per-sample lengths (CPU lengths: no device sync).
+
+    Same semantics as :func:`gem_kernels.block_attention`; inputs are assumed valid (lengths
+    sum to the row count, ``block_size <= MAX_TRITON_BLOCK_SIZE``, D even).
+    """
+    interpret = _interpret_requested()
+    if not interpret and q.device.type != "cuda":
+        raise ValueError(
+            f"the Triton path needs CUDA tensors, got {q.device} (set TRITON_INTERPRET=1 to run "
+            "CPU tensors under the Triton interpreter)"
+        )
+    head_dim = q.shape[2]
+    launch = _plan(
+        lengths,
+        block_size,
+        head_dim,
+        float(rope_theta),
+        1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        config or default_config(head_dim, interpret=interpret),
+        interpret,
+        q.device,
+    )
+    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    if positions is not None:
+        positions = positions.contiguous()
+    return BlockAttentionFunction.apply(q, k, v, positions, launch)
+
+
+def block_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    block_size: int = 64,
+    positions: torch.Tensor | None = None,
+    rope_theta: float = 10000.0,
+    scale: float | None = None,
+    config: BlockAttentionTritonConfig | None = None,
+) -> torch.Tensor:
+    """Triton block attention from offsets; same semantics as the public function.
+
+    Inputs are assumed valid: call :func:`gem_kernels.block_attention` (with
+    ``backend="triton"``) for argument checks. Offsets are read on the host (one device sync
+    when they live on the GPU).
+    """
+    host = offsets.detach().to("cpu", torch.int64)
+    return block_attention_from_lengths(
+        q,
+        k,
+        v,
+        host[1:] - host[:-1],
+        block_size=block_size,
+        positions=positions,
+        rope_theta=rope_theta,
+        scale=scale,
+        config=config,
+    )
