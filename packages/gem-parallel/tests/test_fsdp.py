@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.distributed as dist
 from gem_parallel import (
+    FsdpAllGather,
     ParallelLayout,
     apply_fsdp,
     build_gem_mesh,
     default_fsdp_blocks,
+    plain_all_gather,
     run_in_processes,
+    set_fsdp_all_gather,
 )
 from torch import nn
 
@@ -77,11 +82,30 @@ def _fsdp_worker(rank: int, replicate: int, shard: int, per_rank: int, lr: float
     mesh = build_gem_mesh(ParallelLayout(replicate=replicate, shard=shard))
     ref_params = dict(reference.named_parameters())
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
-    for reshard, prefetch in ((True, True), (False, False)):
+    messages: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("gem_parallel")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    # "auto" on gloo falls back (logged) and then a stream-ordered custom all-gather (fn that
+    # returns no Work, as the copy engine does) replaces it; "nccl" keeps FSDP's default.
+    for reshard, prefetch, all_gather in ((True, True, "auto"), (False, False, "nccl")):
         model = make_model()
         blocks = default_fsdp_blocks(model)
         assert [id(b) for b in blocks] == [id(b) for b in [*model.blocks, model.head]]
-        apply_fsdp(model, mesh, reshard_after_forward=reshard, prefetch=prefetch)
+        messages.clear()
+        apply_fsdp(
+            model, mesh, reshard_after_forward=reshard, prefetch=prefetch, all_gather=all_gather
+        )
+        comm = None
+        if all_gather == "auto":
+            assert any("uses gloo: copy engine unavailable" in m for m in messages), messages
+            comm = FsdpAllGather(plain_all_gather, group=mesh.dense.get_group("shard"))
+            installed = set_fsdp_all_gather(model, comm)
+            assert installed == hasattr(model, "set_custom_all_gather")
+        else:
+            assert not any("all-gather" in m for m in messages), messages
         assert isinstance(model, FSDPModule) and all(isinstance(b, FSDPModule) for b in blocks)
         for param in model.parameters():
             assert isinstance(param, DTensor)
@@ -109,6 +133,10 @@ def _fsdp_worker(rank: int, replicate: int, shard: int, per_rank: int, lr: float
                 unit.reshard()
         for name, param in model.named_parameters():
             assert_close(param.full_tensor().detach(), ref_params[name].detach(), f"param {name}")
+        if comm is not None and installed:
+            # 4 units; forward twice and one backward re-gather per resharded unit.
+            assert comm.calls >= 8, comm.calls
+    logger.removeHandler(handler)
 
     try:
         apply_fsdp(make_model(), mesh.expert)
@@ -127,6 +155,10 @@ def test_apply_fsdp_rejects_bad_arguments():
         apply_fsdp(object(), None)
     with pytest.raises(TypeError, match="gem_mesh must be a GemMesh or DeviceMesh"):
         apply_fsdp(make_model(), None)
+    with pytest.raises(TypeError, match="comm must be an FsdpAllGather"):
+        set_fsdp_all_gather(make_model(), object())
+    with pytest.raises(ValueError, match="module holds no FSDP unit"):
+        set_fsdp_all_gather(make_model(), FsdpAllGather())
 
 
 def test_default_blocks_expand_module_lists():

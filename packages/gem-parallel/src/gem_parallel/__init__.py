@@ -1,17 +1,30 @@
 """gem-parallel: topology-aware device meshes and parallelism for the GEM training stack."""
 
-from gem_parallel.collectives import all_gather_dim0, reduce_scatter_dim0
+from gem_parallel.collectives import (
+    COLLECTIVE_CHOICES,
+    all_gather_dim0,
+    copy_engine_all_gather,
+    copy_engine_reduce_scatter,
+    copy_engine_status,
+    plain_all_gather,
+    plain_reduce_scatter,
+    reduce_scatter_dim0,
+    select_all_gather,
+    select_reduce_scatter,
+    symmetric_empty,
+)
 from gem_parallel.cost_model import (
     SPARSE_MODES,
     Bandwidths,
     CollectiveCost,
+    Latencies,
     ModelSizes,
     StepCost,
     Workload,
     estimate_step,
 )
 from gem_parallel.expert import ExpertParallel, expert_assignment
-from gem_parallel.fsdp import apply_fsdp, default_fsdp_blocks
+from gem_parallel.fsdp import FsdpAllGather, apply_fsdp, default_fsdp_blocks, set_fsdp_all_gather
 from gem_parallel.mesh import (
     DIM_NAMES,
     TIER_CROSS_ZONE,
@@ -37,6 +50,7 @@ __all__ = [
     "SPARSE_MODES",
     "Bandwidths",
     "CollectiveCost",
+    "Latencies",
     "ModelSizes",
     "StepCost",
     "Workload",
@@ -52,6 +66,17 @@ __all__ = [
     "ParallelLayout",
     "Topology",
     "all_gather_dim0",
+    "COLLECTIVE_CHOICES",
+    "FsdpAllGather",
+    "copy_engine_all_gather",
+    "copy_engine_reduce_scatter",
+    "copy_engine_status",
+    "plain_all_gather",
+    "plain_reduce_scatter",
+    "select_all_gather",
+    "select_reduce_scatter",
+    "set_fsdp_all_gather",
+    "symmetric_empty",
     "apply_fsdp",
     "build_gem_mesh",
     "default_fsdp_blocks",

@@ -1,6 +1,6 @@
 """Per-step communication volume and time of the GEM parallelism dimensions.
 
-A bandwidth-only (no latency term) model of one training step per GPU. Each collective over a
+An alpha-beta (latency + bandwidth) model of one training step per GPU. Each collective over a
 group of ``p`` ranks moves, per GPU, in each direction (ring / pairwise algorithms):
 
 * all-gather producing ``N`` bytes, or reduce-scatter consuming ``N`` bytes: ``N (p-1)/p``;
@@ -8,7 +8,22 @@ group of ``p`` ranks moves, per GPU, in each direction (ring / pairwise algorith
 * all-to-all where each rank holds ``N`` bytes spread over the group: ``N (p-1)/p``;
 
 and takes ``bytes / bandwidth`` of the slowest network tier its groups cross
-(:func:`gem_parallel.dim_tier`).
+(:func:`gem_parallel.dim_tier`), plus a latency term: every call pays ``alpha`` of that tier
+(:class:`Latencies`) once per algorithm step,
+
+* ``latency_model="ring"`` (default): ``p - 1`` steps for all-gather, reduce-scatter and
+  all-to-all, ``2 (p - 1)`` for all-reduce (reduce-scatter + all-gather rings);
+* ``latency_model="log"``: ``ceil(log2 p)`` steps (recursive doubling / halving, Bruck),
+  ``2 ceil(log2 p)`` for all-reduce: what tree / PAT algorithms reach at scale.
+
+The number of calls per step: FSDP runs each collective once per FSDP unit
+(``ModelSizes.fsdp_units``; the all-gather twice with ``reshard_after_forward``), expert
+parallelism 4 per expert layer (``ModelSizes.expert_layers``), the sparse all-to-all 2 (forward
+and backward) and each fully-sharded-2D collective 1; the 2D replica sync one all-reduce every
+``sparse_sync_interval`` steps (amortised). Using the slowest tier's alpha for every step of a
+group that spans tiers makes the latency an upper bound. The latency term is what makes a
+dimension that grows with the world (1D sharding, ``replicate``, ``sparse_replica``) cost more
+at 4k GPUs than at 1k even when its bytes per GPU barely change.
 
 What each dimension communicates per step (``B`` = samples per GPU):
 
@@ -40,7 +55,10 @@ Default bandwidths (:class:`Bandwidths`, bytes/s per GPU, one direction) are H10
 assumptions: NVLink 4 is 900 GB/s bidirectional = 450 GB/s per direction; the scale-out NIC is
 one 400 Gb/s ConnectX-7 per GPU = 50 GB/s; the cross-zone (datacenter building to building)
 fabric is assumed oversubscribed 4:1 relative to the NIC, 12.5 GB/s. Replace them with
-measured numbers for a real cluster.
+measured numbers for a real cluster. Default per-step latencies (:class:`Latencies`) are
+assumptions in the same spirit: 2 us inside a host (NCCL's low-latency protocol over NVLink),
+6 us between hosts of a zone (RoCE through two or three switch hops) and 25 us across zones
+(kilometres of fibre, about 5 us/km, plus more hops).
 """
 
 from __future__ import annotations
@@ -60,6 +78,8 @@ __all__ = [
     "SPARSE_MODES",
     "Bandwidths",
     "CollectiveCost",
+    "LATENCY_MODELS",
+    "Latencies",
     "ModelSizes",
     "StepCost",
     "Workload",
@@ -67,11 +87,15 @@ __all__ = [
     "all_reduce_bytes",
     "all_to_all_bytes",
     "estimate_step",
+    "latency_steps",
     "reduce_scatter_bytes",
 ]
 
 SPARSE_MODES = ("1d", "2d", "fully_sharded_2d")
 """Embedding sharding schemes :func:`estimate_step` models."""
+
+LATENCY_MODELS = ("ring", "log")
+"""Step counts of the latency term (module doc): ``p - 1`` or ``ceil(log2 p)`` per call."""
 
 
 def _check_non_negative(value: object, name: str) -> None:
@@ -103,8 +127,16 @@ class ModelSizes:
     expert_activation_bytes_per_sample: float = 0.0
     """Input activation bytes per sample entering the expert layers, summed over the layers
     (outputs are assumed the same size, as in DHEN)."""
+    fsdp_units: int = 1
+    """FSDP units (blocks sharded separately): each runs its own collectives (latency term)."""
+    expert_layers: int = 1
+    """Layers with expert parallelism: each runs 4 collectives per step (latency term)."""
 
     def __post_init__(self) -> None:
+        for name in ("fsdp_units", "expert_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model.{name} must be a positive int, got {value!r}")
         for name in (
             "dense_params",
             "expert_params",
@@ -187,6 +219,41 @@ def all_to_all_bytes(local_bytes: float, group_size: int) -> float:
 
 
 @dataclass(frozen=True)
+class Latencies:
+    """Per-step latency (alpha) of each network tier in seconds (defaults: module doc)."""
+
+    nvlink: float = 2e-6
+    """Inside one host."""
+    zone: float = 6e-6
+    """Between hosts of one zone."""
+    cross_zone: float = 25e-6
+    """Between zones."""
+
+    def __post_init__(self) -> None:
+        for name in ("nvlink", "zone", "cross_zone"):
+            _check_non_negative(getattr(self, name), f"latencies.{name}")
+
+    def of(self, tier: str) -> float:
+        """Latency of ``tier`` (one of :data:`gem_parallel.TIERS`)."""
+        table = {TIER_NVLINK: self.nvlink, TIER_ZONE: self.zone, TIER_CROSS_ZONE: self.cross_zone}
+        if tier not in table:
+            raise ValueError(f"tier must be one of {tuple(table)}, got {tier!r}")
+        return table[tier]
+
+
+def latency_steps(group_size: int, latency_model: str = "ring") -> int:
+    """Algorithm steps of one all-gather / reduce-scatter / all-to-all over ``group_size``
+    ranks (an all-reduce takes twice as many)."""
+    if latency_model not in LATENCY_MODELS:
+        raise ValueError(f"latency_model must be one of {LATENCY_MODELS}, got {latency_model!r}")
+    if group_size <= 1:
+        return 0
+    if latency_model == "ring":
+        return group_size - 1
+    return (group_size - 1).bit_length()  # ceil(log2(group_size))
+
+
+@dataclass(frozen=True)
 class CollectiveCost:
     """One kind of collective in a step."""
 
@@ -201,9 +268,13 @@ class CollectiveCost:
     bytes_per_gpu: float
     """Bytes each GPU sends per step (amortised for periodic collectives)."""
     seconds: float
-    """``bytes_per_gpu / bandwidth(tier)``."""
+    """``bytes_per_gpu / bandwidth(tier) + latency_seconds``."""
     overlapped: bool
     """Whether it can hide behind dense compute (FSDP) or sits on the critical path."""
+    calls: float = 1.0
+    """Calls per step (amortised for periodic collectives)."""
+    latency_seconds: float = 0.0
+    """The latency part of ``seconds``: ``calls * steps * alpha(tier)``."""
 
 
 @dataclass(frozen=True)
@@ -228,6 +299,11 @@ class StepCost:
     def total_seconds(self) -> float:
         """Communication time per step if nothing overlapped."""
         return sum(c.seconds for c in self.collectives)
+
+    @property
+    def latency_seconds(self) -> float:
+        """The latency part of :attr:`total_seconds`."""
+        return sum(c.latency_seconds for c in self.collectives)
 
     @property
     def exposed_seconds(self) -> float:
@@ -261,6 +337,8 @@ def estimate_step(
     sparse: str = "2d",
     sparse_sync_interval: int = 1,
     reshard_after_forward: bool = True,
+    latencies: Latencies | None = None,
+    latency_model: str = "ring",
 ) -> StepCost:
     """Predict per-GPU communication volume and time of one step (formulas: module doc).
 
@@ -275,6 +353,9 @@ def estimate_step(
         sparse: one of :data:`SPARSE_MODES`.
         sparse_sync_interval: steps between replica syncs for ``sparse="2d"``.
         reshard_after_forward: FSDP gathers parameters twice per step when true.
+        latencies: per-tier latency per algorithm step (default :class:`Latencies`; pass
+            ``Latencies(0, 0, 0)`` for the bandwidth-only model).
+        latency_model: one of :data:`LATENCY_MODELS` (module doc).
     """
     for value, name, kind in (
         (model, "model", ModelSizes),
@@ -285,6 +366,12 @@ def estimate_step(
         if not isinstance(value, kind):
             raise TypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
     bandwidths = Bandwidths() if bandwidths is None else bandwidths
+    latencies = Latencies() if latencies is None else latencies
+    if not isinstance(bandwidths, Bandwidths):
+        raise TypeError(f"bandwidths must be a Bandwidths, got {type(bandwidths).__name__}")
+    if not isinstance(latencies, Latencies):
+        raise TypeError(f"latencies must be a Latencies, got {type(latencies).__name__}")
+    latency_steps(2, latency_model)  # validates latency_model
     if sparse not in SPARSE_MODES:
         raise ValueError(f"sparse must be one of {SPARSE_MODES}, got {sparse!r}")
     if (
@@ -308,12 +395,23 @@ def estimate_step(
     mp, sr = layout.model_parallel, layout.sparse_replica
     collectives: list[CollectiveCost] = []
 
-    def add(name: str, dim: str, size: int, nbytes: float, overlapped: bool) -> None:
+    def add(
+        name: str,
+        dim: str,
+        size: int,
+        nbytes: float,
+        overlapped: bool,
+        calls: float,
+        all_reduce: bool = False,
+    ) -> None:
         if nbytes <= 0 or size <= 1:
             return
         tier = dim_tier(layout, topology, dim)
+        steps = latency_steps(size, latency_model) * (2 if all_reduce else 1)
+        latency = calls * steps * latencies.of(tier)
+        seconds = nbytes / bandwidths.of(tier) + latency
         collectives.append(
-            CollectiveCost(name, dim, tier, size, nbytes, nbytes / bandwidths.of(tier), overlapped)
+            CollectiveCost(name, dim, tier, size, nbytes, seconds, overlapped, calls, latency)
         )
 
     # Dense FSDP: each rank gathers the non-expert parameters and 1/ep of the expert ones.
@@ -325,6 +423,7 @@ def estimate_step(
         s,
         gathers * all_gather_bytes(gathered_params * model.param_bytes, s),
         True,
+        gathers * model.fsdp_units,
     )
     add(
         "fsdp_reduce_scatter",
@@ -332,6 +431,7 @@ def estimate_step(
         s,
         reduce_scatter_bytes(gathered_params * model.grad_bytes, s),
         True,
+        model.fsdp_units,
     )
     add(
         "fsdp_all_reduce",
@@ -339,18 +439,33 @@ def estimate_step(
         r,
         all_reduce_bytes(model.dense_params * model.grad_bytes / s, r),
         True,
+        model.fsdp_units,
+        all_reduce=True,
     )
 
     # Experts: all-gather inputs + reduce-scatter outputs, forward and backward.
     gathered_activations = ep * batch * model.expert_activation_bytes_per_sample
-    add("ep_all_gather", "expert", ep, 2 * all_gather_bytes(gathered_activations, ep), False)
+    ep_calls = 2 * model.expert_layers
     add(
-        "ep_reduce_scatter", "expert", ep, 2 * reduce_scatter_bytes(gathered_activations, ep), False
+        "ep_all_gather",
+        "expert",
+        ep,
+        2 * all_gather_bytes(gathered_activations, ep),
+        False,
+        ep_calls,
+    )
+    add(
+        "ep_reduce_scatter",
+        "expert",
+        ep,
+        2 * reduce_scatter_bytes(gathered_activations, ep),
+        False,
+        ep_calls,
     )
 
     # Sparse: lookups forward, their gradients backward.
     lookup = batch * model.embedding_lookup_bytes_per_sample
-    add("sparse_all_to_all", "model_parallel", mp, 2 * all_to_all_bytes(lookup, mp), False)
+    add("sparse_all_to_all", "model_parallel", mp, 2 * all_to_all_bytes(lookup, mp), False, 2)
     notes = []
     if sparse == "2d":
         add(
@@ -359,17 +474,20 @@ def estimate_step(
             sr,
             all_reduce_bytes(model.embedding_table_bytes / mp, sr) / sparse_sync_interval,
             False,
+            1 / sparse_sync_interval,
+            all_reduce=True,
         )
         notes.append(f"2D replica sync every {sparse_sync_interval} step(s), amortised")
         table_per_gpu = model.embedding_table_bytes / mp
     elif sparse == "fully_sharded_2d":
-        add("sparse_fs2d_all_gather", "sparse_replica", sr, all_gather_bytes(lookup, sr), False)
+        add("sparse_fs2d_all_gather", "sparse_replica", sr, all_gather_bytes(lookup, sr), False, 1)
         add(
             "sparse_fs2d_reduce_scatter",
             "sparse_replica",
             sr,
             reduce_scatter_bytes(lookup, sr),
             False,
+            1,
         )
         notes.append("fully sharded 2D rows counted without deduplication (upper bound)")
         table_per_gpu = model.embedding_table_bytes / world
