@@ -1,0 +1,584 @@
+"""GDPA (pointwise-activation attention) on one GPU: gem's Triton kernels against peers.
+
+Protocol (shared/BENCHMARKS.md and issue 4): H=4, D=128, bf16, activation ``gelu_fast``
+(polynomial GELU), non-causal, jagged lengths ``randint(1, Lmax + 1, (B,))`` with a fixed seed.
+
+* ``self/BxL`` for (512, 1024), (128, 4096), (1152, 1000);
+* ``cross/BxL``: jagged queries (same lengths), 256 dense keys per sample, L1024 (B512) and
+  L4096 (B128);
+* ``pma/BxL``: 32 broadcast queries over jagged keys, L1024 (B512) and L4096 (B128); also
+  ``gbps``: useful bytes (K, V read once, Q read, O written) over time;
+* ``skew/alpha1.7``: self, lengths from a power law (``P(L > x) ~ x^-0.7``, 16..16384, total
+  ~2^18 tokens): gem's three schedules, with ``max_over_mean`` = modelled SM work max/mean.
+
+TFLOP/s count useful work: ``4 * H * D * sum(Lq * Lk)`` forward, x3.5 for forward+backward.
+Peers, measured in the same run: ``compile_padded`` (``torch.compile`` of padded activation
+attention with a key mask; only where the padded score tensor fits, B512xL1024 self, cross,
+PMA), ``sdpa_flash_padded`` (softmax, flash, padded, no mask: a speed reference, not the same
+function) and ``njt_sdpa`` (nested-jagged softmax SDPA, cross and PMA).
+
+    PYTHONPATH=packages/gem-kernels/src python benchmarks/bench_gdpa.py \
+        --out benchmarks/results/h200/gdpa.json [--check] [--sweep] [--config k=v,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from _results import ROOT, meta, write_results  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "packages" / "gem-kernels" / "src"))
+
+from gem_kernels import gdpa  # noqa: E402
+from gem_kernels import gdpa_triton as gt  # noqa: E402
+from gem_kernels.reference import gdpa_activation  # noqa: E402
+
+H, D = 4, 128
+DTYPE = torch.bfloat16
+ACT = "gelu_fast"
+NUM_QUERIES = 32
+CROSS_KV = 256
+SELF_SHAPES = [(512, 1024), (128, 4096), (1152, 1000)]
+ASYM_SHAPES = [(512, 1024), (128, 4096)]
+# Compile times are long: the compiled peer runs at L1024 only (as in BENCHMARKS.md).
+COMPILE_OK = {"self/B512xL1024", "pma/B512xL1024"}
+
+
+def _bench(fn, grad_to_none=None) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(
+        fn, warmup=10, rep=40, grad_to_none=grad_to_none, return_mode="median"
+    )
+
+
+def _lengths(batch: int, max_len: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1234 + max_len)
+    return torch.randint(1, max_len + 1, (batch,), generator=gen)
+
+
+def _power_law_lengths(alpha=1.7, low=16, high=16384, total=1 << 18) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(17)
+    out, acc = [], 0
+    while acc < total:
+        u = float(torch.rand((), generator=gen))
+        length = int(min(high, low * (1.0 - u) ** (-1.0 / (alpha - 1.0))))
+        out.append(length)
+        acc += length
+    return torch.tensor(out)
+
+
+def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
+
+
+class Case:
+    """One shape with its inputs, shared by every provider."""
+
+    def __init__(self, kind, batch, max_len, device, lengths=None, name=None):
+        self.kind, self.batch, self.max_len = kind, batch, max_len
+        self.q_lengths = _lengths(batch, max_len) if lengths is None else lengths
+        self.batch = self.q_lengths.numel()
+        if kind == "self":
+            self.k_lengths = self.q_lengths
+        elif kind == "cross":
+            self.k_lengths = torch.full_like(self.q_lengths, CROSS_KV)
+        else:  # pma: keys are the jagged side
+            self.k_lengths = self.q_lengths
+            self.q_lengths = torch.full_like(self.k_lengths, NUM_QUERIES)
+        self.q_off = None if kind == "pma" else _offsets(self.q_lengths)
+        self.k_off = None if kind == "self" else _offsets(self.k_lengths)
+        q_rows = NUM_QUERIES if kind == "pma" else int(self.q_lengths.sum())
+        k_rows = int(self.k_lengths.sum())
+        out_rows = int(self.q_lengths.sum())
+        gen = torch.Generator(device=device).manual_seed(7)
+
+        def rnd(rows):
+            return torch.randn(rows, H, D, generator=gen, device=device, dtype=DTYPE)
+
+        self.q, self.k, self.v, self.grad = rnd(q_rows), rnd(k_rows), rnd(k_rows), rnd(out_rows)
+        self.name = name or f"{kind}/B{batch}xL{max_len}"
+        pairs = float((self.q_lengths.double() * self.k_lengths.double()).sum())
+        self.fwd_flops = 4.0 * H * D * pairs
+        self.bytes = 2.0 * H * D * (2 * k_rows + q_rows + out_rows)
+
+    def leaves(self):
+        return [t.detach().clone().requires_grad_(True) for t in (self.q, self.k, self.v)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Providers: (fwd_fn, fwd_bwd_fn, grad_leaves) or raise NotImplementedError.
+
+
+def provider_gem(case: Case, config=None, activation=ACT):
+    def call(q, k, v):
+        if config is None:
+            return gdpa(q, k, v, case.q_off, case.k_off, activation=activation, backend="triton")
+        q_len = None if case.kind == "pma" else case.q_lengths
+        k_len = None if case.kind == "self" else case.k_lengths
+        return gt.gdpa_from_lengths(q, k, v, q_len, k_len, activation=activation, config=config)
+
+    def fwd():
+        with torch.no_grad():
+            return call(case.q, case.k, case.v)
+
+    leaves = case.leaves()
+
+    def fwd_bwd():
+        call(*leaves).backward(case.grad)
+
+    return fwd, fwd_bwd, leaves
+
+
+def _pad(t, lengths, max_len):
+    batch = lengths.numel()
+    out = torch.zeros(batch, max_len, H, D, dtype=t.dtype, device=t.device)
+    sample = torch.repeat_interleave(torch.arange(batch), lengths).to(t.device)
+    starts = _offsets(lengths)[:-1]
+    pos = (torch.arange(int(lengths.sum())) - starts.repeat_interleave(lengths)).to(t.device)
+    out[sample, pos] = t
+    return out.transpose(1, 2).contiguous()  # (B, H, L, D)
+
+
+def _padded_inputs(case: Case):
+    if case.kind == "pma":
+        qp = case.q.transpose(0, 1).unsqueeze(0).expand(case.batch, H, NUM_QUERIES, D)
+        qp = qp.contiguous()
+    else:
+        qp = _pad(case.q, case.q_lengths, int(case.q_lengths.max()))
+    lk = int(case.k_lengths.max())
+    kp, vp = (_pad(t, case.k_lengths, lk) for t in (case.k, case.v))
+    gp = _pad(case.grad, case.q_lengths, int(case.q_lengths.max()))
+    return qp, kp, vp, gp
+
+
+_COMPILED = {}
+
+
+def provider_compile_padded(case: Case):
+    if case.name not in COMPILE_OK:
+        raise NotImplementedError("padded score tensor too large for this shape")
+    act = gdpa_activation(ACT)
+    if "fn" not in _COMPILED:
+        import torch._dynamo as dynamo
+
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
+            if hasattr(dynamo.config, name):
+                setattr(dynamo.config, name, 64)
+
+        def padded_gdpa(q, k, v, key_mask):
+            s = torch.matmul(q, k.transpose(-1, -2)).float() * (D**-0.5)
+            p = torch.where(key_mask, act(s), 0.0).to(q.dtype)
+            return torch.matmul(p, v)
+
+        _COMPILED["fn"] = torch.compile(padded_gdpa, dynamic=False)
+    fn = _COMPILED["fn"]
+    qp, kp, vp, gp = _padded_inputs(case)
+    lk = kp.shape[2]
+    key_mask = (torch.arange(lk)[None, :] < case.k_lengths[:, None]).to(qp.device)
+    key_mask = key_mask[:, None, None, :]
+
+    def fwd():
+        with torch.no_grad():
+            return fn(qp, kp, vp, key_mask)
+
+    leaves = [t.detach().clone().requires_grad_(True) for t in (qp, kp, vp)]
+
+    def fwd_bwd():
+        fn(*leaves, key_mask).backward(gp)
+
+    return fwd, fwd_bwd, leaves
+
+
+def provider_sdpa_padded(case: Case):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qp, kp, vp, gp = _padded_inputs(case)
+
+    def fwd():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), torch.no_grad():
+            return F.scaled_dot_product_attention(qp, kp, vp)
+
+    leaves = [t.detach().clone().requires_grad_(True) for t in (qp, kp, vp)]
+
+    def fwd_bwd():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            F.scaled_dot_product_attention(*leaves).backward(gp)
+
+    return fwd, fwd_bwd, leaves
+
+
+def provider_njt(case: Case):
+    if case.kind == "self":
+        raise NotImplementedError("njt_sdpa is measured for the asymmetric shapes only")
+    dev = case.q.device
+    q_off = _offsets(case.q_lengths).to(dev)
+    k_off = _offsets(case.k_lengths).to(dev)
+    q_src = case.q.repeat(case.batch, 1, 1) if case.kind == "pma" else case.q
+
+    def nest(t, off, lengths):
+        return torch.nested.nested_tensor_from_jagged(
+            t, offsets=off, max_seqlen=int(lengths.max()), min_seqlen=int(lengths.min())
+        ).transpose(1, 2)
+
+    def run(q, k, v):
+        return F.scaled_dot_product_attention(
+            nest(q, q_off, case.q_lengths),
+            nest(k, k_off, case.k_lengths),
+            nest(v, k_off, case.k_lengths),
+        )
+
+    def fwd():
+        with torch.no_grad():
+            return run(q_src, case.k, case.v)
+
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q_src, case.k, case.v)]
+
+    def fwd_bwd():
+        run(*leaves).transpose(1, 2).values().backward(case.grad)
+
+    return fwd, fwd_bwd, leaves
+
+
+PEERS = {
+    "compile_padded": provider_compile_padded,
+    "sdpa_flash_padded": provider_sdpa_padded,
+    "njt_sdpa": provider_njt,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _measure(rows, errors, case, provider, make, modes=("fwd", "fwd_bwd")):
+    try:
+        fwd, fwd_bwd, leaves = make()
+    except NotImplementedError as why:
+        print(f"skip {case.name} {provider}: {why}")
+        return {}
+    except Exception as error:  # noqa: BLE001
+        errors.append(f"{case.name} {provider}: {error!r}"[:300])
+        print(errors[-1])
+        return {}
+    times = {}
+    for mode in modes:
+        try:
+            fn = fwd if mode == "fwd" else fwd_bwd
+            ms = _bench(fn, grad_to_none=leaves if mode == "fwd_bwd" else None)
+        except Exception as error:  # noqa: BLE001
+            errors.append(f"{case.name} {provider} {mode}: {error!r}"[:300])
+            print(errors[-1])
+            torch.cuda.empty_cache()
+            continue
+        times[mode] = ms
+        flops = case.fwd_flops * (3.5 if mode == "fwd_bwd" else 1.0)
+        rows.append(dict(case=case.name, provider=provider, mode=mode, metric="ms", value=ms))
+        rows.append(
+            dict(case=case.name, provider=provider, mode=mode, metric="tflops",
+                 value=flops / ms * 1e-9)
+        )  # fmt: skip
+        if case.kind == "pma" and mode == "fwd":
+            rows.append(
+                dict(case=case.name, provider=provider, mode=mode, metric="gbps",
+                     value=case.bytes / ms * 1e-6)
+            )  # fmt: skip
+        print(f"{case.name:22s} {provider:20s} {mode:8s} {ms:8.3f} ms "
+              f"{flops / ms * 1e-9:7.1f} TFLOP/s")  # fmt: skip
+    return times
+
+
+def _rel(a, b):
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+
+def check(device) -> dict:
+    """gem (bf16 and fp32 inputs) against the fp32 reference on small jagged problems."""
+    results = {}
+    gen = torch.Generator().manual_seed(0)
+    q_len = [0, 1, 300, 77, 513, 64, 1000, 129]
+    k_len = [5, 0, 129, 200, 256, 1, 17, 256]
+    cases = [
+        ("self", q_len, None, dict(activation="gelu_fast", causal=True, window=(100, None))),
+        ("self", q_len, None, dict(activation="silu", window=(40, 30), normalize_by_length=True)),
+        ("cross", q_len, k_len, dict(activation="gelu_tanh", causal=True)),
+        ("pma", None, q_len, dict(activation="gelu", normalize_by_length=True)),
+    ]
+    for i, (kind, ql, kl, opts) in enumerate(cases):
+        for dtype in (torch.bfloat16, torch.float32) if i == 1 else (torch.bfloat16,):
+            name = f"{i}:{kind}:{opts.get('activation')}:{str(dtype)[6:]}"
+            try:
+                keys = ql if kl is None else kl
+                q_rows = 32 if ql is None else sum(ql)
+                tensors = [
+                    torch.randn(n, H, D, generator=gen).to(device, dtype)
+                    for n in (q_rows, sum(keys), sum(keys))
+                ]
+                q_off = None if ql is None else _offsets(torch.tensor(ql))
+                k_off = None if kl is None else _offsets(torch.tensor(kl))
+                leaves = [t.clone().requires_grad_(True) for t in tensors]
+                ref_leaves = [t.float().requires_grad_(True) for t in tensors]
+                out = gdpa(*leaves, q_off, k_off, backend="triton", **opts)
+                ref = gdpa(*ref_leaves, q_off, k_off, backend="reference", **opts)
+                g = torch.randn(out.shape, generator=gen).to(device)
+                out.backward(g.to(dtype))
+                ref.backward(g)
+                errs = [_rel(out, ref)] + [
+                    _rel(a.grad, b.grad) for a, b in zip(leaves, ref_leaves, strict=True)
+                ]
+                results[name] = [round(e, 6) for e in errs]
+                print(f"check {name}: " + " ".join(f"{e:.1e}" for e in errs))
+            except Exception as error:  # noqa: BLE001
+                results[name] = repr(error)[:300]
+                print(f"check {name} FAILED: {error!r}"[:600])
+                traceback.print_exc()
+    return results
+
+
+def _time_config(case, config, modes=("fwd", "fwd_bwd")):
+    fwd, fwd_bwd, leaves = provider_gem(case, config)
+    out = {}
+    for mode in modes:
+        try:
+            out[mode] = _bench(fwd if mode == "fwd" else fwd_bwd, leaves if mode != "fwd" else None)
+        except Exception as error:  # noqa: BLE001
+            print(f"  {mode} failed: {error!r}"[:300])
+            out[mode] = float("inf")
+    return out
+
+
+def sweep(device, deadline) -> gt.GdpaTritonConfig:
+    """Times tile/schedule variants; returns the config made of the fastest choices."""
+    best = gt.default_config(D)
+    cases = {
+        "self4096": Case("self", 128, 4096, device),
+        "self1024": Case("self", 512, 1024, device),
+    }
+
+    def pick(label, variants, case_names, mode):
+        nonlocal best
+        scores = {}
+        for name, change in variants.items():
+            if time.time() > deadline:
+                print("sweep deadline reached")
+                break
+            config = replace(best, **change)
+            total = 0.0
+            for cname in case_names:
+                total += _time_config(cases[cname], config, (mode,))[mode]
+            scores[name] = total
+            print(f"sweep {label:6s} {name:28s} {mode} sum {total:8.3f} ms")
+        if scores:
+            winner = min(scores, key=scores.get)
+            best = replace(best, **variants[winner])
+            print(f"sweep {label}: {winner}")
+
+    fwd_variants = {
+        "f128x128w8s3": {},
+        "f128x64w4s3": dict(fwd_block_n=64, fwd_warps=4),
+        "f128x128w8s2": dict(fwd_stages=2),
+        "f64x128w4s3": dict(fwd_block_m=64, fwd_warps=4),
+    }
+    fwd_variants["zigzag_x2"] = dict(programs_per_sm=2)
+    fwd_variants["sorted"] = dict(schedule="sorted")
+    pick("fwd", fwd_variants, ["self4096", "self1024"], "fwd")
+    bwd_variants = {
+        "b128x64/128x64w8s3": {},
+        "b64x64/64x64w4s3": dict(dkdv_block_n=64, dq_block_m=64, bwd_warps=4),
+        "b128x32/128x32w8s3": dict(dkdv_block_m=32, dq_block_n=32),
+    }
+    pick("bwd", bwd_variants, ["self4096"], "fwd_bwd")
+    del cases["self4096"], cases["self1024"]
+    torch.cuda.empty_cache()
+    cases["cross4096"] = Case("cross", 128, 4096, device)
+    cases["cross1024"] = Case("cross", 512, 1024, device)
+    short_variants = {
+        "s64w4r512": {},
+        "s64w8r512": dict(short_warps=8),
+        "s128w8r512": dict(short_block_m=128, short_warps=8),
+        "s64w4r1024": dict(short_rows_per_item=1024),
+        "generic": dict(short_kv_max=0),
+    }
+    pick("short", short_variants, ["cross4096", "cross1024"], "fwd")
+    cases["pma4096"] = Case("pma", 128, 4096, device)
+    pma_variants = {
+        "p64w4s4": {},
+        "p128w4s3": dict(pma_block_n=128, pma_stages=3),
+        "p128w8s3": dict(pma_block_n=128, pma_warps=8, pma_stages=3),
+    }
+    pick("pma", pma_variants, ["pma4096"], "fwd")
+    print(f"sweep best: {best}")
+    return best
+
+
+def skew(rows, errors, device, config):
+    lengths = _power_law_lengths()
+    case = Case("self", lengths.numel(), int(lengths.max()), device, lengths, "skew/alpha1.7")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    samples = gt._samples(case.q_lengths, case.q_lengths, None)
+    _, work = gt._query_tile_items(samples, config.fwd_block_m, config.fwd_block_n, None, None)
+    item_work = np.repeat(work, H)
+    print(f"skew: B={case.batch}, max L={int(lengths.max())}, tokens={int(lengths.sum())}")
+    for schedule in gt.GDPA_SCHEDULES:
+        cfg = replace(config, schedule=schedule)
+        loads = gt.schedule_loads(item_work, sms * cfg.programs_per_sm, schedule)
+        ratio = float(loads.max() / loads.mean())
+        rows.append(dict(case=case.name, provider=f"gem-{schedule}", mode="fwd",
+                         metric="max_over_mean", value=ratio))  # fmt: skip
+        print(f"skew {schedule}: modelled max/mean SM work {ratio:.3f}")
+        _measure(rows, errors, case, f"gem-{schedule}", lambda c=cfg: provider_gem(case, c))
+
+
+def quick_sweep(device, deadline) -> gt.GdpaTritonConfig:
+    """Short-KV (cross) and PMA variants only; returns the default config with the winners."""
+    best = gt.default_config(D)
+    variants = {
+        "cross": (
+            ["cross", 128, 4096],
+            {
+                "s64w4st2": {},
+                "s128w8st2": dict(short_block_m=128, short_warps=8),
+                "s64w8st2": dict(short_warps=8),
+                "generic": dict(short_kv_max=0),
+            },
+        ),
+        "pma": (
+            ["pma", 128, 4096],
+            {
+                "p64w4s2x3": {},
+                "p128w4s2x1": dict(pma_block_n=128, pma_programs_per_sm=1),
+                "p64w4s4x1": dict(pma_stages=4, pma_programs_per_sm=1),
+            },
+        ),
+    }
+    for label, (shape, options) in variants.items():
+        case = Case(*shape, device)
+        scores = {}
+        for name, change in options.items():
+            if time.time() > deadline:
+                print("sweep deadline reached")
+                break
+            scores[name] = _time_config(case, replace(best, **change), ("fwd",))["fwd"]
+            print(f"sweep {label:6s} {name:12s} fwd {scores[name]:8.3f} ms")
+        if scores:
+            winner = min(scores, key=scores.get)
+            best = replace(best, **options[winner])
+            print(f"sweep {label}: {winner}")
+        del case
+    print(f"sweep best: {best}")
+    return best
+
+
+def _user_args() -> list[str]:
+    """Command-line arguments without ``--out`` (the result path is the default one)."""
+    argv, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif arg == "--out":
+            skip = True
+        elif not arg.startswith("--out="):
+            argv.append(arg)
+    return argv
+
+
+def _parse_config(text: str) -> gt.GdpaTritonConfig | None:
+    if not text:
+        return None
+    changes = {}
+    for item in text.split(","):
+        key, value = item.split("=")
+        changes[key] = value if key == "schedule" else int(value)
+    return replace(gt.default_config(D), **changes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/h200/gdpa.json"))
+    parser.add_argument("--check", action="store_true", help="correctness vs the reference")
+    parser.add_argument("--sweep", action="store_true", help="pick gem's tiles by a sweep")
+    parser.add_argument("--sweep-only", action="store_true", help="check + sweep, no JSON")
+    parser.add_argument("--quick-sweep", action="store_true", help="cross/PMA variants first")
+    parser.add_argument("--config", default="", help="gem config overrides, k=v,k=v")
+    parser.add_argument("--budget-s", type=float, default=200.0, help="stop starting new cases")
+    parser.add_argument("--peers", default=",".join(PEERS))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    device = torch.device("cuda")
+    start = time.time()
+    checks = check(device) if args.check or args.sweep_only else {}
+    config = _parse_config(args.config)
+    if args.sweep or args.sweep_only:
+        config = sweep(device, start + (0.9 if args.sweep_only else 0.5) * args.budget_s)
+    if args.sweep_only:
+        return
+    if args.quick_sweep:
+        config = quick_sweep(device, start + 0.4 * args.budget_s)
+    config = config or gt.default_config(D)
+    rows, errors = [], []
+    peers = [p for p in args.peers.split(",") if p]
+
+    def write():
+        import triton
+
+        meta_block = meta(
+            "gdpa",
+            " ".join(["python benchmarks/bench_gdpa.py", *_user_args()]),
+            device=torch.cuda.get_device_name(),
+            triton=triton.__version__,
+            shape={
+                "heads": H,
+                "head_dim": D,
+                "dtype": "bfloat16",
+                "activation": ACT,
+                "pma_queries": NUM_QUERIES,
+                "cross_kv": CROSS_KV,
+            },  # fmt: skip
+            gem_config=str(config),
+            checks_rel_error_out_dq_dk_dv=checks,
+            errors=errors,
+            wall_s=round(time.time() - start, 1),
+        )
+        write_results(Path(args.out), meta_block, rows)
+
+    shapes = [("self", b, n) for b, n in SELF_SHAPES]
+    shapes += [(kind, b, n) for kind in ("cross", "pma") for b, n in ASYM_SHAPES]
+    for kind, batch, max_len in shapes:
+        if time.time() - start > args.budget_s:
+            errors.append(f"budget reached before {kind}/B{batch}xL{max_len}")
+            break
+        case = Case(kind, batch, max_len, device)
+        _measure(rows, errors, case, "gem", lambda c=case: provider_gem(c, config))
+        for peer in peers:
+            _measure(rows, errors, case, peer, lambda c=case, p=peer: PEERS[p](c))
+        del case
+        torch.cuda.empty_cache()
+        write()
+    if time.time() - start < args.budget_s:
+        skew(rows, errors, device, config)
+    else:
+        errors.append("budget reached before the skew experiment")
+    write()
+    # What the activation costs: the same self case with cheaper element-wise functions.
+    case = Case("self", 128, 4096, device)
+    for activation in ("identity", "silu"):
+        if time.time() - start > args.budget_s:
+            errors.append(f"budget reached before gem-{activation}")
+            break
+        make = lambda a=activation: provider_gem(case, config, a)  # noqa: E731
+        _measure(rows, errors, case, f"gem-{activation}", make, ("fwd",))
+        write()
+    print(f"wrote {args.out} in {time.time() - start:.0f} s; {len(errors)} errors")
+
+
+if __name__ == "__main__":
+    main()

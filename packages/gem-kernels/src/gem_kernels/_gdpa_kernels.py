@@ -1,0 +1,590 @@
+"""Triton kernels of GDPA, ``act(scale * Q K^T) V`` (forward, short-KV forward, dK/dV, dQ).
+
+Loaded by :mod:`gem_kernels.gdpa_triton` through ``importlib`` (never imported directly): Triton
+decides at decoration time whether ``@triton.jit`` compiles or interprets, so the loader
+executes this file once per mode (``TRITON_INTERPRET`` set or not) under distinct module names.
+
+Conventions shared by the kernels:
+
+* Work items come from a host-built table, one int64 row per item:
+  ``[q_start, q_len, k_start, k_len, tile_start, out_start, head, tile_end]``. ``q_start`` is
+  the first row of the sample's queries in q (0 for PMA broadcast queries), ``out_start`` the
+  first row of its output (and of dO); ``tile_start`` is the first row (query or key, by
+  kernel) of the item, ``tile_end`` the end of the item's row range (short-KV kernel only).
+* Every kernel is persistent: program ``p`` of ``P`` runs items ``p, p + P, p + 2P, ...``; the
+  host orders the table so that this deals the work in the chosen schedule (zigzag over a
+  longest-first list, plain order, ...). With ``P`` = number of items it is one item a program.
+* Query ``i`` of a sample sits at the aligned position ``p = i + shift`` with
+  ``shift = k_len - q_len`` and sees keys ``p - left <= j <= p + right`` (causal is
+  ``right = 0``); ``HAS_LEFT`` / ``HAS_RIGHT`` are false for unbounded sides.
+* No softmax, so no running max, no log-sum-exp and no backward preprocess: the backward
+  recomputes ``S`` and uses ``dS = dP * act'(S)``. Masked pairs get ``P = 0`` and ``dS = 0``.
+* Each KV (or Q) loop runs in three phases: masked tiles, tiles fully inside the visible band
+  (no mask arithmetic), masked tiles. Tiles outside the band are never visited.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from gem_kernels.reference import _GELU_FAST_COEFFS, GELU_FAST_CLAMP
+
+# Activation codes (the ``ACT`` constexpr); gdpa_triton maps names to them.
+ACT_SILU = 0
+ACT_GELU = 1
+ACT_GELU_TANH = 2
+ACT_GELU_FAST = 3
+ACT_RELU2 = 4
+ACT_IDENTITY = 5
+
+# The polynomial of reference.gelu_fast (globals read by a jit function must be constexpr).
+_GF_CLAMP = tl.constexpr(GELU_FAST_CLAMP)
+_GF0 = tl.constexpr(_GELU_FAST_COEFFS[0])
+_GF1 = tl.constexpr(_GELU_FAST_COEFFS[1])
+_GF2 = tl.constexpr(_GELU_FAST_COEFFS[2])
+_GF3 = tl.constexpr(_GELU_FAST_COEFFS[3])
+_GF4 = tl.constexpr(_GELU_FAST_COEFFS[4])
+_GF5 = tl.constexpr(_GELU_FAST_COEFFS[5])
+_GF6 = tl.constexpr(_GELU_FAST_COEFFS[6])
+_GF7 = tl.constexpr(_GELU_FAST_COEFFS[7])
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # UPCAST: the Triton 3.8 interpreter multiplies bfloat16 operands wrongly; fp32 is exact.
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _gelu_fast_cdf(s):
+    """Polynomial normal CDF of reference.gelu_fast (clamped; exact 0/1 outside the range)."""
+    t = tl.minimum(tl.maximum(s, -_GF_CLAMP), _GF_CLAMP)
+    t2 = t * t
+    poly = _GF7 * t2 + _GF6
+    poly = poly * t2 + _GF5
+    poly = poly * t2 + _GF4
+    poly = poly * t2 + _GF3
+    poly = poly * t2 + _GF2
+    poly = poly * t2 + _GF1
+    poly = poly * t2 + _GF0
+    cdf = 0.5 + t * poly
+    cdf = tl.where(s >= _GF_CLAMP, 1.0, cdf)
+    cdf = tl.where(s <= -_GF_CLAMP, 0.0, cdf)
+    return cdf, t2, poly
+
+
+@triton.jit
+def _act(s, ACT: tl.constexpr):
+    """act(s), element-wise, float32."""
+    if ACT == 0:
+        a = s * tl.sigmoid(s)
+    elif ACT == 1:
+        a = 0.5 * s * (1.0 + tl.math.erf(s * 0.7071067811865476))
+    elif ACT == 2:
+        # 0.5 * (1 + tanh(x)) == sigmoid(2x): gelu_tanh(s) = s * sigmoid(2k(s + 0.044715 s^3)).
+        a = s * tl.sigmoid(1.5957691216057308 * s * (1.0 + 0.044715 * s * s))
+    elif ACT == 3:
+        cdf, t2, poly = _gelu_fast_cdf(s)
+        a = s * cdf
+    elif ACT == 4:
+        r = tl.maximum(s, 0.0)
+        a = r * r
+    else:
+        a = s
+    return a
+
+
+@triton.jit
+def _act_grad(s, ACT: tl.constexpr):
+    """(act(s), act'(s)), element-wise, float32."""
+    if ACT == 0:
+        sig = tl.sigmoid(s)
+        a = s * sig
+        g = sig * (1.0 + s * (1.0 - sig))
+    elif ACT == 1:
+        cdf = 0.5 * (1.0 + tl.math.erf(s * 0.7071067811865476))
+        a = s * cdf
+        g = cdf + s * (0.3989422804014327 * tl.exp(-0.5 * s * s))
+    elif ACT == 2:
+        s2 = s * s
+        sig = tl.sigmoid(1.5957691216057308 * s * (1.0 + 0.044715 * s2))
+        a = s * sig
+        g = sig + s * sig * (1.0 - sig) * (1.5957691216057308 * (1.0 + 0.134145 * s2))
+    elif ACT == 3:
+        cdf, t2, poly = _gelu_fast_cdf(s)
+        # d/dt [t * P(t^2)] = P(t^2) + 2 t^2 P'(t^2); zero where the CDF is clamped.
+        dpoly = 7.0 * _GF7 * t2 + 6.0 * _GF6
+        dpoly = dpoly * t2 + 5.0 * _GF5
+        dpoly = dpoly * t2 + 4.0 * _GF4
+        dpoly = dpoly * t2 + 3.0 * _GF3
+        dpoly = dpoly * t2 + 2.0 * _GF2
+        dpoly = dpoly * t2 + _GF1
+        dcdf = poly + 2.0 * t2 * dpoly
+        inside = (s < _GF_CLAMP) & (s > -_GF_CLAMP)
+        a = s * cdf
+        g = cdf + tl.where(inside, s * dcdf, 0.0)
+    elif ACT == 4:
+        r = tl.maximum(s, 0.0)
+        a = r * r
+        g = 2.0 * r
+    else:
+        a = s
+        g = tl.full(s.shape, 1.0, tl.float32)
+    return a, g
+
+
+@triton.jit
+def _visible(rows, cols, shift, q_len, k_len, left, right, HAS_LEFT, HAS_RIGHT):
+    """Visibility of a (rows x cols) score tile; rows/cols are sample-local indices."""
+    pos = rows + shift
+    mask = (rows < q_len) & (cols < k_len)
+    if HAS_LEFT:
+        mask = mask & (cols >= pos - left)
+    if HAS_RIGHT:
+        mask = mask & (cols <= pos + right)
+    return mask
+
+
+@triton.jit
+def _load_tile(base, rows, row_ok, stride, offs_d, HEAD_DIM, ROW_MASK, EVEN_D, TRANS):
+    """Load rows x head_dim (or its transpose with TRANS) with only the masks that are needed."""
+    rows64 = rows.to(tl.int64)
+    if TRANS:
+        ptrs = base + rows64[None, :] * stride + offs_d[:, None]
+        if ROW_MASK:
+            if EVEN_D:
+                tile = tl.load(ptrs, mask=row_ok[None, :], other=0.0)
+            else:
+                tile = tl.load(ptrs, mask=row_ok[None, :] & (offs_d < HEAD_DIM)[:, None], other=0.0)
+        elif EVEN_D:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[:, None], other=0.0)
+    else:
+        ptrs = base + rows64[:, None] * stride + offs_d[None, :]
+        if ROW_MASK:
+            if EVEN_D:
+                tile = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                tile = tl.load(ptrs, mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        elif EVEN_D:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _store_tile(base, rows, row_ok, stride, offs_d, value, HEAD_DIM, EVEN_D):
+    ptrs = base + rows.to(tl.int64)[:, None] * stride + offs_d[None, :]
+    if EVEN_D:
+        tl.store(ptrs, value, mask=row_ok[:, None])
+    else:
+        tl.store(ptrs, value, mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _key_ranges(m0, shift, q_len, k_len, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT):
+    """Key tiles of a query tile: [lo, full_lo) masked, [full_lo, full_hi) inside the band
+    (all pairs visible, all keys real), [full_hi, hi) masked. Only real rows count."""
+    p_lo = m0 + shift
+    p_hi = tl.minimum(m0 + BLOCK_M, q_len) - 1 + shift
+    key_lo = 0
+    key_hi = k_len
+    if HAS_LEFT:
+        key_lo = tl.maximum(p_lo - left, 0)
+    if HAS_RIGHT:
+        key_hi = tl.minimum(key_hi, p_hi + right + 1)
+    key_hi = tl.maximum(key_hi, key_lo)
+    lo_t = (key_lo // BLOCK_N) * BLOCK_N
+    hi_t = ((key_hi + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    full_lo = lo_t
+    if HAS_LEFT:
+        full_lo = tl.maximum(
+            full_lo, ((tl.maximum(p_hi - left, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+        )
+    limit = k_len
+    if HAS_RIGHT:
+        limit = tl.minimum(limit, p_lo + right + 1)
+    full_hi = (tl.maximum(limit, 0) // BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(full_lo, hi_t)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi_t)
+    return lo_t, full_lo, full_hi, hi_t
+
+
+@triton.jit
+def _query_ranges(n0, shift, q_len, k_len, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT):
+    """Query tiles that see a key tile, split like :func:`_key_ranges`."""
+    j_last = tl.minimum(n0 + BLOCK_N, k_len) - 1
+    row_lo = 0
+    row_hi = q_len
+    if HAS_RIGHT:
+        row_lo = tl.maximum(n0 - right - shift, 0)
+    if HAS_LEFT:
+        row_hi = tl.minimum(row_hi, j_last + left - shift + 1)
+    row_hi = tl.maximum(row_hi, row_lo)
+    lo_t = (row_lo // BLOCK_M) * BLOCK_M
+    hi_t = ((row_hi + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    full_lo = lo_t
+    if HAS_RIGHT:
+        need = tl.maximum(n0 + BLOCK_N - 1 - shift - right, 0)
+        full_lo = tl.maximum(full_lo, ((need + BLOCK_M - 1) // BLOCK_M) * BLOCK_M)
+    limit = q_len
+    if HAS_LEFT:
+        limit = tl.minimum(limit, n0 + left - shift + 1)
+    full_hi = (tl.maximum(limit, 0) // BLOCK_M) * BLOCK_M
+    # A partial key tile is masked against every query tile.
+    full_hi = tl.where(n0 + BLOCK_N > k_len, 0, full_hi)
+    full_lo = tl.minimum(full_lo, hi_t)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi_t)
+    return lo_t, full_lo, full_hi, hi_t
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward.
+
+
+@triton.jit
+def _fwd_inner(
+    acc, q, k_base, v_base, stride_kt, stride_vt, start_n, end_n, offs_m, offs_d, shift, q_len,
+    k_len, left, right, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    for start in range(start_n, end_n, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < k_len
+        kt = _load_tile(k_base, offs_n, n_ok, stride_kt, offs_d, HEAD_DIM, MASKED, EVEN_D, True)
+        v = _load_tile(v_base, offs_n, n_ok, stride_vt, offs_d, HEAD_DIM, MASKED, EVEN_D, False)
+        s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
+        p = _act(s, ACT)
+        if MASKED:
+            visible = _visible(
+                offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left, right,
+                HAS_LEFT, HAS_RIGHT,
+            )  # fmt: skip
+            p = tl.where(visible, p, 0.0)
+        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
+    return acc
+
+
+@triton.jit
+def gdpa_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, items_ptr, num_items,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    left, right, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Items are (query tile, head); each loops over the key tiles its rows see."""
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    offs_d = tl.arange(0, BLOCK_D)
+    for idx in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        info = items_ptr + idx * 8  # items < 2**28: int32 is enough
+        q_start = tl.load(info)
+        q_len = tl.load(info + 1).to(tl.int32)
+        k_start = tl.load(info + 2)
+        k_len = tl.load(info + 3).to(tl.int32)
+        m0 = tl.load(info + 4).to(tl.int32)
+        out_start = tl.load(info + 5)
+        head = tl.load(info + 6)
+        shift = k_len - q_len
+
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < q_len
+        q = _load_tile(
+            q_ptr + q_start * stride_qt + head * stride_qh, offs_m, m_ok, stride_qt, offs_d,
+            HEAD_DIM, True, EVEN_D, False,
+        )  # fmt: skip
+        k_base = k_ptr + k_start * stride_kt + head * stride_kh
+        v_base = v_ptr + k_start * stride_vt + head * stride_vh
+        lo_t, full_lo, full_hi, hi_t = _key_ranges(
+            m0, shift, q_len, k_len, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT
+        )
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        acc = _fwd_inner(
+            acc, q, k_base, v_base, stride_kt, stride_vt, lo_t, full_lo, offs_m, offs_d, shift,
+            q_len, k_len, left, right, scale,
+            HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
+        acc = _fwd_inner(
+            acc, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m, offs_d,
+            shift, q_len, k_len, left, right, scale,
+            HEAD_DIM, BLOCK_N, ACT, False, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
+        acc = _fwd_inner(
+            acc, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m, offs_d, shift,
+            q_len, k_len, left, right, scale,
+            HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
+        if NORMALIZE:
+            acc = acc * (1.0 / tl.maximum(k_len, 1).to(tl.float32))
+        _store_tile(
+            o_ptr + out_start * stride_ot + head * stride_oh, offs_m, m_ok, stride_ot, offs_d,
+            acc.to(o_ptr.dtype.element_ty), HEAD_DIM, EVEN_D,
+        )  # fmt: skip
+
+
+@triton.jit
+def gdpa_fwd_short_kv_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, items_ptr, num_items,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    left, right, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KV: tl.constexpr,
+    BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Short KV (every sample has <= BLOCK_KV keys): items are (sample, run of query tiles,
+    head). The whole K and V of the sample are loaded once and stay on chip while the item's
+    query tiles stream past them."""
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_KV)
+    for idx in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        info = items_ptr + idx * 8  # items < 2**28: int32 is enough
+        q_start = tl.load(info)
+        q_len = tl.load(info + 1).to(tl.int32)
+        k_start = tl.load(info + 2)
+        k_len = tl.load(info + 3).to(tl.int32)
+        row0 = tl.load(info + 4).to(tl.int32)
+        out_start = tl.load(info + 5)
+        head = tl.load(info + 6)
+        row_end = tl.load(info + 7).to(tl.int32)
+        shift = k_len - q_len
+        n_ok = offs_n < k_len
+        kt = _load_tile(
+            k_ptr + k_start * stride_kt + head * stride_kh, offs_n, n_ok, stride_kt, offs_d,
+            HEAD_DIM, True, EVEN_D, True,
+        )  # fmt: skip
+        v = _load_tile(
+            v_ptr + k_start * stride_vt + head * stride_vh, offs_n, n_ok, stride_vt, offs_d,
+            HEAD_DIM, True, EVEN_D, False,
+        )  # fmt: skip
+        norm = 1.0
+        if NORMALIZE:
+            norm = 1.0 / tl.maximum(k_len, 1).to(tl.float32)
+        q_base = q_ptr + q_start * stride_qt + head * stride_qh
+        o_base = o_ptr + out_start * stride_ot + head * stride_oh
+        for m0 in range(row0, row_end, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < q_len
+            q = _load_tile(q_base, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, True, EVEN_D, False)
+            s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
+            p = _act(s, ACT)
+            visible = _visible(
+                offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left, right,
+                HAS_LEFT, HAS_RIGHT,
+            )  # fmt: skip
+            p = tl.where(visible, p, 0.0)
+            acc = _dot(p.to(v.dtype), v, None, DOT_PRECISION, UPCAST) * norm
+            _store_tile(
+                o_base, offs_m, m_ok, stride_ot, offs_d, acc.to(o_ptr.dtype.element_ty),
+                HEAD_DIM, EVEN_D,
+            )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward.
+
+
+@triton.jit
+def _dkdv_inner(
+    dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, start_m, end_m, offs_n, offs_d,
+    shift, q_len, k_len, left, right, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    for start in range(start_m, end_m, BLOCK_M):
+        offs_m = start + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < q_len
+        qt = _load_tile(q_base, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, MASKED, EVEN_D, True)
+        do = _load_tile(do_base, offs_m, m_ok, stride_dot, offs_d, HEAD_DIM, MASKED, EVEN_D, False)
+        st = _dot(k, qt, None, DOT_PRECISION, UPCAST) * scale  # (keys, queries)
+        pt, gt = _act_grad(st, ACT)
+        dpt = _dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST)
+        dst = dpt * gt
+        if MASKED:
+            visible = _visible(
+                offs_m[None, :], offs_n[:, None], shift, q_len, k_len, left, right,
+                HAS_LEFT, HAS_RIGHT,
+            )  # fmt: skip
+            pt = tl.where(visible, pt, 0.0)
+            dst = tl.where(visible, dst, 0.0)
+        dv = _dot(pt.to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
+        dk = _dot(dst.to(qt.dtype), tl.trans(qt), dk, DOT_PRECISION, UPCAST)
+    return dk, dv
+
+
+@triton.jit
+def gdpa_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, items_ptr, num_items,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    left, right, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Items are (key tile, head); each loops over the query tiles that see its keys and
+    writes its dK, dV rows once (no atomics)."""
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    offs_d = tl.arange(0, BLOCK_D)
+    for idx in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        info = items_ptr + idx * 8  # items < 2**28: int32 is enough
+        q_start = tl.load(info)
+        q_len = tl.load(info + 1).to(tl.int32)
+        k_start = tl.load(info + 2)
+        k_len = tl.load(info + 3).to(tl.int32)
+        n0 = tl.load(info + 4).to(tl.int32)
+        out_start = tl.load(info + 5)
+        head = tl.load(info + 6)
+        shift = k_len - q_len
+
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < k_len
+        k = _load_tile(
+            k_ptr + k_start * stride_kt + head * stride_kh, offs_n, n_ok, stride_kt, offs_d,
+            HEAD_DIM, True, EVEN_D, False,
+        )  # fmt: skip
+        v = _load_tile(
+            v_ptr + k_start * stride_vt + head * stride_vh, offs_n, n_ok, stride_vt, offs_d,
+            HEAD_DIM, True, EVEN_D, False,
+        )  # fmt: skip
+        q_base = q_ptr + q_start * stride_qt + head * stride_qh
+        do_base = do_ptr + out_start * stride_dot + head * stride_doh
+        lo_t, full_lo, full_hi, hi_t = _query_ranges(
+            n0, shift, q_len, k_len, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT
+        )
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, lo_t, full_lo, offs_n, offs_d,
+            shift, q_len, k_len, left, right, scale,
+            HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, full_lo, full_hi, offs_n,
+            offs_d, shift, q_len, k_len, left, right, scale,
+            HEAD_DIM, BLOCK_M, ACT, False, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, full_hi, hi_t, offs_n, offs_d,
+            shift, q_len, k_len, left, right, scale,
+            HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
+        dk_scale = scale
+        if NORMALIZE:
+            norm = 1.0 / tl.maximum(k_len, 1).to(tl.float32)
+            dv = dv * norm
+            dk_scale = scale * norm
+        _store_tile(
+            dk_ptr + k_start * stride_dkt + head * stride_dkh, offs_n, n_ok, stride_dkt, offs_d,
+            (dk * dk_scale).to(dk_ptr.dtype.element_ty), HEAD_DIM, EVEN_D,
+        )  # fmt: skip
+        _store_tile(
+            dv_ptr + k_start * stride_dvt + head * stride_dvh, offs_n, n_ok, stride_dvt, offs_d,
+            dv.to(dv_ptr.dtype.element_ty), HEAD_DIM, EVEN_D,
+        )  # fmt: skip
+
+
+@triton.jit
+def _dq_inner(
+    dq, q, do, k_base, v_base, stride_kt, stride_vt, start_n, end_n, offs_m, offs_d, shift,
+    q_len, k_len, left, right, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    for start in range(start_n, end_n, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < k_len
+        kt = _load_tile(k_base, offs_n, n_ok, stride_kt, offs_d, HEAD_DIM, MASKED, EVEN_D, True)
+        vt = _load_tile(v_base, offs_n, n_ok, stride_vt, offs_d, HEAD_DIM, MASKED, EVEN_D, True)
+        s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
+        dp = _dot(do, vt, None, DOT_PRECISION, UPCAST)
+        if ACT == 5:
+            ds = dp
+        else:
+            p, g = _act_grad(s, ACT)
+            ds = dp * g
+        if MASKED:
+            visible = _visible(
+                offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left, right,
+                HAS_LEFT, HAS_RIGHT,
+            )  # fmt: skip
+            ds = tl.where(visible, ds, 0.0)
+        dq = _dot(ds.to(kt.dtype), tl.trans(kt), dq, DOT_PRECISION, UPCAST)
+    return dq
+
+
+@triton.jit
+def gdpa_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, items_ptr, num_items,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh,
+    left, right, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Items are (query tile, head); each loops over the key tiles its rows see. dQ rows are
+    written at the output rows (``out_start``): for PMA that is a per-sample partial buffer
+    the host sums over samples (deterministic, no atomics)."""
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    offs_d = tl.arange(0, BLOCK_D)
+    for idx in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        info = items_ptr + idx * 8  # items < 2**28: int32 is enough
+        q_start = tl.load(info)
+        q_len = tl.load(info + 1).to(tl.int32)
+        k_start = tl.load(info + 2)
+        k_len = tl.load(info + 3).to(tl.int32)
+        m0 = tl.load(info + 4).to(tl.int32)
+        out_start = tl.load(info + 5)
+        head = tl.load(info + 6)
+        shift = k_len - q_len
+
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < q_len
+        q = _load_tile(
+            q_ptr + q_start * stride_qt + head * stride_qh, offs_m, m_ok, stride_qt, offs_d,
+            HEAD_DIM, True, EVEN_D, False,
+        )  # fmt: skip
+        do = _load_tile(
+            do_ptr + out_start * stride_dot + head * stride_doh, offs_m, m_ok, stride_dot,
+            offs_d, HEAD_DIM, True, EVEN_D, False,
+        )  # fmt: skip
+        k_base = k_ptr + k_start * stride_kt + head * stride_kh
+        v_base = v_ptr + k_start * stride_vt + head * stride_vh
+        lo_t, full_lo, full_hi, hi_t = _key_ranges(
+            m0, shift, q_len, k_len, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT
+        )
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        dq = _dq_inner(
+            dq, q, do, k_base, v_base, stride_kt, stride_vt, lo_t, full_lo, offs_m, offs_d,
+            shift, q_len, k_len, left, right, scale,
+            HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
+        dq = _dq_inner(
+            dq, q, do, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m, offs_d,
+            shift, q_len, k_len, left, right, scale,
+            HEAD_DIM, BLOCK_N, ACT, False, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
+        dq = _dq_inner(
+            dq, q, do, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m, offs_d,
+            shift, q_len, k_len, left, right, scale,
+            HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+        )  # fmt: skip
+        dq_scale = scale
+        if NORMALIZE:
+            dq_scale = scale / tl.maximum(k_len, 1).to(tl.float32)
+        _store_tile(
+            dq_ptr + out_start * stride_dqt + head * stride_dqh, offs_m, m_ok, stride_dqt,
+            offs_d, (dq * dq_scale).to(dq_ptr.dtype.element_ty), HEAD_DIM, EVEN_D,
+        )  # fmt: skip

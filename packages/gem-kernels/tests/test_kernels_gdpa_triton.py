@@ -1,0 +1,205 @@
+"""Triton GDPA vs the naive float64 oracle (forward and every gradient), schedules, errors.
+
+CPU tests run the kernels under the Triton interpreter: the ``interpret`` fixture sets
+``TRITON_INTERPRET=1`` through monkeypatch before any kernel is launched (gem_kernels.gdpa_triton
+loads an interpreted copy of the kernel module at call time) and removes it afterwards.
+Interpreter tiles are 16 rows and head_dim is 16, so lengths 1, 5, 17, 37 cross tile edges;
+the interpreter runs 3 persistent programs, so every kernel's work loop runs several rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from gem_kernels import GDPA_BACKENDS, gdpa, gdpa_triton
+from gem_kernels.gdpa_triton import (
+    GdpaTritonConfig,
+    default_config,
+    gdpa_from_lengths,
+    schedule_loads,
+)
+from kernels_naive import naive_gdpa, offsets_of
+
+H, D = 2, 16
+ACTIVATIONS = ["silu", "gelu", "gelu_tanh", "gelu_fast", "relu2", "identity"]
+SELF_LENGTHS = [0, 1, 5, 37, 16]  # empty, 1, multiple of the tile and not
+LONG_SKEWED = [70, 2, 0, 1, 3]  # one sequence much longer than the rest
+CROSS_Q = [0, 1, 5, 40, 6, 20]
+CROSS_K = [3, 0, 17, 4, 1, 45]  # Lk = 0 with Lq > 0, Lq = 0 with Lk > 0, Lq <> Lk
+SHORT_K = [3, 0, 9, 4, 1, 15]  # every KV shorter than one 16-row tile
+PMA_K = [0, 1, 2, 7, 40, 3]
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _config(**changes) -> GdpaTritonConfig:
+    return replace(default_config(D, interpret=True), **changes)
+
+
+def _check(q_lengths, k_lengths, *, num_queries=None, tol=3e-5, dtype=torch.float32,
+           config=None, seed=0, **options):  # fmt: skip
+    """Output and every gradient of the Triton path against the float64 oracle.
+
+    ``q_lengths=None``: PMA with ``num_queries`` shared queries; ``k_lengths=None``: self.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    keys = q_lengths if k_lengths is None else k_lengths
+    q_rows = num_queries if q_lengths is None else sum(q_lengths)
+    tensors = [
+        torch.randn(rows, H, D, generator=gen).to(dtype) for rows in (q_rows, sum(keys), sum(keys))
+    ]
+    leaves = [t.clone().requires_grad_(True) for t in tensors]
+    oracle = [t.double().requires_grad_(True) for t in tensors]
+    out = gdpa_from_lengths(
+        *leaves,
+        None if q_lengths is None else torch.tensor(q_lengths, dtype=torch.int64),
+        None if k_lengths is None else torch.tensor(k_lengths, dtype=torch.int64),
+        config=config,
+        **options,
+    )
+    broadcast = q_lengths is None
+    expected = naive_gdpa(
+        *oracle,
+        [num_queries] * len(keys) if broadcast else q_lengths,
+        keys,
+        broadcast=broadcast,
+        **options,
+    )
+    assert out.dtype == dtype and out.shape == expected.shape
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
+    grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    (out.double() * grad_out).sum().backward()
+    (expected * grad_out).sum().backward()
+    for name, leaf, ref in zip("qkv", leaves, oracle, strict=True):
+        ref_grad = torch.zeros_like(ref) if ref.grad is None else ref.grad
+        assert leaf.grad is not None and leaf.grad.dtype == dtype, name
+        scale = max(1.0, float(ref_grad.abs().amax())) if ref_grad.numel() else 1.0
+        torch.testing.assert_close(
+            leaf.grad.double(), ref_grad, atol=tol * scale, rtol=tol, msg=f"grad of {name}"
+        )
+    return out
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_self_attention_every_activation(interpret, activation):
+    # gelu_fast: the float32 polynomial at |x| ~ 4 loses ~1e-5 to cancellation.
+    tol = 1e-4 if activation in ("gelu_fast", "relu2") else 3e-5
+    _check(SELF_LENGTHS, None, activation=activation, tol=tol, causal=activation == "silu")
+
+
+@pytest.mark.parametrize(
+    ("causal", "window", "normalize"),
+    [(False, (3, 5), True), (True, (20, None), False), (False, (None, 0), True)],
+)
+def test_self_attention_masks_and_normalisation(interpret, causal, window, normalize):
+    _check(
+        SELF_LENGTHS, None, activation="gelu", causal=causal, window=window,
+        normalize_by_length=normalize, scale=0.3,
+    )  # fmt: skip
+
+
+def test_one_long_sequence(interpret):
+    _check(LONG_SKEWED, None, activation="gelu_tanh", causal=True, window=(40, None))
+
+
+@pytest.mark.parametrize("short_kv", [True, False], ids=["short_kv", "generic"])
+@pytest.mark.parametrize(("causal", "window"), [(True, None), (False, (4, 1))])
+def test_cross_attention(interpret, short_kv, causal, window):
+    config = _config(short_kv_max=256 if short_kv else 0)
+    _check(
+        CROSS_Q, CROSS_K, activation="silu", causal=causal, window=window,
+        normalize_by_length=True, config=config,
+    )  # fmt: skip
+
+
+def test_cross_kv_shorter_than_a_tile(interpret):
+    _check(CROSS_Q, SHORT_K, activation="relu2", causal=True, tol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("num_queries", "short_kv", "causal", "normalize"),
+    [(1, True, True, False), (5, True, False, True), (20, False, False, True), (3, False, True, False)],
+)  # fmt: skip
+def test_pma_broadcast(interpret, num_queries, short_kv, causal, normalize):
+    # short_kv=False forces the generic kernels (KV of 40 > short_kv_max=16).
+    config = _config(short_kv_max=256 if short_kv else 16)
+    _check(
+        None, PMA_K, num_queries=num_queries, activation="gelu_fast", causal=causal,
+        normalize_by_length=normalize, config=config, tol=1e-4,
+    )  # fmt: skip
+
+
+def test_bfloat16_inputs(interpret):
+    _check(CROSS_Q, CROSS_K, activation="silu", dtype=torch.bfloat16, tol=3e-2, causal=True)
+
+
+def test_every_schedule_computes_the_same_function(interpret):
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(sum(LONG_SKEWED), H, D, generator=gen) for _ in range(3))
+    lengths = torch.tensor(LONG_SKEWED)
+    outs = [
+        gdpa_from_lengths(q, k, v, lengths, config=_config(schedule=schedule), causal=True)
+        for schedule in ("zigzag", "sorted", "unsorted")
+    ]
+    expected = naive_gdpa(q, k, v, LONG_SKEWED, LONG_SKEWED, causal=True)
+    for out in outs:
+        torch.testing.assert_close(out.double(), expected, atol=3e-5, rtol=3e-5)
+
+
+def test_public_entry_point_dispatch(interpret):
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(sum(CROSS_Q), H, D, generator=gen)
+    k = torch.randn(sum(CROSS_K), H, D, generator=gen)
+    v = torch.randn(sum(CROSS_K), H, D, generator=gen)
+    q_off, k_off = offsets_of(CROSS_Q), offsets_of(CROSS_K)
+    options = dict(activation="gelu", causal=True, normalize_by_length=True)
+    calls = {
+        "self": lambda backend: gdpa(q, q, q, q_off, backend=backend, **options),
+        "cross": lambda backend: gdpa(q, k, v, q_off, k_off, backend=backend, **options),
+        "pma": lambda backend: gdpa(q[:4], k, v, None, k_off, backend=backend, **options),
+    }
+    for name, call in calls.items():
+        got, want = call("triton"), call("reference")
+        torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5, msg=name)
+    assert GDPA_BACKENDS == ("auto", "triton", "reference")
+
+
+def test_schedule_loads_zigzag_balances_skewed_work():
+    # Power-law work (one huge item plus a long tail): the zigzag dealing over a longest-first
+    # list must not be worse than plain round-robin, and every unit of work is assigned.
+    gen = torch.Generator().manual_seed(0)
+    work = (torch.rand(500, generator=gen) ** (-1 / 0.7)).floor().clamp(max=400)
+    for schedule in ("zigzag", "unsorted", "sorted"):
+        loads = schedule_loads(work, 16, schedule)
+        assert loads.shape == (16,)
+        assert float(loads.sum()) == pytest.approx(float(work.sum()))
+    zigzag = schedule_loads(work, 16, "zigzag")
+    unsorted = schedule_loads(work, 16, "unsorted")
+    assert zigzag.max() / zigzag.mean() <= unsorted.max() / unsorted.mean()
+    # Zigzag of 2P equal-rank pairs is perfectly balanced on a linear ramp.
+    ramp = torch.arange(32, dtype=torch.float64)
+    assert torch.equal(schedule_loads(ramp, 16, "zigzag"), torch.full((16,), 31.0))
+
+
+def test_errors(interpret, monkeypatch):
+    q = torch.randn(5, H, D)
+    off = offsets_of([5])
+    with pytest.raises(ValueError, match="backend must be one of"):
+        gdpa(q, q, q, off, backend="cuda")
+    with pytest.raises(ValueError, match="backend='triton' cannot run this call: dtype"):
+        gdpa(q.double(), q.double(), q.double(), off, backend="triton")
+    with pytest.raises(ValueError, match="config.schedule must be one of"):
+        gdpa_from_lengths(q, q, q, torch.tensor([5]), config=_config(schedule="random"))
+    with pytest.raises(ValueError, match="PMA broadcast"):
+        gdpa_from_lengths(q, q, q, None, None)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="need TRITON_INTERPRET=1"):
+        gdpa(q, q, q, off, backend="triton")
+    assert gdpa_triton.triton_unsupported_reason(q) is not None
+    # auto on CPU runs the reference without touching Triton.
+    torch.testing.assert_close(gdpa(q, q, q, off), gdpa(q, q, q, off, backend="reference"))
