@@ -156,6 +156,14 @@ def test_each_bias_alone(interpret):
         _check_grads(lengths, lengths, tensors, tol=2e-5, causal=True)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.7, 3.0])
+def test_biases_with_any_scale(interpret, scale):
+    # Bias tiles enter the q.k dot divided by the scale; a zero scale takes another route.
+    lengths = [3, 21, 0, 17]
+    tensors = _inputs(lengths, lengths, seed=12, rel=9, jagged=True)
+    _check_grads(lengths, lengths, tensors, tol=2e-5, causal=True, scale=scale)
+
+
 def test_fully_masked_rows_are_zero_with_zero_grads(interpret):
     # Causal with Lq > Lk: the first Lq - Lk queries of a sample see no key at all.
     q_lengths, k_lengths = [6, 20], [2, 0]
@@ -214,6 +222,25 @@ def test_plan_has_only_real_tiles_longest_first():
     work = torch.minimum(plan.fwd[:, 3], plan.fwd[:, 4] + 16 + plan.fwd[:, 3] - plan.fwd[:, 1])
     assert torch.all(work[:-1] >= work[1:])
     assert int(plan.fwd[0, 1]) == 100 and int(plan.fwd[0, 4]) == 96
+
+
+def test_plan_cache_reuses_only_identical_batches():
+    config = jfa_triton.default_config(D, interpret=True)
+    cpu = torch.device("cpu")
+    lengths = torch.tensor([5, 40, 0, 17])
+    first = jfa_triton._plan(lengths, lengths, None, 0, config, cpu, True)
+    assert jfa_triton._plan(lengths.clone(), lengths.clone(), None, 0, config, cpu, True) is first
+    # A different length, mask or tiling gets its own tables.
+    other = torch.tensor([5, 40, 0, 18])
+    changed = jfa_triton._plan(other, other, None, 0, config, cpu, True)
+    assert changed is not first
+    assert int(changed.fwd[:, 1].sum()) == sum(-(-n // 16) * n for n in (5, 40, 0, 18))
+    assert jfa_triton._plan(lengths, lengths, 3, 0, config, cpu, True) is not first
+    assert jfa_triton._plan(lengths, lengths, None, 0, config, cpu, False) is not first
+    # The cache is bounded.
+    for n in range(3 * jfa_triton._PLAN_CACHE_SIZE):
+        jfa_triton._plan(torch.tensor([n + 1]), torch.tensor([n + 1]), None, 0, config, cpu, True)
+    assert len(jfa_triton._PLAN_CACHE) <= jfa_triton._PLAN_CACHE_SIZE
 
 
 def test_public_entry_point_dispatch(interpret, monkeypatch):

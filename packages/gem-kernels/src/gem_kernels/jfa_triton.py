@@ -8,8 +8,10 @@ Jagged-aware scheduling: the host builds, from the sample lengths, one table row
 (``(sample, tile)`` pairs for samples that have rows; no program exists for padding) and sorts
 the rows by their amount of work, longest first, so the long tiles start early and the short
 ones fill the tail of the grid. The forward and the dQ kernel walk query tiles; the dK/dV kernel
-walks key tiles. Backward is deterministic: no atomics; the relative-position bias gradient is
-accumulated per dK/dV program into its own row of a partial buffer and summed afterwards.
+walks key tiles. Plans are cached by lengths and tiling (a model's layers and their backward
+share one batch), so repeated calls only hash the lengths. Backward is deterministic: no
+atomics; the relative-position bias gradient is accumulated per dK/dV program into its own row
+of a partial buffer and summed afterwards.
 
 CPU tensors run under the Triton interpreter when ``TRITON_INTERPRET=1`` is set at call time:
 the kernel module is loaded once per mode (interpreted or compiled), so the variable may be set
@@ -22,6 +24,7 @@ import importlib.util
 import math
 import os
 import sys
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
@@ -85,7 +88,9 @@ def default_config(
     """Tile configuration for a head dimension (small tiles under the interpreter).
 
     ``with_bias``: bias tiles are loaded in the loops too; the 128x128 forward tile then needs
-    more shared memory than an H200 has, so biased calls use 128x64 and 2 backward stages.
+    more shared memory than an H200 has, so biased calls use 128x64, 2 backward stages and
+    32 query rows per dK/dV step (its registers hold dK, dV and the bias tile; fastest of an
+    H200 sweep at B512xL1024 and B32xL16384, causal).
     """
     if interpret:
         return JfaTritonConfig(16, 16, 1, 1, 16, 16, 16, 16, 1, 1)
@@ -99,6 +104,7 @@ def default_config(
         config = replace(
             config,
             fwd_block_n=min(config.fwd_block_n, 64),
+            dkdv_block_m=min(config.dkdv_block_m, 32),
             bwd_stages=min(config.bwd_stages, 2),
         )
     return config
@@ -239,6 +245,12 @@ def _key_tile_table(samples, block_n, left, right) -> torch.Tensor:
     return _table(columns, work)
 
 
+#: Plans of recent batches, keyed by their lengths and tiling: every attention layer of a model
+#: (and its backward) sees the same batch, so only the first call per batch builds tables.
+_PLAN_CACHE: OrderedDict[tuple, _Plan] = OrderedDict()
+_PLAN_CACHE_SIZE = 16
+
+
 def _plan(
     q_lengths: torch.Tensor,
     k_lengths: torch.Tensor,
@@ -250,6 +262,29 @@ def _plan(
 ) -> _Plan:
     q_len = q_lengths.to("cpu", torch.int64)
     k_len = k_lengths.to("cpu", torch.int64)
+    key = (
+        tuple(q_len.tolist()),
+        tuple(k_len.tolist()),
+        left,
+        right,
+        config.fwd_block_m,
+        config.dkdv_block_n,
+        config.dq_block_m,
+        str(device),
+        with_backward,
+    )
+    cached = _PLAN_CACHE.get(key)
+    if cached is not None:
+        _PLAN_CACHE.move_to_end(key)
+        return cached
+    plan = _build_plan(q_len, k_len, left, right, config, device, with_backward)
+    _PLAN_CACHE[key] = plan
+    if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+        _PLAN_CACHE.popitem(last=False)
+    return plan
+
+
+def _build_plan(q_len, k_len, left, right, config, device, with_backward) -> _Plan:
     q_start = torch.cumsum(q_len, 0) - q_len
     k_start = torch.cumsum(k_len, 0) - k_len
     pairs = q_len * k_len
@@ -305,9 +340,10 @@ def _flags(q: torch.Tensor, launch: _Launch) -> dict:
     }
 
 
-def _bias_args(q, rel_pos_bias, jagged_bias):
-    # The kernels read the (small) table in float32, pre-scaled to the log2 domain of the scores.
-    rel = q if rel_pos_bias is None else (rel_pos_bias.float() * _LOG2E).contiguous()
+def _bias_args(q, rel_pos_bias, jagged_bias, scale: float):
+    # The kernels read the (small) table in float32, pre-divided by the score scale: the bias
+    # tile is the accumulator of the q.k dot, which is multiplied by scale * log2(e) after.
+    rel = q if rel_pos_bias is None else (rel_pos_bias.float() / scale).contiguous()
     jb = q if jagged_bias is None else jagged_bias
     num_buckets = 1 if rel_pos_bias is None else rel_pos_bias.shape[1]
     stride_rel = 0 if rel_pos_bias is None else rel.stride(0)
@@ -323,7 +359,9 @@ def _forward(q, k, v, rel_pos_bias, jagged_bias, plan: _Plan, launch: _Launch):
     if num_tiles == 0:
         return out, lse
     cfg = launch.config
-    rel, jb, num_buckets, stride_rel, stride_jb = _bias_args(q, rel_pos_bias, jagged_bias)
+    rel, jb, num_buckets, stride_rel, stride_jb = _bias_args(
+        q, rel_pos_bias, jagged_bias, launch.scale
+    )
     _kernels(launch.interpret).jfa_fwd_kernel[(num_tiles * heads,)](
         q, k, v, out, lse, plan.fwd, rel, jb,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -349,7 +387,9 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
     jb_grad = None if jagged_bias is None else torch.zeros_like(jagged_bias)
     rel_grad = None
     num_key_tiles = plan.dkdv.shape[0]
-    rel, jb, num_buckets, stride_rel, stride_jb = _bias_args(q, rel_pos_bias, jagged_bias)
+    rel, jb, num_buckets, stride_rel, stride_jb = _bias_args(
+        q, rel_pos_bias, jagged_bias, launch.scale
+    )
     buckets_pad = max(16, 1 << (num_buckets - 1).bit_length())
     rel_partial = None
     if rel_pos_bias is not None:
@@ -368,7 +408,7 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
     if num_key_tiles > 0:
         kernels.jfa_bwd_dkdv_kernel[(num_key_tiles * heads,)](
             q, k, v, grad_out, lse, delta, dk, dv, plan.dkdv, rel, jb,
-            q if jb_grad is None else jb_grad, q if rel_partial is None else rel_partial,
+            q if rel_partial is None else rel_partial,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1),
             dv.stride(0), dv.stride(1), lse.stride(0), stride_rel, stride_jb,
@@ -385,6 +425,7 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
     if num_query_tiles > 0:
         kernels.jfa_bwd_dq_kernel[(num_query_tiles * heads,)](
             q, k, v, grad_out, lse, delta, dq, plan.dq, rel, jb,
+            q if jb_grad is None else jb_grad,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
             lse.stride(0), stride_rel, stride_jb,
@@ -487,6 +528,11 @@ def jagged_flash_attention_from_lengths(
     )
     tensors = (q, k, v, rel_pos_bias, jagged_bias)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if launch.scale == 0.0:
+        # The kernels divide biases by the scale; scale * q.k == 1 * (0 * q).k, with the same
+        # (zero) gradients for q and k.
+        q = q * 0.0
+        launch = replace(launch, scale=1.0)
     plan = _plan(q_lengths, k_lengths, left, right, config, q.device, needs_grad)
     q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
     if rel_pos_bias is not None:
