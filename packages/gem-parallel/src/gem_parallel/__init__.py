@@ -90,4 +90,31 @@ __all__ = [
     "reduce_scatter_dim0",
     "run_in_processes",
     "validate_layout",
+    # gem_parallel.sparse, loaded on first use (see __getattr__)
+    "SHARDING_TYPES",
+    "ShardedSparse",
+    "SparseMemory",
+    "format_memory_table",
+    "shard_sparse",
+    "sparse_memory_report",
 ]
+
+_SPARSE_NAMES = frozenset(
+    (
+        "SHARDING_TYPES",
+        "ShardedSparse",
+        "SparseMemory",
+        "format_memory_table",
+        "shard_sparse",
+        "sparse_memory_report",
+    )
+)
+
+
+def __getattr__(name: str) -> object:
+    # gem_parallel.sparse imports torchrec, which takes seconds: only load it when asked for.
+    if name in _SPARSE_NAMES:
+        from gem_parallel import sparse
+
+        return getattr(sparse, name)
+    raise AttributeError(f"module 'gem_parallel' has no attribute {name!r}")
