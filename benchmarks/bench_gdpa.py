@@ -304,8 +304,9 @@ def check(device) -> dict:
     """gem (bf16 and fp32 inputs) against the fp32 reference on small jagged problems."""
     results = {}
     gen = torch.Generator().manual_seed(0)
-    q_len = [0, 1, 300, 77, 513, 64, 1000, 129]
-    k_len = [5, 0, 129, 200, 256, 1, 17, 256]
+    # 2500: PMA keys and cross queries long enough for the split-KV / split-Q partial paths.
+    q_len = [0, 1, 300, 77, 513, 64, 1000, 129, 2500]
+    k_len = [5, 0, 129, 200, 256, 1, 17, 256, 100]
     cases = [
         ("self", q_len, None, dict(activation="gelu_fast", causal=True, window=(100, None))),
         ("self", q_len, None, dict(activation="silu", window=(40, 30), normalize_by_length=True)),
@@ -437,42 +438,63 @@ def skew(rows, errors, device, config):
         _measure(rows, errors, case, f"gem-{schedule}", lambda c=cfg: provider_gem(case, c))
 
 
-def quick_sweep(device, deadline) -> gt.GdpaTritonConfig:
-    """Short-KV (cross) and PMA variants only; returns the default config with the winners."""
+def quick_sweep(device, deadline, rows) -> gt.GdpaTritonConfig:
+    """A few variants per group (self fwd tiles, PMA split-KV, cross short-KV, backward tiles);
+    each group's winner is kept. Every timing goes to ``rows`` (provider ``gem-sweep-...``)."""
     best = gt.default_config(D)
     variants = {
-        "cross": (
-            ["cross", 128, 4096],
+        "self": (
+            ["self", 128, 4096], "fwd",
             {
-                "s64w4st2": {},
-                "s128w8st2": dict(short_block_m=128, short_warps=8),
-                "s64w8st2": dict(short_warps=8),
-                "generic": dict(short_kv_max=0),
+                "f128x128w8s3": {},
+                "f128x64w8s2x2": dict(fwd_block_n=64, fwd_stages=2, programs_per_sm=2),
+                "f128x64w4s3": dict(fwd_block_n=64, fwd_warps=4),
             },
         ),
         "pma": (
-            ["pma", 128, 4096],
+            ["pma", 128, 4096], "fwd",
             {
-                "p64w4s2x3": {},
-                "p128w4s2x1": dict(pma_block_n=128, pma_programs_per_sm=1),
-                "p64w4s4x1": dict(pma_stages=4, pma_programs_per_sm=1),
+                "p128w4s2x1c1024": {},
+                "p64w4s3x2c1024": dict(pma_block_n=64, pma_stages=3, pma_programs_per_sm=2),
+                "p64w4s3x2c512": dict(
+                    pma_block_n=64, pma_stages=3, pma_programs_per_sm=2, pma_kv_chunk=512
+                ),
+                "p128w4s2x1nosplit": dict(pma_kv_chunk=0),
             },
         ),
-    }
-    for label, (shape, options) in variants.items():
+        "cross": (
+            ["cross", 128, 4096], "fwd",
+            {
+                "s128w8st2": {},
+                "s64w4st2": dict(short_block_m=64, short_warps=4),
+                "generic": dict(short_kv_max=0),
+            },
+        ),
+        "bwd": (
+            ["self", 128, 4096], "fwd_bwd",
+            {
+                "b128x64/128x64w8s3": {},
+                "b64x64/64x64w4s3": dict(dkdv_block_n=64, dq_block_m=64, bwd_warps=4),
+            },
+        ),
+    }  # fmt: skip
+    for label, (shape, mode, options) in variants.items():
         case = Case(*shape, device)
         scores = {}
         for name, change in options.items():
             if time.time() > deadline:
                 print("sweep deadline reached")
                 break
-            scores[name] = _time_config(case, replace(best, **change), ("fwd",))["fwd"]
-            print(f"sweep {label:6s} {name:12s} fwd {scores[name]:8.3f} ms")
+            scores[name] = _time_config(case, replace(best, **change), (mode,))[mode]
+            rows.append(dict(case=case.name, provider=f"gem-sweep-{label}-{name}", mode=mode,
+                             metric="ms", value=scores[name]))  # fmt: skip
+            print(f"sweep {label:6s} {name:20s} {mode} {scores[name]:8.3f} ms")
         if scores:
             winner = min(scores, key=scores.get)
             best = replace(best, **options[winner])
             print(f"sweep {label}: {winner}")
         del case
+        torch.cuda.empty_cache()
     print(f"sweep best: {best}")
     return best
 
@@ -508,7 +530,9 @@ def main() -> None:
     parser.add_argument("--sweep-only", action="store_true", help="check + sweep, no JSON")
     parser.add_argument("--quick-sweep", action="store_true", help="cross/PMA variants first")
     parser.add_argument("--config", default="", help="gem config overrides, k=v,k=v")
-    parser.add_argument("--budget-s", type=float, default=200.0, help="stop starting new cases")
+    parser.add_argument(
+        "--budget-s", type=float, default=200.0, help="stop starting new cases (after --check)"
+    )
     parser.add_argument("--peers", default=",".join(PEERS))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -516,15 +540,16 @@ def main() -> None:
     device = torch.device("cuda")
     start = time.time()
     checks = check(device) if args.check or args.sweep_only else {}
+    start = time.time()  # --budget-s covers the sweep and the cases, not the check
     config = _parse_config(args.config)
     if args.sweep or args.sweep_only:
         config = sweep(device, start + (0.9 if args.sweep_only else 0.5) * args.budget_s)
     if args.sweep_only:
         return
-    if args.quick_sweep:
-        config = quick_sweep(device, start + 0.4 * args.budget_s)
-    config = config or gt.default_config(D)
     rows, errors = [], []
+    if args.quick_sweep:
+        config = quick_sweep(device, start + 0.4 * args.budget_s, rows)
+    config = config or gt.default_config(D)
     peers = [p for p in args.peers.split(",") if p]
 
     def write():

@@ -134,6 +134,45 @@ def test_pma_broadcast(interpret, num_queries, short_kv, causal, normalize):
     )  # fmt: skip
 
 
+def test_split_partials_pma_and_cross(interpret):
+    # Chunks of 16 keys (PMA) / 16 query rows (cross dK/dV): 3 partials for the 40-long
+    # samples, 1 (direct write) for the short ones; the plan must really use the partials.
+    gt = gdpa_triton
+    config = _config(short_kv_max=0, pma_kv_chunk=16, dkdv_q_chunk=16)
+    pma = gt._samples(None, torch.tensor(PMA_K), 3)
+    plan = gt._plan(pma, H, None, None, config, torch.device("cpu"), True, True, 16)
+    assert plan.fwd_partial_rows > len(PMA_K) and plan.fwd_combine.shape[0] == 1
+    assert plan.dq_partial_blocks == plan.fwd_partial_rows
+    cross = gt._samples(torch.tensor(CROSS_Q), torch.tensor(CROSS_K), None)
+    plan = gt._plan(cross, H, None, None, config, torch.device("cpu"), True, True)
+    assert plan.dkdv_partial_rows > 0 and plan.dkdv_combine.shape[0] > 0
+    # A band of 30 rows: masked and full tiles, and chunks the band skips entirely.
+    options = dict(activation="gelu_fast", window=(30, 6), tol=1e-4)
+    _check(None, PMA_K, num_queries=3, normalize_by_length=True, config=config, **options)
+    _check(CROSS_Q, CROSS_K, config=config, **options)
+
+
+def test_gelu_fast_past_its_clamp(interpret):
+    # scale 2: scores reach |s| ~ 10, across the clamp edge (3.42) into the exact tails.
+    _check(SELF_LENGTHS, None, activation="gelu_fast", scale=2.0, tol=1e-4)
+
+
+def test_plans_are_cached(interpret):
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(sum(SELF_LENGTHS), H, D, generator=gen) for _ in range(3))
+    lengths = torch.tensor(SELF_LENGTHS)
+    gdpa_triton._PLAN_CACHE.clear()
+    first = gdpa_from_lengths(q, k, v, lengths, activation="relu2")
+    second = gdpa_from_lengths(q, k, v, lengths.clone(), activation="relu2")
+    assert len(gdpa_triton._PLAN_CACHE) == 1  # same lengths, same config: one plan
+    torch.testing.assert_close(first, second, atol=0.0, rtol=0.0)
+    other = [5, 1, 16, 37, 0]  # same total, other lengths: a new plan and other output rows
+    third = gdpa_from_lengths(q, k, v, torch.tensor(other), activation="relu2")
+    assert len(gdpa_triton._PLAN_CACHE) == 2
+    expected = naive_gdpa(q.double(), k.double(), v.double(), other, other, activation="relu2")
+    torch.testing.assert_close(third.double(), expected, atol=1e-4, rtol=1e-4)
+
+
 def test_bfloat16_inputs(interpret):
     _check(CROSS_Q, CROSS_K, activation="silu", dtype=torch.bfloat16, tol=3e-2, causal=True)
 

@@ -1,14 +1,23 @@
 """gem-kernels: jagged attention for recommendation models.
 
 ``jagged_flash_attention`` runs Triton kernels for CUDA fp16/bf16 inputs and the PyTorch
-reference everywhere else; ``gdpa`` and ``block_attention`` run their references (Triton
-kernels for them are next). ``gem_kernels.reference`` is the test oracle.
+reference everywhere else; ``gdpa`` and ``block_attention`` do the same with their own Triton
+kernels. ``gem_kernels.reference`` is the test oracle and the CPU path.
 """
 
-from gem_kernels.attention import JFA_BACKENDS, block_attention, gdpa, jagged_flash_attention
+from gem_kernels.attention import (
+    BLOCK_ATTENTION_BACKENDS,
+    GDPA_BACKENDS,
+    JFA_BACKENDS,
+    block_attention,
+    gdpa,
+    jagged_flash_attention,
+)
 from gem_kernels.jagged import lengths_to_offsets, offsets_to_lengths, validate_offsets
 
 __all__ = [
+    "BLOCK_ATTENTION_BACKENDS",
+    "GDPA_BACKENDS",
     "JFA_BACKENDS",
     "block_attention",
     "gdpa",

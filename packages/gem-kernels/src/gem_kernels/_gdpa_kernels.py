@@ -6,11 +6,17 @@ executes this file once per mode (``TRITON_INTERPRET`` set or not) under distinc
 
 Conventions shared by the kernels:
 
-* Work items come from a host-built table, one int64 row per item:
-  ``[q_start, q_len, k_start, k_len, tile_start, out_start, head, tile_end]``. ``q_start`` is
-  the first row of the sample's queries in q (0 for PMA broadcast queries), ``out_start`` the
-  first row of its output (and of dO); ``tile_start`` is the first row (query or key, by
+* Work items come from a host-built table, one int64 row per item: ``[q_start, q_len,
+  k_start, k_len, tile_start, out_start, head, tile_end, range_lo, range_hi, dst_start]``.
+  ``q_start`` is the first row of the sample's queries in q (0 for PMA broadcast queries),
+  ``out_start`` the first row of its dO; ``tile_start`` is the first row (query or key, by
   kernel) of the item, ``tile_end`` the end of the item's row range (short-KV kernel only).
+  ``[range_lo, range_hi)`` (tile-aligned) restricts the rows of the other side that the item
+  visits: split-KV forward / dQ (keys) and split-Q dK/dV (queries) write partial results that
+  a second pass sums in a fixed order (deterministic, no atomics). ``dst_start`` is the row
+  of the item's sample in the destination (output, partial buffer, dQ or dK/dV); the last
+  column, ``to_partial``, sends the forward's output or dK/dV to the float32 partial buffers
+  instead (only the samples that are split go there).
 * Every kernel is persistent: program ``p`` of ``P`` runs items ``p, p + P, p + 2P, ...``; the
   host orders the table so that this deals the work in the chosen schedule (zigzag over a
   longest-first list, plain order, ...). With ``P`` = number of items it is one item a program.
@@ -28,7 +34,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from gem_kernels.reference import _GELU_FAST_COEFFS, GELU_FAST_CLAMP
+from gem_kernels.reference import _GELU_FAST_COEFFS
+
+# Columns of a work-table row (gdpa_triton builds the table).
+TABLE_WIDTH = 12
+_W = tl.constexpr(TABLE_WIDTH)
 
 # Activation codes (the ``ACT`` constexpr); gdpa_triton maps names to them.
 ACT_SILU = 0
@@ -39,15 +49,12 @@ ACT_RELU2 = 4
 ACT_IDENTITY = 5
 
 # The polynomial of reference.gelu_fast (globals read by a jit function must be constexpr).
-_GF_CLAMP = tl.constexpr(GELU_FAST_CLAMP)
+assert len(_GELU_FAST_COEFFS) == 5, "the kernels hard-code a degree-4 P of reference.gelu_fast"
 _GF0 = tl.constexpr(_GELU_FAST_COEFFS[0])
 _GF1 = tl.constexpr(_GELU_FAST_COEFFS[1])
 _GF2 = tl.constexpr(_GELU_FAST_COEFFS[2])
 _GF3 = tl.constexpr(_GELU_FAST_COEFFS[3])
 _GF4 = tl.constexpr(_GELU_FAST_COEFFS[4])
-_GF5 = tl.constexpr(_GELU_FAST_COEFFS[5])
-_GF6 = tl.constexpr(_GELU_FAST_COEFFS[6])
-_GF7 = tl.constexpr(_GELU_FAST_COEFFS[7])
 
 
 @triton.jit
@@ -61,20 +68,18 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _gelu_fast_cdf(s):
-    """Polynomial normal CDF of reference.gelu_fast (clamped; exact 0/1 outside the range)."""
-    t = tl.minimum(tl.maximum(s, -_GF_CLAMP), _GF_CLAMP)
-    t2 = t * t
-    poly = _GF7 * t2 + _GF6
-    poly = poly * t2 + _GF5
-    poly = poly * t2 + _GF4
-    poly = poly * t2 + _GF3
-    poly = poly * t2 + _GF2
-    poly = poly * t2 + _GF1
-    poly = poly * t2 + _GF0
-    cdf = 0.5 + t * poly
-    cdf = tl.where(s >= _GF_CLAMP, 1.0, cdf)
-    cdf = tl.where(s <= -_GF_CLAMP, 0.0, cdf)
-    return cdf, t2, poly
+    """Polynomial normal CDF of reference.gelu_fast: ``clamp(0.5 + s * P(s^2), 0, 1)``.
+
+    The leading coefficient is positive, so past |s| ~= 3.42 the raw value stays beyond [0, 1]
+    and the clamp gives the exact limits (also for huge |s|, where it overflows to +-inf)."""
+    s2 = s * s
+    poly = _GF4 * s2 + _GF3
+    poly = poly * s2 + _GF2
+    poly = poly * s2 + _GF1
+    poly = poly * s2 + _GF0
+    raw = 0.5 + s * poly
+    cdf = tl.minimum(tl.maximum(raw, 0.0), 1.0)
+    return cdf, raw, s2, poly
 
 
 @triton.jit
@@ -88,7 +93,7 @@ def _act(s, ACT: tl.constexpr):
         # 0.5 * (1 + tanh(x)) == sigmoid(2x): gelu_tanh(s) = s * sigmoid(2k(s + 0.044715 s^3)).
         a = s * tl.sigmoid(1.5957691216057308 * s * (1.0 + 0.044715 * s * s))
     elif ACT == 3:
-        cdf, t2, poly = _gelu_fast_cdf(s)
+        cdf, raw, s2, poly = _gelu_fast_cdf(s)
         a = s * cdf
     elif ACT == 4:
         r = tl.maximum(s, 0.0)
@@ -115,16 +120,13 @@ def _act_grad(s, ACT: tl.constexpr):
         a = s * sig
         g = sig + s * sig * (1.0 - sig) * (1.5957691216057308 * (1.0 + 0.134145 * s2))
     elif ACT == 3:
-        cdf, t2, poly = _gelu_fast_cdf(s)
-        # d/dt [t * P(t^2)] = P(t^2) + 2 t^2 P'(t^2); zero where the CDF is clamped.
-        dpoly = 7.0 * _GF7 * t2 + 6.0 * _GF6
-        dpoly = dpoly * t2 + 5.0 * _GF5
-        dpoly = dpoly * t2 + 4.0 * _GF4
-        dpoly = dpoly * t2 + 3.0 * _GF3
-        dpoly = dpoly * t2 + 2.0 * _GF2
-        dpoly = dpoly * t2 + _GF1
-        dcdf = poly + 2.0 * t2 * dpoly
-        inside = (s < _GF_CLAMP) & (s > -_GF_CLAMP)
+        cdf, raw, s2, poly = _gelu_fast_cdf(s)
+        # d/ds [s * P(s^2)] = P(s^2) + 2 s^2 P'(s^2); zero where the CDF is clamped.
+        dpoly = 4.0 * _GF4 * s2 + 3.0 * _GF3
+        dpoly = dpoly * s2 + 2.0 * _GF2
+        dpoly = dpoly * s2 + _GF1
+        dcdf = poly + 2.0 * s2 * dpoly
+        inside = (raw > 0.0) & (raw < 1.0)
         a = s * cdf
         g = cdf + tl.where(inside, s * dcdf, 0.0)
     elif ACT == 4:
@@ -244,6 +246,23 @@ def _query_ranges(n0, shift, q_len, k_len, left, right, BLOCK_M, BLOCK_N, HAS_LE
     return lo_t, full_lo, full_hi, hi_t
 
 
+@triton.jit
+def _clip_ranges(lo_t, full_lo, full_hi, hi_t, range_lo, range_hi):
+    """Restrict the three phases to the tile-aligned rows [range_lo, range_hi)."""
+    lo = tl.maximum(lo_t, range_lo)
+    hi = tl.maximum(tl.minimum(hi_t, range_hi), lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _range_of(info):
+    lo = tl.load(info + 8).to(tl.int32)
+    hi = tl.load(info + 9).to(tl.int32)
+    return lo, hi, tl.load(info + 10), tl.load(info + 11) != 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward.
 
@@ -277,7 +296,7 @@ def _fwd_inner(
 def gdpa_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, items_ptr, num_items,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    left, right, scale,
+    left, right, scale, part_ptr, stride_pt, stride_ph,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -286,13 +305,12 @@ def gdpa_fwd_kernel(
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     offs_d = tl.arange(0, BLOCK_D)
     for idx in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        info = items_ptr + idx * 8  # items < 2**28: int32 is enough
+        info = items_ptr + idx * _W  # items < 2**27: int32 is enough
         q_start = tl.load(info)
         q_len = tl.load(info + 1).to(tl.int32)
         k_start = tl.load(info + 2)
         k_len = tl.load(info + 3).to(tl.int32)
         m0 = tl.load(info + 4).to(tl.int32)
-        out_start = tl.load(info + 5)
         head = tl.load(info + 6)
         shift = k_len - q_len
 
@@ -306,6 +324,10 @@ def gdpa_fwd_kernel(
         v_base = v_ptr + k_start * stride_vt + head * stride_vh
         lo_t, full_lo, full_hi, hi_t = _key_ranges(
             m0, shift, q_len, k_len, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT
+        )
+        range_lo, range_hi, dst_start, to_partial = _range_of(info)
+        lo_t, full_lo, full_hi, hi_t = _clip_ranges(
+            lo_t, full_lo, full_hi, hi_t, range_lo, range_hi
         )
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         acc = _fwd_inner(
@@ -325,17 +347,23 @@ def gdpa_fwd_kernel(
         )  # fmt: skip
         if NORMALIZE:
             acc = acc * (1.0 / tl.maximum(k_len, 1).to(tl.float32))
-        _store_tile(
-            o_ptr + out_start * stride_ot + head * stride_oh, offs_m, m_ok, stride_ot, offs_d,
-            acc.to(o_ptr.dtype.element_ty), HEAD_DIM, EVEN_D,
-        )  # fmt: skip
+        if to_partial:
+            _store_tile(
+                part_ptr + dst_start * stride_pt + head * stride_ph, offs_m, m_ok, stride_pt,
+                offs_d, acc, HEAD_DIM, EVEN_D,
+            )  # fmt: skip
+        else:
+            _store_tile(
+                o_ptr + dst_start * stride_ot + head * stride_oh, offs_m, m_ok, stride_ot,
+                offs_d, acc.to(o_ptr.dtype.element_ty), HEAD_DIM, EVEN_D,
+            )  # fmt: skip
 
 
 @triton.jit
 def gdpa_fwd_short_kv_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, items_ptr, num_items,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    left, right, scale,
+    left, right, scale, part_ptr, stride_pt, stride_ph,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KV: tl.constexpr,
     BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -347,15 +375,15 @@ def gdpa_fwd_short_kv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_KV)
     for idx in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        info = items_ptr + idx * 8  # items < 2**28: int32 is enough
+        info = items_ptr + idx * _W  # items < 2**27: int32 is enough
         q_start = tl.load(info)
         q_len = tl.load(info + 1).to(tl.int32)
         k_start = tl.load(info + 2)
         k_len = tl.load(info + 3).to(tl.int32)
         row0 = tl.load(info + 4).to(tl.int32)
-        out_start = tl.load(info + 5)
         head = tl.load(info + 6)
         row_end = tl.load(info + 7).to(tl.int32)
+        dst_start = tl.load(info + 10)
         shift = k_len - q_len
         n_ok = offs_n < k_len
         kt = _load_tile(
@@ -370,7 +398,7 @@ def gdpa_fwd_short_kv_kernel(
         if NORMALIZE:
             norm = 1.0 / tl.maximum(k_len, 1).to(tl.float32)
         q_base = q_ptr + q_start * stride_qt + head * stride_qh
-        o_base = o_ptr + out_start * stride_ot + head * stride_oh
+        o_base = o_ptr + dst_start * stride_ot + head * stride_oh
         for m0 in range(row0, row_end, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < q_len
@@ -427,7 +455,7 @@ def gdpa_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, items_ptr, num_items,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    left, right, scale,
+    left, right, scale, dkp_ptr, dvp_ptr, stride_pt, stride_ph,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -437,7 +465,7 @@ def gdpa_bwd_dkdv_kernel(
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     offs_d = tl.arange(0, BLOCK_D)
     for idx in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        info = items_ptr + idx * 8  # items < 2**28: int32 is enough
+        info = items_ptr + idx * _W  # items < 2**27: int32 is enough
         q_start = tl.load(info)
         q_len = tl.load(info + 1).to(tl.int32)
         k_start = tl.load(info + 2)
@@ -462,6 +490,10 @@ def gdpa_bwd_dkdv_kernel(
         lo_t, full_lo, full_hi, hi_t = _query_ranges(
             n0, shift, q_len, k_len, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT
         )
+        range_lo, range_hi, dst_start, to_partial = _range_of(info)
+        lo_t, full_lo, full_hi, hi_t = _clip_ranges(
+            lo_t, full_lo, full_hi, hi_t, range_lo, range_hi
+        )
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dk, dv = _dkdv_inner(
@@ -484,14 +516,21 @@ def gdpa_bwd_dkdv_kernel(
             norm = 1.0 / tl.maximum(k_len, 1).to(tl.float32)
             dv = dv * norm
             dk_scale = scale * norm
-        _store_tile(
-            dk_ptr + k_start * stride_dkt + head * stride_dkh, offs_n, n_ok, stride_dkt, offs_d,
-            (dk * dk_scale).to(dk_ptr.dtype.element_ty), HEAD_DIM, EVEN_D,
-        )  # fmt: skip
-        _store_tile(
-            dv_ptr + k_start * stride_dvt + head * stride_dvh, offs_n, n_ok, stride_dvt, offs_d,
-            dv.to(dv_ptr.dtype.element_ty), HEAD_DIM, EVEN_D,
-        )  # fmt: skip
+        if to_partial:  # float32 partial sums over a query range, combined by the host
+            p_off = dst_start * stride_pt + head * stride_ph
+            _store_tile(
+                dkp_ptr + p_off, offs_n, n_ok, stride_pt, offs_d, dk * dk_scale, HEAD_DIM, EVEN_D
+            )
+            _store_tile(dvp_ptr + p_off, offs_n, n_ok, stride_pt, offs_d, dv, HEAD_DIM, EVEN_D)
+        else:
+            _store_tile(
+                dk_ptr + dst_start * stride_dkt + head * stride_dkh, offs_n, n_ok, stride_dkt,
+                offs_d, (dk * dk_scale).to(dk_ptr.dtype.element_ty), HEAD_DIM, EVEN_D,
+            )  # fmt: skip
+            _store_tile(
+                dv_ptr + dst_start * stride_dvt + head * stride_dvh, offs_n, n_ok, stride_dvt,
+                offs_d, dv.to(dv_ptr.dtype.element_ty), HEAD_DIM, EVEN_D,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -534,13 +573,13 @@ def gdpa_bwd_dq_kernel(
     BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """Items are (query tile, head); each loops over the key tiles its rows see. dQ rows are
-    written at the output rows (``out_start``): for PMA that is a per-sample partial buffer
-    the host sums over samples (deterministic, no atomics)."""
+    """Items are (query tile, head); each loops over the key tiles its rows see (or the
+    item's key range). dQ rows go to ``dst_start``: for PMA that is a partial buffer with one
+    row block per (sample, key chunk) that the host sums (deterministic, no atomics)."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     offs_d = tl.arange(0, BLOCK_D)
     for idx in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        info = items_ptr + idx * 8  # items < 2**28: int32 is enough
+        info = items_ptr + idx * _W  # items < 2**27: int32 is enough
         q_start = tl.load(info)
         q_len = tl.load(info + 1).to(tl.int32)
         k_start = tl.load(info + 2)
@@ -565,6 +604,10 @@ def gdpa_bwd_dq_kernel(
         lo_t, full_lo, full_hi, hi_t = _key_ranges(
             m0, shift, q_len, k_len, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT
         )
+        range_lo, range_hi, dst_start, _ = _range_of(info)
+        lo_t, full_lo, full_hi, hi_t = _clip_ranges(
+            lo_t, full_lo, full_hi, hi_t, range_lo, range_hi
+        )
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         dq = _dq_inner(
             dq, q, do, k_base, v_base, stride_kt, stride_vt, lo_t, full_lo, offs_m, offs_d,
@@ -585,6 +628,31 @@ def gdpa_bwd_dq_kernel(
         if NORMALIZE:
             dq_scale = scale / tl.maximum(k_len, 1).to(tl.float32)
         _store_tile(
-            dq_ptr + out_start * stride_dqt + head * stride_dqh, offs_m, m_ok, stride_dqt,
+            dq_ptr + dst_start * stride_dqt + head * stride_dqh, offs_m, m_ok, stride_dqt,
             offs_d, (dq * dq_scale).to(dq_ptr.dtype.element_ty), HEAD_DIM, EVEN_D,
         )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Deterministic combine of partial results.
+
+
+@triton.jit
+def segment_sum_kernel(
+    src_ptr, dst_ptr, meta_ptr, width, stride_src, stride_dst, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """``dst[row] = sum_{c < count} src[first + c * step]`` for each ``meta`` entry ``[row,
+    first, count, step]``, rows of ``width`` elements, summed in float32 in a fixed order
+    (deterministic). Grid: (meta entries, column blocks)."""
+    meta = meta_ptr + tl.program_id(0).to(tl.int64) * 4
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    row = tl.load(meta)
+    first = tl.load(meta + 1)
+    count = tl.load(meta + 2).to(tl.int32)
+    step = tl.load(meta + 3)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for c in range(0, count):
+        src = src_ptr + (first + c * step) * stride_src
+        acc += tl.load(src + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(dst_ptr + row * stride_dst + cols, acc.to(dst_ptr.dtype.element_ty), mask=ok)

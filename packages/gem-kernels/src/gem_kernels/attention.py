@@ -4,7 +4,8 @@ Each entry point validates its arguments (clear errors naming the argument) and 
 implementation. :func:`jagged_flash_attention` dispatches to the Triton kernels of
 :mod:`gem_kernels.jfa_triton` for CUDA float16/bfloat16 inputs (``backend="auto"``) and to the
 PyTorch reference in :mod:`gem_kernels.reference` otherwise; :func:`gdpa` and
-:func:`block_attention` always run the reference today.
+:func:`block_attention` dispatch the same way to :mod:`gem_kernels.gdpa_triton` and
+:mod:`gem_kernels.block_attention_triton`.
 
 Jagged layout: the tokens of all samples concatenated along dim 0, plus an ``offsets`` vector of
 shape ``(B + 1,)`` (see :mod:`gem_kernels.jagged`). All tensors are ``(tokens, heads, head_dim)``.
@@ -21,10 +22,23 @@ import torch
 from gem_kernels import reference
 from gem_kernels.jagged import validate_offsets
 
-__all__ = ["JFA_BACKENDS", "block_attention", "gdpa", "jagged_flash_attention"]
+__all__ = [
+    "BLOCK_ATTENTION_BACKENDS",
+    "GDPA_BACKENDS",
+    "JFA_BACKENDS",
+    "block_attention",
+    "gdpa",
+    "jagged_flash_attention",
+]
 
 #: Accepted values of ``jagged_flash_attention(backend=...)``.
 JFA_BACKENDS = ("auto", "triton", "reference")
+
+#: Accepted values of ``gdpa(backend=...)``.
+GDPA_BACKENDS = ("auto", "triton", "reference")
+
+#: Accepted values of ``block_attention(backend=...)``.
+BLOCK_ATTENTION_BACKENDS = ("auto", "triton", "reference")
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FLOAT_DTYPE_NAMES = "float16, bfloat16, float32 or float64"
@@ -293,6 +307,7 @@ def gdpa(
     causal: bool = False,
     window: tuple[int | None, int | None] | None = None,
     normalize_by_length: bool = False,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Generalized dot-product attention: ``act(scale * Q K^T) V`` per sample, no softmax.
 
@@ -305,7 +320,7 @@ def gdpa(
 
     Args:
         activation: ``"silu"``, ``"gelu"`` (exact erf), ``"gelu_tanh"``, ``"gelu_fast"``
-            (polynomial, ALU only, max abs error < 1e-4, see
+            (polynomial, ALU only, max abs error < 1.2e-3, exact for |x| >= 3.42, see
             :func:`gem_kernels.reference.gelu_fast`), ``"relu2"`` (relu squared),
             ``"identity"``.
         scale: default ``1 / sqrt(D)``.
@@ -313,6 +328,12 @@ def gdpa(
             Masked positions contribute nothing.
         normalize_by_length: divide each sample's output by its KV length (0 keys -> zeros).
         max_q, max_k: declared max lengths (``max_q`` bounds Nq in PMA mode).
+        backend: ``"auto"`` (default): the Triton kernels of :mod:`gem_kernels.gdpa_triton`
+            when q is a CUDA float16/bfloat16 tensor with head_dim <= 256, the PyTorch
+            reference otherwise (CPU, float32/float64, larger heads, Triton not importable);
+            both compute the same function. ``"triton"``: the kernels or a ``ValueError``
+            saying why they cannot run (CPU tensors only under ``TRITON_INTERPRET=1``; float32
+            runs with IEEE-exact dot products). ``"reference"``: always the PyTorch reference.
 
     Returns:
         Output in q's dtype: ``(Tq, H, D)``, or ``(B * Nq, H, D)`` in PMA mode.
@@ -331,13 +352,43 @@ def gdpa(
         validate_offsets(k_offsets, "k_offsets", num_rows=k.shape[0])
         _check_offsets_device(k_offsets, "k_offsets", q.device)
         _check_max_len(max_q, "max_q", torch.tensor([q.shape[0]]), "query (Nq)")
-        _check_max_len(max_k, "max_k", _host_lengths(k_offsets), "key")
+        q_lengths, k_lengths = None, _host_lengths(k_offsets)
+        _check_max_len(max_k, "max_k", k_lengths, "key")
     else:
-        _check_jagged_pair(q, k, q_offsets, k_offsets, max_q, max_k)
+        q_lengths, k_lengths = _check_jagged_pair(q, k, q_offsets, k_offsets, max_q, max_k)
+        if k_offsets is None:
+            k_lengths = None  # self-attention
     resolved_scale = _resolve_scale(scale, q.shape[2])
     _check_bool(causal, "causal")
     _check_bool(normalize_by_length, "normalize_by_length")
     resolved_window = _check_window(window)
+    if backend not in GDPA_BACKENDS:
+        raise ValueError(f"backend must be one of {GDPA_BACKENDS}, got {backend!r}")
+    if backend != "reference":
+        use_triton = backend == "triton" or (
+            q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+        )
+        if use_triton:
+            # Imported here so that the reference path never loads Triton.
+            from gem_kernels import gdpa_triton
+
+            reason = gdpa_triton.triton_unsupported_reason(q)
+            if reason is None:
+                return gdpa_triton.gdpa_from_lengths(
+                    q,
+                    k,
+                    v,
+                    q_lengths,
+                    k_lengths,
+                    activation=activation,
+                    scale=resolved_scale,
+                    causal=causal,
+                    window=resolved_window,
+                    normalize_by_length=normalize_by_length,
+                )
+            if backend == "triton":
+                raise ValueError(f"backend='triton' cannot run this call: {reason}")
+            # backend="auto": documented fallback to the reference (same function).
     return reference.gdpa_reference(
         q,
         k,
@@ -363,6 +414,7 @@ def block_attention(
     positions: torch.Tensor | None = None,
     rope_theta: float = 10000.0,
     scale: float | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Softmax self-attention restricted to ``block_size``-token blocks, with RoPE on q and k.
 
@@ -379,6 +431,13 @@ def block_attention(
         positions: ``(T,)`` integer RoPE positions; default: index of each token in its sample.
         rope_theta: RoPE base, ``> 0``.
         scale: default ``1 / sqrt(D)``.
+        backend: ``"auto"`` (default): the fused Triton kernels (RoPE applied in-kernel, one
+            forward and one backward kernel) when q is a CUDA float16/bfloat16 tensor and the
+            call is within their limits, the PyTorch reference otherwise (CPU, float32/float64,
+            head_dim > 256, block_size > 128, or Triton not importable); both compute the same
+            function. ``"triton"``: the kernels or a ``ValueError`` saying why they cannot run
+            (CPU tensors only under ``TRITON_INTERPRET=1``; float32 runs with IEEE-exact dot
+            products). ``"reference"``: always the PyTorch reference.
 
     Returns:
         ``(T, H, D)`` in q's dtype.
@@ -393,7 +452,8 @@ def block_attention(
         raise ValueError(f"head_dim must be even for rotary embedding, got {q.shape[2]}")
     validate_offsets(offsets, "offsets", num_rows=q.shape[0])
     _check_offsets_device(offsets, "offsets", q.device)
-    _check_max_len(max_len, "max_len", _host_lengths(offsets), "sample")
+    lengths = _host_lengths(offsets)
+    _check_max_len(max_len, "max_len", lengths, "sample")
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise TypeError(f"block_size must be an int, got {block_size!r}")
     if block_size < 1:
@@ -414,6 +474,31 @@ def block_attention(
         if positions.device != q.device:
             raise ValueError(f"positions is on {positions.device} but q is on {q.device}")
     resolved_scale = _resolve_scale(scale, q.shape[2])
+    if backend not in BLOCK_ATTENTION_BACKENDS:
+        raise ValueError(f"backend must be one of {BLOCK_ATTENTION_BACKENDS}, got {backend!r}")
+    if backend != "reference":
+        use_triton = backend == "triton" or (
+            q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+        )
+        if use_triton:
+            # Imported here so that the reference path never loads Triton.
+            from gem_kernels import block_attention_triton
+
+            reason = block_attention_triton.triton_unsupported_reason(q, block_size)
+            if reason is None:
+                return block_attention_triton.block_attention_from_lengths(
+                    q,
+                    k,
+                    v,
+                    lengths,
+                    block_size=block_size,
+                    positions=positions,
+                    rope_theta=float(rope_theta),
+                    scale=resolved_scale,
+                )
+            if backend == "triton":
+                raise ValueError(f"backend='triton' cannot run this call: {reason}")
+            # backend="auto": documented fallback to the reference (same function).
     return reference.block_attention_reference(
         q,
         k,

@@ -105,43 +105,45 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-#: Inputs with ``|x| >= GELU_FAST_CLAMP`` take the exact limits (x or 0) in :func:`gelu_fast`.
-GELU_FAST_CLAMP = 4.25
+#: From ``|x| >= GELU_FAST_CLAMP`` on, :func:`gelu_fast` returns the exact limits (x or 0): its
+#: polynomial CDF crosses 1 at x ~= 3.41999 and the clamp to [0, 1] takes over.
+GELU_FAST_CLAMP = 3.4201
 
-#: Bound on ``|gelu_fast(x) - gelu(x)|`` over all real x, float32 or float64 (measured 9.0e-5
-#: in float32 and 7.6e-5 in float64 on a dense grid; checked by the test suite).
-GELU_FAST_MAX_ABS_ERROR = 1e-4
+#: Bound on ``|gelu_fast(x) - gelu(x)|`` over all real x, float32 or float64 (measured 1.07e-3
+#: on a dense grid; below the bfloat16 rounding of the activations the kernels feed the MMA).
+#: The derivative is within 4e-2 of exact GELU's, worst just inside ``|x| = GELU_FAST_CLAMP``.
+GELU_FAST_MAX_ABS_ERROR = 1.2e-3
 
-# Odd polynomial Phi(t) - 0.5 ~= t * sum_k c_k t^(2k) on [-4.25, 4.25], fitted (Lawson
-# iterations, minimax on |x| * error) to the normal CDF so that x * Phi(x) tracks exact GELU.
+# Odd polynomial Phi(t) - 0.5 ~= t * sum_k c_k t^(2k) (degree 9), fitted (Lawson iterations,
+# minimax on |x| * error over [0, 3.42]) so that x * clamp(Phi~(x), 0, 1) tracks exact GELU on
+# the whole real line; the leading coefficient is positive, so Phi~ stays >= 1 past the crossing.
 _GELU_FAST_COEFFS = (
-    0.39845707835062705,
-    -0.06551375992651477,
-    0.009290359027147796,
-    -0.0009486536805575216,
-    6.662102117906871e-05,
-    -3.0181767072181564e-06,
-    7.866936741913739e-08,
-    -8.904796961296152e-10,
+    0.39411301321858166,
+    -0.05963710540773677,
+    0.006659413612540281,
+    -0.0004089246193980127,
+    1.0307510177589354e-05,
 )
 
 
 def gelu_fast(x: torch.Tensor) -> torch.Tensor:
-    """GELU from multiplies, adds and compares only (no exp/erf/tanh): cheap on the ALU.
+    """GELU from multiplies, adds and min/max only (no exp/erf/tanh): cheap on the ALU.
 
-    ``gelu_fast(x) = x * Phi~(x)`` where ``Phi~`` is a degree-15 odd polynomial approximation
-    of the normal CDF on ``|x| < 4.25`` (Horner in ``x^2``) and exactly 0 or 1 outside.
-    Max absolute error against exact (erf) GELU: below ``GELU_FAST_MAX_ABS_ERROR`` (1e-4) for
-    every real input; beyond ``|x| = 4.25`` the error is ``|x| * Phi(-|x|)`` and shrinks.
+    ``gelu_fast(x) = x * clamp(0.5 + x * P(x^2), 0, 1)`` with ``P`` of degree 4 (a degree-9
+    odd polynomial normal CDF, Horner in ``x^2``): 9 float32 operations per element. Max
+    absolute error against exact (erf) GELU: below ``GELU_FAST_MAX_ABS_ERROR`` (1.2e-3) for
+    every real input. For ``|x| >= GELU_FAST_CLAMP`` (3.42) the result is exactly ``x`` or
+    ``0``; the error there is ``|x| * Phi(-|x|)`` and shrinks. QK-norm keeps attention scores
+    well inside that range. The Triton kernels evaluate the same expression.
     """
+    # Clamping the polynomial's input changes no value (its CDF is already 0 / 1 there) but
+    # keeps huge inputs from overflowing to inf, whose zero gradient would turn into NaN.
     t = x.clamp(-GELU_FAST_CLAMP, GELU_FAST_CLAMP)
     t2 = t * t
     poly = torch.full_like(t, _GELU_FAST_COEFFS[-1])
     for coeff in reversed(_GELU_FAST_COEFFS[:-1]):
         poly = poly * t2 + coeff
-    cdf = 0.5 + t * poly
-    cdf = torch.where(x >= GELU_FAST_CLAMP, torch.ones_like(cdf), cdf)
-    cdf = torch.where(x <= -GELU_FAST_CLAMP, torch.zeros_like(cdf), cdf)
+    cdf = (0.5 + t * poly).clamp(0.0, 1.0)
     return x * cdf
 
 
