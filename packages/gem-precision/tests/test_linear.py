@@ -137,8 +137,12 @@ def test_policy_include_patterns_and_default():
     report = convert_to_fp8(model, PrecisionPolicy(include=("blocks.*",), min_features=0))
     assert sorted(report.converted) == ["blocks.0", "blocks.1"]
     assert report.kept["proj"] == "not included"
-    report = convert_to_fp8(SmallMLP())  # default: min_features=128
-    assert sorted(report.converted) == ["blocks.0", "blocks.1", "head", "proj"]
+    # Default min_features=1024: FP8 only where it is faster than bf16 (H200 benchmark).
+    report = convert_to_fp8(SmallMLP())
+    assert report.converted == [] and set(report.kept.values()) == {"min(in, out) < 1024"}
+    big = nn.Sequential(nn.Linear(1024, 2048), nn.Linear(2048, 512))
+    report = convert_to_fp8(big)
+    assert report.converted == ["0"] and report.kept == {"1": "min(in, out) < 1024"}
 
 
 def test_bad_policy_and_recipe_input():
@@ -155,7 +159,7 @@ def test_bad_policy_and_recipe_input():
     with pytest.raises(TypeError, match="module must be an nn.Module"):
         convert_to_fp8("model")
     with pytest.raises(ValueError, match="module itself is an nn.Linear"):
-        convert_to_fp8(nn.Linear(256, 256))
+        convert_to_fp8(nn.Linear(256, 256), PrecisionPolicy(min_features=0))
     with pytest.raises(TypeError, match="fp8_dtype must be"):
         Fp8Recipe(fp8_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="hadamard_block_size must be"):

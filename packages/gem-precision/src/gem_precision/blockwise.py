@@ -9,6 +9,8 @@ scale ``s`` with ``amax / s <= max_normal``, so no element saturates, and the el
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -16,9 +18,13 @@ from gem_precision.mx import MX_ELEMENT_DTYPES, _pow2_fp32
 from gem_precision.rounding import stochastic_round_to_fp8
 
 __all__ = [
+    "BLOCK",
+    "Fp8Operand",
     "dequantize_blockwise",
+    "dequantize_operand",
     "fake_quantize_blockwise",
     "quantize_blockwise",
+    "quantize_operand",
 ]
 
 # Keeps 2**-exponent a normal float32 for any input (tiny amax would otherwise overflow it).
@@ -43,16 +49,22 @@ def _tile_shape(x: torch.Tensor, block_shape: tuple[int, int] | None) -> tuple[i
 
 
 def _pow2_scale_exponent(amax: torch.Tensor, max_normal: float) -> torch.Tensor:
-    """Smallest integer ``e`` with ``amax / 2**e <= max_normal`` (0 for zero / non-finite)."""
-    amax = torch.where(torch.isfinite(amax) & (amax > 0), amax, torch.zeros_like(amax))
-    _, exp = torch.frexp(amax / max_normal)  # ratio in [2**(exp-1), 2**exp)
-    exp = exp.to(torch.int32).clamp(-125, 126)
-    # Correct the estimate exactly (the division above rounds); powers of two built from bits
-    # are exact on every backend, and dividing by them is exact for normal results.
-    exp = torch.where(amax / _pow2_fp32(exp - 1) <= max_normal, exp - 1, exp)
-    exp = torch.where(amax / _pow2_fp32(exp) > max_normal, exp + 1, exp)
-    exp = torch.where(amax > 0, exp, torch.zeros_like(exp))
-    return exp.clamp(_MIN_SCALE_EXP, _MAX_SCALE_EXP)
+    """Smallest integer ``e`` with ``amax / 2**e <= max_normal``, clamped to
+    [-120, 120] (0 for zero / non-finite ``amax``).
+
+    Exact for every float32 ``amax``, subnormals included: with ``amax = 1.a * 2**E`` and
+    ``max_normal = 1.m * 2**emax``, ``e = E - emax`` if ``1.a <= 1.m`` else ``E - emax + 1``
+    (a subnormal ``amax`` gives an ``e`` below the clamp). Worked out on the float32 bits.
+    """
+    amax = amax.to(torch.float32)
+    valid = torch.isfinite(amax) & (amax > 0)
+    amax = torch.where(valid, amax, torch.ones_like(amax))
+    max_bits = torch.tensor(max_normal, dtype=torch.float32).view(torch.int32).item()
+    max_exp, max_mantissa = ((max_bits >> 23) & 0xFF) - 127, max_bits & 0x7FFFFF
+    bits = amax.view(torch.int32)
+    exp = ((bits >> 23) & 0xFF) - 127 - max_exp + ((bits & 0x7FFFFF) > max_mantissa).to(torch.int32)
+    exp = exp.clamp(_MIN_SCALE_EXP, _MAX_SCALE_EXP)
+    return torch.where(valid, exp, torch.zeros_like(exp)).to(torch.int32)
 
 
 def quantize_blockwise(
@@ -121,3 +133,257 @@ def fake_quantize_blockwise(
         x, block_shape, dtype, stochastic_seed=stochastic_seed, offset=offset
     )
     return dequantize_blockwise(data, scale, block_shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Operands laid out for scaled GEMMs (quantised once, used by forward, dgrad and wgrad).
+
+BLOCK = 128
+"""Block length of the Hopper recipe (1x128 activations / gradients, 128x128 weights)."""
+
+# Launch options of the one-pass operand kernel, the fastest in the H200 sweep of
+# benchmarks/bench_fp8_linear.py: 4 warps, transpose of the FP8 bytes (all three transpose
+# variants ran within 1%), 32-row tiles when only the row layout is written (81% of HBM).
+# "chunked" walks each 128x128 tile in "chunk"-row slices. It is not timed on the GPU yet, so
+# it is off; but ptxas (sm_90a, from this Triton) reports the unchunked two-layout kernel at
+# 32 registers with a 5.8 KB spill stack (4 warps), the chunked one at 128-202 registers and
+# no spills (chunk 32, 8 or 4 warps): the likely fix for its 31% of HBM bandwidth. The
+# benchmark's --sweep times and bit-checks both.
+_DUAL_OPTIONS = {
+    "num_warps": 4,
+    "trans": 1,
+    "rows_only_block_r": 32,
+    "chunked": False,
+    "chunk": 32,
+}
+
+
+@dataclass
+class Fp8Operand:
+    """A 2-D tensor ``x`` (R, C) quantised for GEMMs that reduce along C and/or along R.
+
+    Scale tensors are float32 powers of two (dequantisation multipliers) already in the layout
+    ``torch._scaled_mm`` wants for its left operand.
+    """
+
+    kind: str
+    """``"1x128"`` (blocks of 128 along the reduction dim), ``"128x128"`` (square tiles) or
+    ``"tensorwise"``."""
+    data: torch.Tensor | None = None
+    """(R, C) FP8, row-major: ``x`` for GEMMs reducing along C."""
+    scale: torch.Tensor | None = None
+    """Scales of ``data``: 1x128: (R, ceil(C/128)) with strides (1, R) (outer-dim-major);
+    128x128: (ceil(R/128), ceil(C/128)) contiguous; tensorwise: a one-element tensor."""
+    data_t: torch.Tensor | None = None
+    """(C, R) FP8, row-major: ``x.T`` for GEMMs reducing along R."""
+    scale_t: torch.Tensor | None = None
+    """Scales of ``data_t``, laid out like ``scale`` for a (C, R) tensor (128x128: the
+    transpose of ``scale``, made contiguous)."""
+    col_sum: torch.Tensor | None = None
+    """float32 (C,) sums of ``x`` over its rows, when asked for (the bias gradient when ``x``
+    is the output gradient), computed in the same pass."""
+
+
+def _outer_dim_major(scale: torch.Tensor) -> torch.Tensor:
+    return scale.t().contiguous().t()
+
+
+def _pow2_exponent_tensor(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _pow2_scale_exponent(amax, MX_ELEMENT_DTYPES[dtype].max_normal)
+
+
+def quantize_operand(
+    x: torch.Tensor,
+    kind: str = "1x128",
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    *,
+    rows: bool = True,
+    cols: bool = True,
+    stochastic_seed: int | None = None,
+    offset: int = 0,
+    backend: str = "auto",
+    col_sum: bool = False,
+) -> Fp8Operand:
+    """Quantise a 2-D tensor into :class:`Fp8Operand` layouts in one pass over memory.
+
+    Args:
+        x: (R, C) float tensor.
+        kind: ``"1x128"``: ``data`` has 1x128 blocks along C and ``data_t`` (= x.T) 1x128
+            blocks along R; ``"128x128"``: one scale per 128x128 tile shared by both;
+            ``"tensorwise"``: one scale for the whole tensor.
+        dtype: FP8 element dtype.
+        rows / cols: whether to produce ``data`` / ``data_t``.
+        stochastic_seed, offset: stochastic rounding (PyTorch path only; ``data`` uses
+            Philox counters from ``offset``, ``data_t`` from ``offset + x.numel()``).
+        backend: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"torch"`` or
+            ``"auto"`` (Triton where it can run and no stochastic rounding is asked for).
+        col_sum: also return ``x.sum(0)`` in float32 (``col_sum`` field).
+
+    The values equal :func:`quantize_blockwise` (``block_shape`` (1, 128) on ``x`` / ``x.T``,
+    (128, 128), or ``None``) bit for bit on either backend.
+    """
+    from gem_precision import _triton
+
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 2:
+        raise TypeError(f"x must be a 2-D floating point torch.Tensor, got {type(x).__name__}")
+    if kind not in ("1x128", "128x128", "tensorwise"):
+        raise ValueError(f"kind must be '1x128', '128x128' or 'tensorwise', got {kind!r}")
+    if dtype not in MX_ELEMENT_DTYPES:
+        raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    if backend == "triton" and stochastic_seed is not None:
+        raise ValueError("stochastic rounding is only available with backend='torch'")
+    use_triton = backend == "triton" or (
+        backend == "auto" and stochastic_seed is None and _triton.can_run(x)
+    )
+    if use_triton:
+        return _quantize_operand_triton(x, kind, dtype, rows, cols, col_sum)
+    out = _quantize_operand_torch(x, kind, dtype, rows, cols, stochastic_seed, offset)
+    if col_sum:
+        out.col_sum = x.sum(0, dtype=torch.float32)
+    return out
+
+
+def _quantize_operand_torch(x, kind, dtype, rows, cols, seed, offset) -> Fp8Operand:
+    out = Fp8Operand(kind=kind)
+    if kind == "1x128":
+        if rows:
+            out.data, s = quantize_blockwise(
+                x, (1, BLOCK), dtype, stochastic_seed=seed, offset=offset
+            )
+            out.scale = _outer_dim_major(s)
+        if cols:
+            out.data_t, s = quantize_blockwise(
+                x.t().contiguous(),
+                (1, BLOCK),
+                dtype,
+                stochastic_seed=seed,
+                offset=offset + x.numel(),
+            )
+            out.scale_t = _outer_dim_major(s)
+        return out
+    block = (BLOCK, BLOCK) if kind == "128x128" else None
+    data, s = quantize_blockwise(x, block, dtype, stochastic_seed=seed, offset=offset)
+    if kind == "tensorwise":
+        s = s.reshape(())
+    if rows:
+        out.data, out.scale = data, s
+    if cols:
+        out.data_t = data.t().contiguous()
+        out.scale_t = s.t().contiguous() if s.dim() == 2 else s
+    return out
+
+
+def _quantize_operand_triton(x, kind, dtype, rows, cols, col_sum=False) -> Fp8Operand:
+    from gem_precision import _triton
+
+    x = x if x.stride(1) == 1 else x.contiguous()
+    r, c = x.shape
+    block_r = BLOCK
+    if kind == "1x128" and not cols:
+        block_r = _DUAL_OPTIONS["rows_only_block_r"]
+    nr, nc = -(-r // block_r), -(-c // BLOCK)
+    dev = x.device
+    soft = _triton.soft_fp8(x)
+    out = Fp8Operand(kind=kind)
+    q = torch.empty((r, c), dtype=dtype, device=dev) if rows else None
+    qt = torch.empty((c, r), dtype=dtype, device=dev) if cols else None
+    dummy = torch.empty(1, dtype=torch.float32, device=dev)
+    s = st = exp = dummy
+    if kind == "1x128":
+        s = torch.empty((nc, r), dtype=torch.float32, device=dev) if rows else dummy
+        st = torch.empty((nr, c), dtype=torch.float32, device=dev) if cols else dummy
+    elif kind == "128x128":
+        s = torch.empty((nr, nc), dtype=torch.float32, device=dev)
+    else:
+        amax = x.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), device=dev)
+        exp = _pow2_exponent_tensor(amax.reshape(1), dtype).to(torch.int32)
+    sums = torch.empty((nr, c), dtype=torch.float32, device=dev) if col_sum else dummy
+    chunked = _DUAL_OPTIONS["chunked"] and kind == "1x128" and cols
+    if x.numel() and chunked:
+        x_arg, bf16_bits = _triton.float_arg(x, soft)
+        _triton.kernels(x).blockwise_dual_chunked_kernel[(nr, nc)](
+            x_arg,
+            _triton.fp8_arg(q, soft) if rows else dummy,
+            s,
+            _triton.fp8_arg(qt, soft),
+            st,
+            sums,
+            r,
+            c,
+            x.stride(0),
+            **_triton.fp8_constexprs(dtype, soft),
+            MIN_EXP=_MIN_SCALE_EXP,
+            MAX_EXP=_MAX_SCALE_EXP,
+            ROW=rows,
+            COL=True,
+            COLSUM=col_sum,
+            BF16_BITS=bf16_bits,
+            CHUNK=_DUAL_OPTIONS["chunk"],
+            BLOCK=BLOCK,
+            num_warps=_DUAL_OPTIONS["num_warps"],
+        )
+    elif x.numel():
+        x_arg, bf16_bits = _triton.float_arg(x, soft)
+        _triton.kernels(x).blockwise_dual_kernel[(nr, nc)](
+            x_arg,
+            _triton.fp8_arg(q, soft) if rows else dummy,
+            s,
+            _triton.fp8_arg(qt, soft) if cols else dummy,
+            st,
+            exp,
+            dummy,
+            dummy,
+            dummy,
+            dummy,
+            sums,
+            r,
+            c,
+            x.stride(0),
+            **_triton.fp8_constexprs(dtype, soft),
+            MIN_EXP=_MIN_SCALE_EXP,
+            MAX_EXP=_MAX_SCALE_EXP,
+            ROW=rows,
+            COL=cols,
+            TILE=kind == "128x128",
+            FIXED=kind == "tensorwise",
+            NORM=False,
+            HAS_MEAN=False,
+            HAS_W=False,
+            HAS_B=False,
+            BF16_BITS=bf16_bits,
+            COLSUM=col_sum,
+            TRANS=_DUAL_OPTIONS["trans"],
+            BLOCK_R=block_r,
+            BLOCK=BLOCK,
+            num_warps=_DUAL_OPTIONS["num_warps"],
+        )
+    if kind == "1x128":
+        if rows:
+            out.data, out.scale = q, s.t()
+        if cols:
+            out.data_t, out.scale_t = qt, st.t()
+    elif kind == "128x128":
+        out.data, out.data_t = q, qt
+        out.scale = s if rows else None
+        out.scale_t = s.t().contiguous() if cols else None
+    else:
+        scale = _pow2_fp32(exp.reshape(()))
+        out.data, out.data_t = q, qt
+        out.scale = scale if rows else None
+        out.scale_t = scale if cols else None
+    if col_sum:
+        out.col_sum = sums.sum(0) if x.numel() else torch.zeros(c, device=dev)
+    return out
+
+
+def dequantize_operand(data: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
+    """float32 values of one (data, scale) pair of an :class:`Fp8Operand`."""
+    if kind == "1x128":
+        return dequantize_blockwise(data, scale, (1, BLOCK))
+    if kind == "128x128":
+        return dequantize_blockwise(data, scale, (BLOCK, BLOCK))
+    if kind == "tensorwise":
+        return data.to(torch.float32) * scale.to(torch.float32)
+    raise ValueError(f"kind must be '1x128', '128x128' or 'tensorwise', got {kind!r}")

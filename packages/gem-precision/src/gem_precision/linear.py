@@ -1,4 +1,4 @@
-"""FP8 linear layer (Hopper block-scaled recipe, emulated) and a per-layer precision policy.
+"""FP8 linear layer (Hopper block-scaled recipe, MXFP8 on Blackwell) and a per-layer policy.
 
 :class:`Fp8Linear` runs its three GEMMs on FP8-quantized operands:
 
@@ -7,11 +7,21 @@
 * wgrad ``dW = dy.T @ x``: both operands 1x128 tiles along the token dim M (or plain bf16 with
   ``Fp8Recipe.wgrad_in_bf16``).
 
-Scales are powers of two (see :mod:`gem_precision.blockwise`). The GEMM itself is emulated on
-every device: quantize -> dequantize -> float32 matmul, which has the numerics of a scaled FP8
-GEMM with float32 accumulation up to summation order. ``torch._scaled_mm`` is not used yet: its
-blockwise-scale (1x128 / 128x128) support differs between torch 2.11 and 2.14 and is untested
-here, so a native sm90 path is future work.
+Scales are powers of two (see :mod:`gem_precision.blockwise`). Each operand is quantised once,
+in one Triton pass that writes both layouts it is needed in (``x`` along K for the forward and
+``x.T`` along M for wgrad; ``dy`` along N and ``dy.T`` along M), so the forward saves FP8
+copies rather than the bf16 input. The GEMM backend depends on the device
+(:func:`gem_precision.scaled_gemm.gemm_backend`):
+
+* Hopper (sm90): ``torch._scaled_mm`` with blockwise (1x128 / 128x128) or tensorwise scales;
+* Blackwell (sm100, or ``Fp8Recipe(scaling="mx")`` anywhere): MXFP8, E8M0 scales per 1x32
+  block (weights in 32x32 squares, so one copy serves W and W.T), native ``_scaled_mm`` on
+  sm100;
+* CPU and other GPUs: the same quantised operands, dequantised and multiplied in float32, so
+  CI checks the GPU numerics up to summation order.
+
+``Fp8Recipe(hadamard=True)`` runs the older fully emulated path on every device (the rotation
+along each GEMM's reduction dim is not fused into the kernels).
 """
 
 from __future__ import annotations
@@ -25,9 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gem_precision.blockwise import fake_quantize_blockwise
+from gem_precision.blockwise import fake_quantize_blockwise, quantize_operand
 from gem_precision.hadamard import random_hadamard_transform
-from gem_precision.mx import MX_ELEMENT_DTYPES
+from gem_precision.mx import MX_ELEMENT_DTYPES, quantize_mx
+from gem_precision.scaled_gemm import gemm_backend, mx_scaled_mm_nt, scaled_mm_nt
 
 __all__ = [
     "ConversionReport",
@@ -63,6 +74,13 @@ class Fp8Recipe:
     """Block size of the random Hadamard transform (a power of two)."""
     seed: int = 0
     """Philox seed for stochastic rounding and the Hadamard signs."""
+    scaling: str = "auto"
+    """``"blockwise"`` (Hopper recipe: 1x128 / 128x128 power-of-two float32 scales),
+    ``"mx"`` (MXFP8: E8M0 scales per 1x32 block, weights per 32x32 square) or ``"auto"``
+    (MXFP8 on Blackwell, blockwise everywhere else)."""
+    mx_scale_rounding: str = "ceil"
+    """E8M0 scale rounding of the MX recipe: ``"ceil"`` (RCEIL, never saturates) or
+    ``"floor"`` (OCP spec)."""
 
     def __post_init__(self) -> None:
         for name in ("fp8_dtype", "grad_dtype"):
@@ -79,6 +97,12 @@ class Fp8Recipe:
             raise ValueError(f"hadamard_block_size must be a positive power of two, got {b!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+        if self.scaling not in ("auto", "blockwise", "mx"):
+            raise ValueError(f"scaling must be 'auto', 'blockwise' or 'mx', got {self.scaling!r}")
+        if self.mx_scale_rounding not in ("ceil", "floor"):
+            raise ValueError(
+                f"mx_scale_rounding must be 'ceil' or 'floor', got {self.mx_scale_rounding!r}"
+            )
 
 
 def fp8_gemm_emulated(
@@ -121,7 +145,9 @@ def fp8_gemm_emulated(
     return a_q @ b_q.T
 
 
-class _Fp8LinearFunction(torch.autograd.Function):
+class _Fp8LinearEmulatedFunction(torch.autograd.Function):
+    """Quantise per GEMM from the saved high-precision operands (the Hadamard path)."""
+
     @staticmethod
     def forward(ctx, x2d, weight, recipe, sr_offset):
         ctx.save_for_backward(x2d, weight)
@@ -169,11 +195,175 @@ class _Fp8LinearFunction(torch.autograd.Function):
         )
 
 
+def _bias_grad(grad_out: torch.Tensor, bias: torch.Tensor | None, needed: bool):
+    if bias is None or not needed:
+        return None
+    return grad_out.sum(0, dtype=torch.float32).to(bias.dtype)
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    """Blockwise / tensorwise FP8 linear: operands quantised once, in both layouts they need."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, recipe, sr_offset, native):
+        act_kind = "tensorwise" if recipe.tensorwise else "1x128"
+        w_kind = "tensorwise" if recipe.tensorwise else "128x128"
+        fp8_wgrad = weight.requires_grad and not recipe.wgrad_in_bf16
+        xq = quantize_operand(x2d, act_kind, recipe.fp8_dtype, rows=True, cols=fp8_wgrad)
+        wq = quantize_operand(weight, w_kind, recipe.fp8_dtype, rows=True, cols=x2d.requires_grad)
+        out_dtype = torch.bfloat16 if native else torch.float32
+        out = scaled_mm_nt(
+            xq.data,
+            xq.scale,
+            act_kind,
+            wq.data,
+            wq.scale,
+            w_kind,
+            out_dtype=out_dtype,
+            native=native,
+            bias=bias,
+        )
+        ctx.recipe, ctx.sr_offset, ctx.native = recipe, sr_offset, native
+        ctx.act_kind, ctx.w_kind = act_kind, w_kind
+        ctx.x_dtype, ctx.has_bias = x2d.dtype, bias is not None
+        saved_x = x2d if (weight.requires_grad and recipe.wgrad_in_bf16) else None
+        ctx.save_for_backward(xq.data_t, xq.scale_t, saved_x, wq.data_t, wq.scale_t, bias)
+        return out.to(x2d.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_t, x_t_scale, x_saved, w_t, w_t_scale, bias = ctx.saved_tensors
+        recipe: Fp8Recipe = ctx.recipe
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        fp8_wgrad = need_w and not recipe.wgrad_in_bf16
+        grad_out = grad_out.contiguous()
+        sr = recipe.stochastic_rounding_grads
+        gq = quantize_operand(
+            grad_out,
+            ctx.act_kind,
+            recipe.grad_dtype,
+            rows=need_x,
+            cols=fp8_wgrad,
+            stochastic_seed=recipe.seed if sr else None,
+            offset=ctx.sr_offset,
+            col_sum=need_b and bias is not None,
+        )
+        out_dtype = torch.bfloat16 if ctx.native else torch.float32
+        grad_x = grad_w = None
+        if need_x:
+            # dgrad: dy (M, N) @ W (N, K) = dy @ (W.T).T, reduction over N.
+            grad_x = scaled_mm_nt(
+                gq.data,
+                gq.scale,
+                ctx.act_kind,
+                w_t,
+                w_t_scale,
+                ctx.w_kind,
+                out_dtype=out_dtype,
+                native=ctx.native,
+            ).to(ctx.x_dtype)
+        if need_w:
+            if recipe.wgrad_in_bf16:
+                if ctx.native:
+                    grad_w = grad_out.to(torch.bfloat16).T @ x_saved.to(torch.bfloat16)
+                else:
+                    grad_w = (
+                        grad_out.to(torch.bfloat16).float().T @ x_saved.to(torch.bfloat16).float()
+                    )
+            else:
+                # wgrad: dy.T (N, M) @ x (M, K) = dy.T @ (x.T).T, reduction over tokens M.
+                grad_w = scaled_mm_nt(
+                    gq.data_t,
+                    gq.scale_t,
+                    ctx.act_kind,
+                    x_t,
+                    x_t_scale,
+                    ctx.act_kind,
+                    out_dtype=out_dtype,
+                    native=ctx.native,
+                )
+        grad_b = None
+        if need_b and bias is not None:
+            grad_b = gq.col_sum.to(bias.dtype)  # summed in the quantisation pass
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def _mx(x: torch.Tensor, recipe: Fp8Recipe, dtype: torch.dtype, square: bool = False):
+    return quantize_mx(
+        x.contiguous(),
+        block_size=32,
+        elem_dtype=dtype,
+        scale_rounding=recipe.mx_scale_rounding,
+        square=square,
+    )
+
+
+def _mx_transposed_square(w):
+    """The MX tensor of ``W.T`` from square-block ``W`` (transpose-invariant blocks)."""
+    return type(w)(
+        data=w.data.t().contiguous(),
+        scale=w.scale.t().contiguous(),
+        block_size=w.block_size,
+        orig_dtype=w.orig_dtype,
+        square=True,
+    )
+
+
+class _MxLinearFunction(torch.autograd.Function):
+    """MXFP8 linear (Blackwell recipe): 1x32 E8M0 blocks along each GEMM's reduction dim."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, recipe, native):
+        # 32x32 weight squares: one quantisation serves W (forward) and W.T (dgrad).
+        wq = _mx(weight, recipe, recipe.fp8_dtype, square=True)
+        xq = _mx(x2d, recipe, recipe.fp8_dtype)
+        out_dtype = torch.bfloat16 if native else torch.float32
+        out = mx_scaled_mm_nt(xq, wq, out_dtype=out_dtype, native=native)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        ctx.recipe, ctx.native, ctx.x_dtype = recipe, native, x2d.dtype
+        ctx.wq = wq
+        ctx.save_for_backward(x2d, bias)
+        return out.to(x2d.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2d, bias = ctx.saved_tensors
+        recipe: Fp8Recipe = ctx.recipe
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        out_dtype = torch.bfloat16 if ctx.native else torch.float32
+        grad_x = grad_w = None
+        if need_x:
+            gq = _mx(grad_out, recipe, recipe.grad_dtype)
+            w_t = _mx_transposed_square(ctx.wq)
+            grad_x = mx_scaled_mm_nt(gq, w_t, out_dtype=out_dtype, native=ctx.native)
+            grad_x = grad_x.to(ctx.x_dtype)
+        if need_w:
+            gtq = _mx(grad_out.t(), recipe, recipe.grad_dtype)
+            xtq = _mx(x2d.t(), recipe, recipe.fp8_dtype)
+            grad_w = mx_scaled_mm_nt(gtq, xtq, out_dtype=out_dtype, native=ctx.native)
+        return grad_x, grad_w, _bias_grad(grad_out, bias, need_b), None, None
+
+
+def _path(recipe: Fp8Recipe, device: torch.device) -> tuple[str, bool]:
+    """(``"blockwise"`` | ``"mx"`` | ``"hadamard"``, native GEMM?) for a recipe on a device."""
+    backend = gemm_backend(device)
+    if recipe.hadamard:
+        return "hadamard", False
+    scaling = recipe.scaling
+    if scaling == "auto":
+        scaling = "mx" if backend == "sm100" and not recipe.tensorwise else "blockwise"
+    if scaling == "mx":
+        return "mx", backend == "sm100"
+    return "blockwise", backend in ("sm90", "sm100")
+
+
 class Fp8Linear(nn.Linear):
     """Drop-in :class:`torch.nn.Linear` whose forward, dgrad and wgrad GEMMs use FP8 operands.
 
     Parameters stay in their original dtype (the master copy); only GEMM operands are quantized
-    (emulated, see the module docstring). The bias is added in high precision.
+    (native scaled GEMMs on Hopper / Blackwell, emulated elsewhere: see the module docstring).
+    The bias is added in high precision.
     """
 
     def __init__(
@@ -213,11 +403,12 @@ class Fp8Linear(nn.Linear):
             raise ValueError(
                 f"the last dim of x must be in_features={self.in_features}, got {tuple(x.shape)}"
             )
-        if x.is_cuda:
+        path, native = _path(self.recipe, x.device)
+        if x.is_cuda and not native:
             # Not silent: on a GPU a user expects FP8 speed, and this path only has FP8 numerics.
             warnings.warn(
-                "Fp8Linear emulates its FP8 GEMMs (quantize -> dequantize -> float32 matmul): "
-                "FP8 numerics, but slower than bf16 nn.Linear; no native scaled-GEMM path yet",
+                f"Fp8Linear emulates its FP8 GEMMs on {x.device} (recipe path {path!r}, "
+                f"GEMM backend {gemm_backend(x.device)!r}): FP8 numerics, but slower than bf16",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -226,11 +417,16 @@ class Fp8Linear(nn.Linear):
         if self.training and torch.is_grad_enabled():
             # Room for dgrad + wgrad draws of this step.
             self._sr_offset += 2 * x2d.shape[0] * self.out_features
-        out = _Fp8LinearFunction.apply(x2d, self.weight, self.recipe, offset)
-        out = out.to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        if path == "blockwise":
+            out = _Fp8LinearFunction.apply(x2d, self.weight, self.bias, self.recipe, offset, native)
+        elif path == "mx":
+            out = _MxLinearFunction.apply(x2d, self.weight, self.bias, self.recipe, native)
+        else:
+            out = _Fp8LinearEmulatedFunction.apply(x2d, self.weight, self.recipe, offset)
+            out = out.to(x.dtype)
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"
@@ -249,9 +445,10 @@ class PrecisionPolicy:
     """Glob patterns of layer names eligible for FP8."""
     exclude: tuple[str, ...] = ()
     """Glob patterns of layer names kept in high precision."""
-    min_features: int = 128
-    """Layers with ``min(in_features, out_features)`` below this stay high precision (small
-    GEMMs gain nothing from FP8 and lose accuracy)."""
+    min_features: int = 1024
+    """Layers with ``min(in_features, out_features)`` below this stay high precision: small
+    GEMMs lose accuracy in FP8 and gain no speed, since quantising the operands costs about as
+    much as the GEMM time saved (H200, M=65536: see ``benchmarks/bench_fp8_linear.py``)."""
     keep_high_precision: tuple[str, ...] = ()
     """Exact names of layers (e.g. the output head) that stay high precision; each must exist."""
     recipe: Fp8Recipe = field(default_factory=Fp8Recipe)

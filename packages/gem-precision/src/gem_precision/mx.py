@@ -2,7 +2,9 @@
 
 An MX tensor stores blocks of ``block_size`` consecutive elements (along the last dim) as FP8
 elements (E4M3 or E5M2) that share one power-of-two scale stored as an E8M0 byte
-(``2 ** (byte - 127)``, byte ``0xFF`` = NaN). This follows the OCP Microscaling Formats (MX)
+(``2 ** (byte - 127)``, byte ``0xFF`` = NaN). With ``square=True`` a block is a
+``block_size x block_size`` square of the last two dims instead, so the quantisation of ``x.T``
+is the transpose of the quantisation of ``x`` (one copy serves both GEMM layouts). This follows the OCP Microscaling Formats (MX)
 Specification v1.0, section 6.3:
 
 * shared exponent ``= floor(log2(amax)) - emax_elem`` (``emax_elem`` = 8 for E4M3, 15 for E5M2),
@@ -81,6 +83,9 @@ class MXTensor:
     """Number of consecutive last-dim elements sharing one scale."""
     orig_dtype: torch.dtype = torch.float32
     """Dtype of the tensor that was quantized; ``dequantize()`` returns it by default."""
+    square: bool = False
+    """Blocks are ``block_size x block_size`` squares of the last two dims; ``scale`` then has
+    shape ``data.shape[:-2] + (rows // block_size, cols // block_size)``."""
 
     def __post_init__(self) -> None:
         if self.data.dtype not in MX_ELEMENT_DTYPES:
@@ -89,7 +94,7 @@ class MXTensor:
             )
         if self.scale.dtype != torch.uint8:
             raise TypeError(f"scale must have dtype uint8 (E8M0), got {self.scale.dtype}")
-        expected = _scale_shape(self.data.shape, self.block_size, "data")
+        expected = _scale_shape(self.data.shape, self.block_size, "data", self.square)
         if tuple(self.scale.shape) != expected:
             raise ValueError(
                 f"scale must have shape {expected} for data of shape {tuple(self.data.shape)} "
@@ -111,16 +116,53 @@ class MXTensor:
         return dequantize_mx(self, dtype=dtype)
 
 
-def _scale_shape(shape: torch.Size, block_size: int, name: str) -> tuple[int, ...]:
+def _scale_shape(
+    shape: torch.Size, block_size: int, name: str, square: bool = False
+) -> tuple[int, ...]:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if not isinstance(square, bool):
+        raise TypeError(f"square must be a bool, got {square!r}")
     if len(shape) == 0:
         raise ValueError(f"{name} must have at least one dimension, got a 0-d tensor")
+    if square and len(shape) < 2:
+        raise ValueError(
+            f"{name} must have at least two dimensions for square blocks, got {tuple(shape)}"
+        )
     if shape[-1] % block_size != 0:
         raise ValueError(
             f"the last dim of {name} ({shape[-1]}) must be divisible by block_size={block_size}"
         )
+    if square:
+        if shape[-2] % block_size != 0:
+            raise ValueError(
+                f"the second-to-last dim of {name} ({shape[-2]}) must be divisible by "
+                f"block_size={block_size} for square blocks"
+            )
+        return (*shape[:-2], shape[-2] // block_size, shape[-1] // block_size)
     return (*shape[:-1], shape[-1] // block_size)
+
+
+def _to_blocks(x: torch.Tensor, block_size: int, square: bool) -> torch.Tensor:
+    """``(*scale_shape, elements_per_block)`` view/copy of ``x``."""
+    if not square:
+        return x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
+    *batch, rows, cols = x.shape
+    b = block_size
+    blocks = x.reshape(*batch, rows // b, b, cols // b, b).transpose(-3, -2)
+    return blocks.reshape(*batch, rows // b, cols // b, b * b)
+
+
+def _from_blocks(
+    blocks: torch.Tensor, shape: torch.Size, block_size: int, square: bool
+) -> torch.Tensor:
+    """Inverse of :func:`_to_blocks`."""
+    if not square:
+        return blocks.reshape(shape)
+    *batch, rows, cols = shape
+    b = block_size
+    x = blocks.reshape(*batch, rows // b, cols // b, b, b).transpose(-3, -2)
+    return x.reshape(shape)
 
 
 def _fp32_exponent_field(x: torch.Tensor) -> torch.Tensor:
@@ -145,6 +187,8 @@ def quantize_mx(
     block_size: int = 32,
     elem_dtype: torch.dtype = torch.float8_e4m3fn,
     scale_rounding: ScaleRounding = "floor",
+    square: bool = False,
+    backend: str = "auto",
 ) -> MXTensor:
     """Quantize ``x`` to an MX format with one E8M0 scale per ``block_size`` last-dim elements.
 
@@ -155,10 +199,16 @@ def quantize_mx(
         scale_rounding: ``"floor"`` (OCP spec: ``floor(log2(amax)) - emax``, elements beyond the
             max normal saturate) or ``"ceil"`` (smallest power-of-two scale with
             ``amax / scale <= max_normal``, never saturates).
+        square: one scale per ``block_size x block_size`` square of the last two dims
+            (transpose-invariant) instead of per 1 x ``block_size`` row segment.
+        backend: ``"torch"`` (this reference), ``"triton"`` (the one-pass kernel of
+            :mod:`gem_precision.mx_triton`, same bits) or ``"auto"`` (Triton for CUDA
+            tensors whose ``block_size`` is a power of two in [2, 256]).
 
     Returns:
         An :class:`MXTensor` with ``data`` of ``x.shape`` and ``scale`` of shape
-        ``x.shape[:-1] + (x.shape[-1] // block_size,)``.
+        ``x.shape[:-1] + (x.shape[-1] // block_size,)`` (square: ``x.shape[:-2] +
+        (x.shape[-2] // block_size, x.shape[-1] // block_size)``).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -170,11 +220,21 @@ def quantize_mx(
         )
     if scale_rounding not in ("floor", "ceil"):
         raise ValueError(f"scale_rounding must be 'floor' or 'ceil', got {scale_rounding!r}")
-    scale_shape = _scale_shape(x.shape, block_size, "x")
+    _scale_shape(x.shape, block_size, "x", square)
+    if _use_triton(x, block_size, backend):
+        from gem_precision.mx_triton import quantize_mx_triton
+
+        return quantize_mx_triton(
+            x,
+            block_size=block_size,
+            elem_dtype=elem_dtype,
+            scale_rounding=scale_rounding,
+            square=square,
+        )
     fmt = MX_ELEMENT_DTYPES[elem_dtype]
 
     # float16/bfloat16 -> float32 is exact, so everything below works on float32 bits.
-    blocks = x.to(torch.float32).reshape(*scale_shape, block_size)
+    blocks = _to_blocks(x.to(torch.float32), block_size, square)
     non_finite = ~torch.isfinite(blocks).all(dim=-1)
     # Non-finite blocks are overwritten with NaN scales below; zero them here so that amax stays
     # finite and the exponent arithmetic never sees Inf/NaN bits.
@@ -197,27 +257,47 @@ def quantize_mx(
     inv_scale = _pow2_fp32(-shared_exp).unsqueeze(-1)
     scaled = (blocks * inv_scale).clamp(-fmt.max_normal, fmt.max_normal)
     scaled = torch.where(non_finite.unsqueeze(-1), torch.zeros_like(scaled), scaled)
-    data = scaled.to(elem_dtype).reshape(x.shape)
+    data = _from_blocks(scaled.to(elem_dtype), x.shape, block_size, square)
 
     scale = (shared_exp + E8M0_BIAS).to(torch.uint8)
     scale = torch.where(non_finite, torch.full_like(scale, E8M0_NAN), scale)
-    return MXTensor(data=data, scale=scale, block_size=block_size, orig_dtype=x.dtype)
+    return MXTensor(
+        data=data, scale=scale, block_size=block_size, orig_dtype=x.dtype, square=square
+    )
 
 
-def dequantize_mx(mx: MXTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _use_triton(x: torch.Tensor, block_size: int, backend: str) -> bool:
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend != "auto":
+        return backend == "triton"
+    from gem_precision import _triton
+
+    power_of_two = 2 <= block_size <= 256 and not block_size & (block_size - 1)
+    return x.is_cuda and power_of_two and _triton.triton_available()
+
+
+def dequantize_mx(
+    mx: MXTensor, dtype: torch.dtype | None = None, *, backend: str = "auto"
+) -> torch.Tensor:
     """Expand an :class:`MXTensor` back to a dense tensor (``dtype`` defaults to ``orig_dtype``).
 
     Blocks whose scale is ``0xFF`` come back as NaN. The float32 product is exact; the final cast
-    to ``dtype`` rounds to nearest-even if ``dtype`` is narrower.
+    to ``dtype`` rounds to nearest-even if ``dtype`` is narrower. ``backend`` as in
+    :func:`quantize_mx` (Triton for float32 / bfloat16 / float16 results).
     """
     if not isinstance(mx, MXTensor):
         raise TypeError(f"mx must be an MXTensor, got {type(mx).__name__}")
     out_dtype = mx.orig_dtype if dtype is None else dtype
     if not out_dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating point dtype, got {out_dtype}")
+    if out_dtype in _INPUT_DTYPES and _use_triton(mx.data, mx.block_size, backend):
+        from gem_precision.mx_triton import dequantize_mx_triton
+
+        return dequantize_mx_triton(mx, out_dtype)
     exponent = mx.scale.to(torch.int32) - E8M0_BIAS
     scale = _pow2_fp32(exponent.clamp(max=_E8M0_MAX_EXP))
     scale = torch.where(mx.scale == E8M0_NAN, torch.full_like(scale, float("nan")), scale)
-    blocks = mx.data.to(torch.float32).reshape(*mx.scale.shape, mx.block_size)
+    blocks = _to_blocks(mx.data.to(torch.float32), mx.block_size, mx.square)
     out = blocks * scale.unsqueeze(-1)
-    return out.reshape(mx.data.shape).to(out_dtype)
+    return _from_blocks(out, mx.data.shape, mx.block_size, mx.square).to(out_dtype)

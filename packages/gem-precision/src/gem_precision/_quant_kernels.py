@@ -1,0 +1,623 @@
+"""Triton kernels of gem-precision: MX and blockwise FP8 quantisation, fused norm -> quantise.
+
+Loaded by :mod:`gem_precision._triton` through ``importlib`` (never imported directly):
+``triton.jit`` decides at decoration time whether it compiles or interprets, so the loader runs
+this file once per mode under distinct module names.
+
+Every kernel makes one pass over memory: it loads a tile, reduces the block maxima in
+registers, and writes the FP8 elements and their scales. All scale arithmetic is done on the
+float32 exponent bits, so the results are bit-exact against the PyTorch references
+(:func:`gem_precision.quantize_mx`, :func:`gem_precision.quantize_blockwise`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+# 0x600000 below is the float32 mantissa field of 1.75 = max_normal / 2**emax (both FP8 formats).
+
+
+# In the interpreter, reductions go through tl.reduce with triton.language's own combine
+# functions instead of tl.max / tl.sum: those two are jit functions of triton.language, which
+# the interpreter can only run when TRITON_INTERPRET was set before Triton was first imported,
+# while tl.reduce is patched by it (and recognises these combine functions, so it reduces with
+# numpy). Compiled, the kernels call tl.max / tl.sum (the code measured on the H200).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add_combine(a, b):
+    return a + b
+
+
+_MAX = getattr(tl.standard, "_elementwise_max", _max_combine)
+_ADD = getattr(tl.standard, "_sum_combine", _add_combine)
+
+if _INTERPRETED:
+
+    @triton.jit
+    def _rmax(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, _MAX)
+
+    @triton.jit
+    def _rsum(x, axis: tl.constexpr):
+        return tl.reduce(x, axis, _ADD)
+
+else:
+
+    @triton.jit
+    def _rmax(x, axis: tl.constexpr):
+        return tl.max(x, axis=axis)
+
+    @triton.jit
+    def _rsum(x, axis: tl.constexpr):
+        return tl.sum(x, axis=axis)
+
+
+@triton.jit
+def _pow2(e):
+    """Exact float32 ``2**e`` for int32 ``e`` in [-127, 127] (``2**-127`` is subnormal)."""
+    bits = tl.where(e <= -127, 0x400000, tl.maximum(e + 127, 1) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_bits(v, MBITS: tl.constexpr, BIAS: tl.constexpr):
+    """FP8 bit pattern (uint8) of float32 ``v`` rounded to nearest-even, in integer arithmetic.
+
+    ``v`` must already be saturated to the format's range (or be NaN). Used where the hardware
+    conversion is unavailable or not trusted (the Triton interpreter): exact on every backend.
+    """
+    b = v.to(tl.int32, bitcast=True)
+    sign = (b >> 24) & 0x80
+    a = b & 0x7FFFFFFF
+    SHIFT: tl.constexpr = 23 - MBITS
+    rounded = (a + ((1 << (SHIFT - 1)) - 1) + ((a >> SHIFT) & 1)) >> SHIFT
+    normal = rounded - ((127 - BIAS) << MBITS)
+    # Below the smallest normal the code is the integer multiple of the subnormal step.
+    t = tl.abs(v) * (1 << (BIAS - 1 + MBITS))
+    whole = tl.floor(t)
+    frac = t - whole
+    q = whole.to(tl.int32)
+    q += ((frac > 0.5) | ((frac == 0.5) & ((q & 1) == 1))).to(tl.int32)
+    out = tl.where(a < ((128 - BIAS) << 23), q, normal)
+    out = tl.where(a > 0x7F800000, 0x7F, out)
+    return (out | sign).to(tl.uint8)
+
+
+@triton.jit
+def _fp8_value(u, MBITS: tl.constexpr, BIAS: tl.constexpr, E4M3FN: tl.constexpr):
+    """float32 value of FP8 bits ``u`` (any integer dtype), exact on every backend."""
+    u = u.to(tl.int32) & 0xFF
+    sign = (u & 0x80) << 24
+    e = (u >> MBITS) & ((1 << (7 - MBITS)) - 1)
+    m = u & ((1 << MBITS) - 1)
+    normal = (sign | ((e - BIAS + 127) << 23) | (m << (23 - MBITS))).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) / (1 << (BIAS - 1 + MBITS))
+    sub = tl.where(sign != 0, -sub, sub)
+    val = tl.where(e == 0, sub, normal)
+    if E4M3FN:
+        val = tl.where((u & 0x7F) == 0x7F, float("nan"), val)
+    else:
+        EMASK: tl.constexpr = (1 << (7 - MBITS)) - 1
+        inf = tl.where(sign != 0, float("-inf"), float("inf"))
+        val = tl.where(e == EMASK, tl.where(m == 0, inf, float("nan")), val)
+    return val
+
+
+@triton.jit
+def _store_fp8(ptr, v, mask, SOFT: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr):
+    """Store float32 ``v`` as FP8: integer rounding into a uint8 view (``SOFT``) or a cast."""
+    if SOFT:
+        tl.store(ptr, _fp8_bits(v, MBITS, BIAS), mask=mask)
+    else:
+        tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_f32(ptr, mask, BF16_BITS: tl.constexpr):
+    """Load as float32; ``BF16_BITS``: ``ptr`` holds bfloat16 bits as int16 (widened exactly,
+    the interpreter's own conversion flushes bfloat16 subnormals)."""
+    if BF16_BITS:
+        bits = tl.load(ptr, mask=mask, other=0).to(tl.int32)
+        return (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_out(ptr, v, mask, BF16_BITS: tl.constexpr):
+    """Store float32 ``v`` in ``ptr``'s dtype; ``BF16_BITS``: round to bfloat16 (nearest-even)
+    in integer arithmetic into an int16 view."""
+    if BF16_BITS:
+        b = v.to(tl.int32, bitcast=True)
+        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, (b >> 16) | 0x40, r)
+        tl.store(ptr, r.to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr, v.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_fp8_t(
+    ptr,
+    v,
+    rows,
+    cols,
+    R,
+    rmask,
+    cmask,
+    SOFT: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    TRANS: tl.constexpr,
+):
+    """Store the (rows, cols) tile ``v`` transposed into a (C, R) row-major FP8 tensor.
+
+    ``TRANS`` picks how the transpose is done: 0 through the pointers (the compiler converts
+    the layout), 1 by transposing the FP8 bytes, 2 by transposing the float32 values first.
+    """
+    if TRANS == 0:
+        offs = cols[None, :].to(tl.int64) * R + rows[:, None]
+        _store_fp8(ptr + offs, v, rmask[:, None] & cmask[None, :], SOFT, MBITS, BIAS)
+    else:
+        offs = cols[:, None].to(tl.int64) * R + rows[None, :]
+        mask = cmask[:, None] & rmask[None, :]
+        if TRANS == 1:
+            if SOFT:
+                tl.store(ptr + offs, tl.trans(_fp8_bits(v, MBITS, BIAS)), mask=mask)
+            else:
+                tl.store(ptr + offs, tl.trans(v.to(ptr.dtype.element_ty)), mask=mask)
+        else:
+            _store_fp8(ptr + offs, tl.trans(v), mask, SOFT, MBITS, BIAS)
+
+
+@triton.jit
+def _finite(x):
+    return ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) != 0xFF
+
+
+@triton.jit
+def _blockwise_exponent(
+    amax, bad, EMAX: tl.constexpr, MIN_EXP: tl.constexpr, MAX_EXP: tl.constexpr
+):
+    """Smallest ``e`` with ``amax / 2**e <= max_normal`` (0 for zero or non-finite blocks)."""
+    bits = amax.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 - EMAX + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, MIN_EXP), MAX_EXP)
+    return tl.where((amax > 0) & (bad == 0), e, 0)
+
+
+@triton.jit
+def _saturate(s, MAX_NORMAL: tl.constexpr):
+    # NaN must stay NaN (tl.maximum may drop it), everything else clamps to +-max_normal.
+    return tl.where(s != s, s, tl.minimum(tl.maximum(s, -MAX_NORMAL), MAX_NORMAL))
+
+
+# ---------------------------------------------------------------------------------------------
+# OCP MX (E8M0 scale per 1x32 or 32x32 block).
+
+
+@triton.jit
+def mx_quantize_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    R,
+    C,
+    EMAX: tl.constexpr,
+    MAX_NORMAL: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    SOFT: tl.constexpr,
+    CEIL: tl.constexpr,
+    SQUARE: tl.constexpr,
+    BS: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    NB: tl.constexpr = BLOCK_C // BS
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+    x = _load_f32(x_ptr + offs, mask, BF16_BITS)
+    fin = _finite(x)
+    ax = tl.where(fin, tl.abs(x), 0.0)
+    nonfin = (fin == 0).to(tl.int32)
+    if SQUARE:
+        RB: tl.constexpr = BLOCK_R // BS
+        amax = _rmax(_rmax(tl.reshape(ax, (RB, BS, NB, BS)), axis=3), axis=1)
+        bad = _rmax(_rmax(tl.reshape(nonfin, (RB, BS, NB, BS)), axis=3), axis=1)
+    else:
+        amax = _rmax(tl.reshape(ax, (BLOCK_R, NB, BS)), axis=2)
+        bad = _rmax(tl.reshape(nonfin, (BLOCK_R, NB, BS)), axis=2)
+    bits = amax.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127 - EMAX
+    if CEIL:
+        e += ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    inv = _pow2(-e)
+    if SQUARE:
+        scaled = tl.reshape(x, (RB, BS, NB, BS)) * inv[:, None, :, None]
+        zero = tl.broadcast_to(bad[:, None, :, None], (RB, BS, NB, BS)) != 0
+        scaled = tl.where(zero, 0.0, _saturate(scaled, MAX_NORMAL))
+        scaled = tl.reshape(scaled, (BLOCK_R, BLOCK_C))
+        srows = pid_r * RB + tl.arange(0, RB)
+        s_mask = (srows[:, None] < R // BS) & (pid_c * NB + tl.arange(0, NB)[None, :] < C // BS)
+    else:
+        scaled = tl.reshape(x, (BLOCK_R, NB, BS)) * inv[:, :, None]
+        zero = tl.broadcast_to(bad[:, :, None], (BLOCK_R, NB, BS)) != 0
+        scaled = tl.where(zero, 0.0, _saturate(scaled, MAX_NORMAL))
+        scaled = tl.reshape(scaled, (BLOCK_R, BLOCK_C))
+        srows = rows
+        s_mask = (srows[:, None] < R) & (pid_c * NB + tl.arange(0, NB)[None, :] < C // BS)
+    _store_fp8(q_ptr + offs, scaled, mask, SOFT, MBITS, BIAS)
+    byte = tl.where(bad != 0, 255, e + 127).to(tl.uint8)
+    s_offs = srows[:, None].to(tl.int64) * (C // BS) + pid_c * NB + tl.arange(0, NB)[None, :]
+    tl.store(s_ptr + s_offs, byte, mask=s_mask)
+
+
+@triton.jit
+def mx_dequantize_kernel(
+    q_ptr,
+    s_ptr,
+    out_ptr,
+    R,
+    C,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    E4M3FN: tl.constexpr,
+    SOFT: tl.constexpr,
+    SQUARE: tl.constexpr,
+    BS: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+    if SOFT:
+        q = _fp8_value(tl.load(q_ptr + offs, mask=mask, other=0), MBITS, BIAS, E4M3FN)
+    else:
+        q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if SQUARE:
+        s_offs = (rows[:, None] // BS).to(tl.int64) * (C // BS) + cols[None, :] // BS
+    else:
+        s_offs = rows[:, None].to(tl.int64) * (C // BS) + cols[None, :] // BS
+    byte = tl.load(s_ptr + s_offs, mask=mask, other=127).to(tl.int32)
+    scale = _pow2(tl.minimum(byte - 127, 127))
+    scale = tl.where(byte == 255, float("nan"), scale)
+    _store_out(out_ptr + offs, q * scale, mask, BF16_BITS)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blockwise FP8 with power-of-two float32 scales (Hopper recipe), two layouts in one pass.
+
+
+@triton.jit
+def blockwise_dual_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    qt_ptr,
+    st_ptr,
+    exp_ptr,
+    mean_ptr,
+    rstd_ptr,
+    w_ptr,
+    b_ptr,
+    cs_ptr,
+    R,
+    C,
+    stride_xr,
+    EMAX: tl.constexpr,
+    MAX_NORMAL: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    SOFT: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    MAX_EXP: tl.constexpr,
+    ROW: tl.constexpr,
+    COL: tl.constexpr,
+    TILE: tl.constexpr,
+    FIXED: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_MEAN: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    COLSUM: tl.constexpr,
+    TRANS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Quantise a (R, C) tile of ``x`` to ``q`` (R, C) and/or ``qt`` = ``q``-layout of x.T.
+
+    * default: ``q`` uses 1xBLOCK blocks along C, scales ``s`` stored (C/BLOCK, R) (the
+      outer-dim-major layout ``scaled_mm`` wants); ``qt`` (C, R) uses 1xBLOCK blocks along R
+      of x.T, scales ``st`` stored (R/BLOCK, C).
+    * ``TILE``: one scale per BLOCKxBLOCK tile for both, ``s`` stored (R/BLOCK, C/BLOCK).
+    * ``FIXED``: one exponent for everything, read from ``exp_ptr``; no scales written.
+    * ``NORM``: ``x`` is first normalised, ``(x - mean[r]) * rstd[r] * w[c] + b[c]``.
+    * ``COLSUM``: also write per-program column sums of ``x`` to ``cs`` (R/BLOCK_R, C).
+
+    Programs cover ``BLOCK_R`` rows (``BLOCK`` unless only ``q`` with 1xBLOCK blocks is
+    written) and ``BLOCK`` columns.
+    """
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK + tl.arange(0, BLOCK)
+    rmask = rows < R
+    cmask = cols < C
+    mask = rmask[:, None] & cmask[None, :]
+    x = _load_f32(x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask, BF16_BITS)
+    if NORM:
+        rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
+        if HAS_MEAN:
+            x = x - tl.load(mean_ptr + rows, mask=rmask, other=0.0)[:, None]
+        x = x * rstd[:, None]
+        if HAS_W:
+            x = x * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if HAS_B:
+            x = x + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        x = tl.where(mask, x, 0.0)
+    if COLSUM:
+        tl.store(cs_ptr + pid_r.to(tl.int64) * C + cols, _rsum(x, axis=0), mask=cmask)
+    fin = _finite(x)
+    ax = tl.where(fin, tl.abs(x), 0.0)
+    nonfin = (fin == 0).to(tl.int32)
+    if FIXED:
+        e = tl.load(exp_ptr)
+        inv = _pow2(-e)
+        if ROW:
+            q = _saturate(x * inv, MAX_NORMAL)
+            offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+            _store_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS)
+        if COL:
+            qt = _saturate(x * inv, MAX_NORMAL)
+            _store_fp8_t(qt_ptr, qt, rows, cols, R, rmask, cmask, SOFT, MBITS, BIAS, TRANS)
+    elif TILE:
+        amax = _rmax(_rmax(ax, axis=1), axis=0)
+        bad = _rmax(_rmax(nonfin, axis=1), axis=0)
+        e = _blockwise_exponent(amax, bad, EMAX, MIN_EXP, MAX_EXP)
+        q = _saturate(x * _pow2(-e), MAX_NORMAL)
+        if ROW:
+            offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+            _store_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS)
+        if COL:
+            _store_fp8_t(qt_ptr, q, rows, cols, R, rmask, cmask, SOFT, MBITS, BIAS, TRANS)
+        tl.store(s_ptr + pid_r * ((C + BLOCK - 1) // BLOCK) + pid_c, _pow2(e))
+    else:
+        if ROW:
+            amax_r = _rmax(ax, axis=1)
+            e_r = _blockwise_exponent(amax_r, _rmax(nonfin, axis=1), EMAX, MIN_EXP, MAX_EXP)
+            q = _saturate(x * _pow2(-e_r)[:, None], MAX_NORMAL)
+            offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+            _store_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS)
+            tl.store(s_ptr + pid_c.to(tl.int64) * R + rows, _pow2(e_r), mask=rmask)
+        if COL:
+            amax_c = _rmax(ax, axis=0)
+            e_c = _blockwise_exponent(amax_c, _rmax(nonfin, axis=0), EMAX, MIN_EXP, MAX_EXP)
+            qt = _saturate(x * _pow2(-e_c)[None, :], MAX_NORMAL)
+            _store_fp8_t(qt_ptr, qt, rows, cols, R, rmask, cmask, SOFT, MBITS, BIAS, TRANS)
+            tl.store(st_ptr + pid_r.to(tl.int64) * C + cols, _pow2(e_c), mask=cmask)
+
+
+@triton.jit
+def blockwise_dual_chunked_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    qt_ptr,
+    st_ptr,
+    cs_ptr,
+    R,
+    C,
+    stride_xr,
+    EMAX: tl.constexpr,
+    MAX_NORMAL: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    SOFT: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    MAX_EXP: tl.constexpr,
+    ROW: tl.constexpr,
+    COL: tl.constexpr,
+    COLSUM: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The 1x128 layouts of :func:`blockwise_dual_kernel` with a small register footprint.
+
+    A program owns a BLOCK x BLOCK tile but walks it in CHUNK-row slices twice: the first walk
+    writes ``q`` (its 1xBLOCK blocks lie inside one slice) and accumulates the column maxima,
+    the second re-reads the slices (from L2) and writes ``qt``. Same bits as the other kernel.
+    """
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    cols = pid_c * BLOCK + tl.arange(0, BLOCK)
+    cmask = cols < C
+    amax_c = tl.full((BLOCK,), 0.0, tl.float32)
+    bad_c = tl.full((BLOCK,), 0, tl.int32)
+    col_sum = tl.full((BLOCK,), 0.0, tl.float32)
+    for i in range(BLOCK // CHUNK):
+        rows = pid_r * BLOCK + i * CHUNK + tl.arange(0, CHUNK)
+        rmask = rows < R
+        mask = rmask[:, None] & cmask[None, :]
+        x = _load_f32(
+            x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask, BF16_BITS
+        )
+        fin = _finite(x)
+        ax = tl.where(fin, tl.abs(x), 0.0)
+        nonfin = (fin == 0).to(tl.int32)
+        if ROW:
+            e_r = _blockwise_exponent(
+                _rmax(ax, axis=1), _rmax(nonfin, axis=1), EMAX, MIN_EXP, MAX_EXP
+            )
+            q = _saturate(x * _pow2(-e_r)[:, None], MAX_NORMAL)
+            offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+            _store_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS)
+            tl.store(s_ptr + pid_c.to(tl.int64) * R + rows, _pow2(e_r), mask=rmask)
+        amax_c = tl.maximum(amax_c, _rmax(ax, axis=0))
+        bad_c = tl.maximum(bad_c, _rmax(nonfin, axis=0))
+        if COLSUM:
+            col_sum += _rsum(x, axis=0)
+    if COLSUM:
+        tl.store(cs_ptr + pid_r.to(tl.int64) * C + cols, col_sum, mask=cmask)
+    if COL:
+        e_c = _blockwise_exponent(amax_c, bad_c, EMAX, MIN_EXP, MAX_EXP)
+        inv_c = _pow2(-e_c)
+        for i in range(BLOCK // CHUNK):
+            rows = pid_r * BLOCK + i * CHUNK + tl.arange(0, CHUNK)
+            rmask = rows < R
+            mask = rmask[:, None] & cmask[None, :]
+            x = _load_f32(
+                x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask, BF16_BITS
+            )
+            qt = _saturate(x * inv_c[None, :], MAX_NORMAL)
+            _store_fp8_t(qt_ptr, qt, rows, cols, R, rmask, cmask, SOFT, MBITS, BIAS, 1)
+        tl.store(st_ptr + pid_r.to(tl.int64) * C + cols, _pow2(e_c), mask=cmask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused RMSNorm / LayerNorm -> 1x128 blockwise FP8.
+
+
+@triton.jit
+def norm_quantize_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    q_ptr,
+    s_ptr,
+    mean_ptr,
+    rstd_ptr,
+    R,
+    C,
+    stride_xr,
+    eps,
+    EMAX: tl.constexpr,
+    MAX_NORMAL: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    SOFT: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    MAX_EXP: tl.constexpr,
+    LAYERNORM: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """Normalise ``ROWS`` full rows and write them as FP8 with one scale per 1xGROUP block.
+
+    Scales go to ``s`` stored (C/GROUP, R); ``mean`` (LayerNorm only) and ``rstd`` per row.
+    """
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_C)
+    rmask = rows < R
+    cmask = cols < C
+    mask = rmask[:, None] & cmask[None, :]
+    x = _load_f32(x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask, BF16_BITS)
+    if LAYERNORM:
+        mean = _rsum(x, axis=1) / C
+        x = tl.where(mask, x - mean[:, None], 0.0)
+        tl.store(mean_ptr + rows, mean, mask=rmask)
+    var = _rsum(x * x, axis=1) / C
+    rstd = 1.0 / tl.sqrt_rn(var + eps)
+    tl.store(rstd_ptr + rows, rstd, mask=rmask)
+    y = x * rstd[:, None]
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        y = y + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    y = tl.where(mask, y, 0.0)
+    NG: tl.constexpr = BLOCK_C // GROUP
+    y3 = tl.reshape(y, (ROWS, NG, GROUP))
+    fin = _finite(y3)
+    amax = _rmax(tl.where(fin, tl.abs(y3), 0.0), axis=2)
+    bad = _rmax((fin == 0).to(tl.int32), axis=2)
+    e = _blockwise_exponent(amax, bad, EMAX, MIN_EXP, MAX_EXP)
+    q = tl.reshape(_saturate(y3 * _pow2(-e)[:, :, None], MAX_NORMAL), (ROWS, BLOCK_C))
+    offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+    _store_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS)
+    groups = tl.arange(0, NG)
+    s_offs = groups[None, :].to(tl.int64) * R + rows[:, None]
+    s_mask = rmask[:, None] & (groups[None, :] * GROUP < C)
+    tl.store(s_ptr + s_offs, _pow2(e), mask=s_mask)
+
+
+@triton.jit
+def norm_backward_kernel(
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_part_ptr,
+    db_part_ptr,
+    R,
+    C,
+    stride_xr,
+    stride_dyr,
+    LAYERNORM: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ROWS_PER_PROGRAM: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """dx of RMSNorm / LayerNorm, plus per-program partial sums of dw and db (float32)."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw_acc = tl.full((BLOCK_C,), 0.0, tl.float32)
+    db_acc = tl.full((BLOCK_C,), 0.0, tl.float32)
+    for i in range(ROWS_PER_PROGRAM):
+        row = pid * ROWS_PER_PROGRAM + i
+        m = cmask & (row < R)
+        x = tl.load(x_ptr + row.to(tl.int64) * stride_xr + cols, mask=m, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row.to(tl.int64) * stride_dyr + cols, mask=m, other=0.0).to(
+            tl.float32
+        )
+        rstd = tl.load(rstd_ptr + row, mask=row < R, other=0.0)
+        if LAYERNORM:
+            x = tl.where(m, x - tl.load(mean_ptr + row, mask=row < R, other=0.0), 0.0)
+        xhat = x * rstd
+        g = dy * w if HAS_W else dy
+        dw_acc += dy * xhat
+        db_acc += dy
+        c1 = _rsum(g * xhat, axis=0) / C
+        if LAYERNORM:
+            c2 = _rsum(g, axis=0) / C
+            dx = (g - xhat * c1 - c2) * rstd
+        else:
+            dx = (g - xhat * c1) * rstd
+        tl.store(dx_ptr + row.to(tl.int64) * C + cols, dx.to(dx_ptr.dtype.element_ty), mask=m)
+    if HAS_W:
+        tl.store(dw_part_ptr + pid * C + cols, dw_acc, mask=cmask)
+    if HAS_B:
+        tl.store(db_part_ptr + pid * C + cols, db_acc, mask=cmask)

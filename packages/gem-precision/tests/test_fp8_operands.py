@@ -1,0 +1,158 @@
+"""The one-pass FP8 operand kernel (Triton, interpreted on CPU) against the PyTorch reference,
+the exactness of the power-of-two scale rule, and the scaled_mm layouts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from gem_precision import blockwise
+from gem_precision.blockwise import (
+    _pow2_scale_exponent,
+    dequantize_operand,
+    quantize_blockwise,
+    quantize_operand,
+)
+
+ELEM = [torch.float8_e4m3fn, torch.float8_e5m2]
+KINDS = ["1x128", "128x128", "tensorwise"]
+FIELDS = ("data", "scale", "data_t", "scale_t")
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def special_input(rows=200, cols=300, dtype=torch.bfloat16, seed=0, finite=False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=gen)
+    x = x * torch.exp2(torch.randint(-30, 30, (rows, cols), generator=gen).float())
+    x[0, :5] = 0.0
+    x[4, 130:] = 0.0  # an all-zero block
+    x[9, :] = 1e-39  # subnormal rows
+    x[:, 17] = -3e-42  # a subnormal column (amax / max_normal underflows for E5M2)
+    if not finite:
+        x[5, 3] = float("nan")
+        x[7, 150] = float("inf")
+    return x.to(dtype)
+
+
+def same(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    if a.shape != b.shape:
+        return False
+    if a.dtype.itemsize == 1:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("elem", ELEM)
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+def test_triton_bit_exact_with_torch(kind, elem, in_dtype):
+    x = special_input(dtype=in_dtype, finite=kind == "tensorwise")
+    ref = quantize_operand(x, kind, elem, backend="torch")
+    got = quantize_operand(x, kind, elem, backend="triton")
+    for field in FIELDS:
+        assert same(getattr(ref, field), getattr(got, field)), field
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"trans": 0, "num_warps": 4},
+        {"trans": 2, "num_warps": 2},
+        {"chunked": True, "chunk": 16},
+        {"chunked": True, "chunk": 32, "rows_only_block_r": 16},
+    ],
+)
+def test_kernel_variants_agree(monkeypatch, options):
+    monkeypatch.setattr(blockwise, "_DUAL_OPTIONS", {**blockwise._DUAL_OPTIONS, **options})
+    x = special_input()
+    ref = quantize_operand(x, "1x128", backend="torch")
+    for rows, cols in ((True, True), (True, False), (False, True)):
+        got = quantize_operand(x, "1x128", rows=rows, cols=cols, backend="triton")
+        assert same(ref.data if rows else None, got.data)
+        assert same(ref.scale if rows else None, got.scale)
+        assert same(ref.data_t if cols else None, got.data_t)
+        assert same(ref.scale_t if cols else None, got.scale_t)
+
+
+def test_values_and_layouts_match_quantize_blockwise():
+    x = special_input(finite=True, dtype=torch.float32)
+    op = quantize_operand(x, "1x128", backend="triton")
+    data, scale = quantize_blockwise(x, (1, 128))
+    assert same(op.data, data) and torch.equal(op.scale, scale)
+    data_t, scale_t = quantize_blockwise(x.T.contiguous(), (1, 128))
+    assert same(op.data_t, data_t) and torch.equal(op.scale_t, scale_t)
+    # The layouts torch._scaled_mm wants: 1x128 scales outer-dim-major (stride(0) == 1).
+    assert op.scale.stride() == (1, x.shape[0]) and op.scale_t.stride() == (1, x.shape[1])
+    tiles = quantize_operand(x, "128x128", backend="triton")
+    data, scale = quantize_blockwise(x, (128, 128))
+    assert same(tiles.data, data) and torch.equal(tiles.scale, scale)
+    assert same(tiles.data_t, data.T.contiguous()) and torch.equal(tiles.scale_t, scale.T)
+    back = dequantize_operand(op.data, op.scale, "1x128")
+    assert float((back - x).norm() / x.norm()) < 0.05
+
+
+def test_col_sum_in_the_same_pass():
+    x = torch.randn(300, 256, dtype=torch.float32)
+    for backend in ("triton", "torch"):
+        op = quantize_operand(x, "1x128", backend=backend, col_sum=True)
+        torch.testing.assert_close(op.col_sum, x.sum(0), rtol=1e-5, atol=1e-4)
+
+
+def test_scale_exponent_is_the_smallest_that_avoids_saturation():
+    # float64 check of the defining property on normal, subnormal and boundary amax values.
+    values = [1e-45, 3e-42, 1e-39, 1.1754942e-38, 1e-20, 0.5, 1.0, 1.75, 1.7500001, 3.5, 448.0]
+    values += [449.0, 57344.0, 1e30, 3.4e38]
+    for max_normal in (448.0, 57344.0):
+        amax = torch.tensor(values, dtype=torch.float32)
+        exps = _pow2_scale_exponent(amax, max_normal)
+        for a, e in zip(amax.tolist(), exps.tolist(), strict=True):
+            assert a / 2.0**e <= max_normal
+            if e > -120:  # not clamped: one power of two less would saturate
+                assert a / 2.0 ** (e - 1) > max_normal, (a, e)
+            else:
+                assert a / 2.0 ** (e - 1) <= max_normal or math.isclose(e, -120)
+    special = torch.tensor([0.0, float("nan"), float("inf")])
+    assert _pow2_scale_exponent(special, 448.0).tolist() == [0, 0, 0]
+
+
+def test_bad_arguments():
+    x = torch.randn(8, 128)
+    with pytest.raises(ValueError, match="kind must be"):
+        quantize_operand(x, "1x32")
+    with pytest.raises(TypeError, match="2-D floating point"):
+        quantize_operand(torch.randn(8))
+    with pytest.raises(ValueError, match="backend must be"):
+        quantize_operand(x, backend="cuda")
+    with pytest.raises(ValueError, match="stochastic rounding is only available"):
+        quantize_operand(x, backend="triton", stochastic_seed=1)
+    with pytest.raises(TypeError, match="dtype must be"):
+        quantize_operand(x, dtype=torch.float16)
+
+
+def test_stochastic_rounding_offsets_of_the_two_layouts():
+    x = torch.randn(64, 256)
+    op = quantize_operand(x, "1x128", stochastic_seed=3, offset=10)
+    data, _ = quantize_blockwise(x, (1, 128), stochastic_seed=3, offset=10)
+    data_t, _ = quantize_blockwise(
+        x.T.contiguous(), (1, 128), stochastic_seed=3, offset=10 + 64 * 256
+    )
+    assert same(op.data, data) and same(op.data_t, data_t)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_kernel_bit_exact():
+    x = special_input(rows=384, cols=512)
+    for kind in KINDS:
+        src = torch.nan_to_num(x) if kind == "tensorwise" else x
+        ref = quantize_operand(src, kind, backend="torch")
+        got = quantize_operand(src.cuda(), kind, backend="triton")
+        for field in FIELDS:
+            assert same(getattr(ref, field), getattr(got, field).cpu()), (kind, field)

@@ -1,0 +1,210 @@
+"""GEMM backend dispatch and the native Hopper / Blackwell code paths of Fp8Linear, run on the
+CPU against a stand-in ``torch._scaled_mm`` that checks the layouts torch demands and computes
+the scaled product exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gem_precision import Fp8Linear, Fp8Recipe, dequantize_mx, quantize_mx
+from gem_precision import linear as linear_mod
+from gem_precision.scaled_gemm import (
+    backend_for_capability,
+    gemm_backend,
+    mx_scaled_mm_nt,
+    swizzle_mx_scales,
+    unswizzle_mx_scales,
+)
+
+
+def test_backend_for_capability():
+    assert backend_for_capability("cpu", None) == "emulated"
+    assert backend_for_capability("cuda", (9, 0)) == "sm90"
+    assert backend_for_capability("cuda", (10, 0)) == "sm100"
+    assert backend_for_capability("cuda", (8, 9)) == "emulated"
+    assert backend_for_capability("cuda", (12, 0)) == "emulated"
+    assert gemm_backend("cpu") == "emulated"
+
+
+def test_recipe_paths_per_backend(monkeypatch):
+    cpu = torch.device("cpu")
+    for backend, recipe, expected in [
+        ("sm90", Fp8Recipe(), ("blockwise", True)),
+        ("sm90", Fp8Recipe(tensorwise=True), ("blockwise", True)),
+        ("sm90", Fp8Recipe(scaling="mx"), ("mx", False)),
+        ("sm100", Fp8Recipe(), ("mx", True)),
+        ("sm100", Fp8Recipe(scaling="blockwise"), ("blockwise", True)),
+        ("sm100", Fp8Recipe(tensorwise=True), ("blockwise", True)),
+        ("emulated", Fp8Recipe(), ("blockwise", False)),
+        ("sm90", Fp8Recipe(hadamard=True), ("hadamard", False)),
+    ]:
+        monkeypatch.setattr(linear_mod, "gemm_backend", lambda device, b=backend: b)
+        assert linear_mod._path(recipe, cpu) == expected, (backend, recipe)
+
+
+def test_swizzle_layout_and_round_trip():
+    rows, cols = 200, 6  # padded to 256 x 8: two row tiles, two column tiles
+    scale = torch.randint(0, 255, (rows, cols), dtype=torch.uint8)
+    swz = swizzle_mx_scales(scale)
+    assert swz.dtype == torch.float8_e8m0fnu and swz.numel() == 256 * 8
+    flat = swz.view(torch.uint8)
+    for r, c in [(0, 0), (31, 3), (32, 0), (127, 2), (128, 5), (199, 4)]:
+        tile = (r // 128) * 2 + c // 4  # tiles of 128x4, row of tiles by row of tiles
+        rr, cc = r % 128, c % 4
+        assert flat[tile * 512 + (rr % 32) * 16 + (rr // 32) * 4 + cc] == scale[r, c]
+    assert torch.equal(unswizzle_mx_scales(swz, rows, cols), scale)
+
+
+def _expand_1x128(scale, rows, cols):
+    return scale.repeat_interleave(128, 1)[:rows, :cols]
+
+
+def _dequant_a(data, scale):
+    m, k = data.shape
+    if scale.numel() == 1:
+        return data.float() * scale.float()
+    assert scale.shape == (m, -(-k // 128)), "scale_a must be (M, ceil(K/128))"
+    assert m == 1 or scale.stride(0) == 1, "1x128 scale_a must be outer-dim-major"
+    return data.float() * _expand_1x128(scale, m, k)
+
+
+def _dequant_b(b, scale_b):
+    bt = b.t()  # (N, K) row-major view
+    n, k = bt.shape
+    if scale_b.numel() == 1:
+        return bt.float() * scale_b.float()
+    st = scale_b.t()
+    if st.shape == (n, -(-k // 128)):  # 1x128 along K
+        assert n == 1 or st.stride(0) == 1, "1x128 scale_b.t() must be outer-dim-major"
+        return bt.float() * _expand_1x128(st, n, k)
+    assert st.shape == (-(-n // 128), -(-k // 128)), "128x128 scale_b.t() shape"
+    assert st.is_contiguous(), "128x128 scale_b.t() must be contiguous"
+    full = st.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    return bt.float() * full
+
+
+class FakeScaledMM:
+    """Stand-in for ``torch._scaled_mm`` (Hopper semantics): checks layouts, exact product."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, a, b, scale_a, scale_b, bias=None, out_dtype=None, **_):
+        assert a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and b.dtype == a.dtype
+        assert a.stride(1) == 1, "a must be row-major"
+        assert b.stride(0) == 1, "b must be column-major"
+        if scale_a.dtype == torch.float8_e8m0fnu:
+            return self.mx(a, b, scale_a, scale_b, out_dtype)
+        self.calls.append((tuple(scale_a.shape), tuple(scale_b.shape)))
+        out = _dequant_a(a, scale_a) @ _dequant_b(b, scale_b).T
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(out_dtype)
+
+    def mx(self, a, b, scale_a, scale_b, out_dtype):
+        m, k = a.shape
+        n = b.shape[1]
+        assert scale_a.numel() == -(-m // 128) * 128 * -(-(k // 32) // 4) * 4
+        sa = unswizzle_mx_scales(scale_a, m, k // 32)
+        sb = unswizzle_mx_scales(scale_b, n, k // 32)
+        self.calls.append(("mx", (m, k), (n, k)))
+
+        def deq(data, s):
+            exp = s.to(torch.int32).repeat_interleave(32, 1) - 127
+            return data.float() * torch.exp2(exp.double()).float()
+
+        return (deq(a, sa) @ deq(b.t(), sb).T).to(out_dtype)
+
+
+@pytest.fixture
+def fake_native(monkeypatch):
+    fake = FakeScaledMM()
+    monkeypatch.setattr(torch, "_scaled_mm", fake)
+    return fake
+
+
+def _run(layer, x, grad):
+    x = x.clone().requires_grad_(True)
+    out = layer(x)
+    out.backward(grad)
+    return out.detach(), x.grad, layer.weight.grad, layer.bias.grad
+
+
+@pytest.mark.parametrize("tensorwise", [False, True])
+def test_sm90_native_path_matches_emulation(monkeypatch, fake_native, tensorwise):
+    torch.manual_seed(0)
+    recipe = Fp8Recipe(tensorwise=tensorwise)
+    emulated = Fp8Linear(256, 384, recipe=recipe)
+    native = Fp8Linear(256, 384, recipe=recipe)
+    native.load_state_dict(emulated.state_dict())
+    x, grad = torch.randn(160, 256), torch.randn(160, 384)
+    want = _run(emulated, x, grad)
+    monkeypatch.setattr(linear_mod, "gemm_backend", lambda device: "sm90")
+    got = _run(native, x, grad)
+    assert len(fake_native.calls) == 3  # forward, dgrad, wgrad all went to _scaled_mm
+    if not tensorwise:
+        assert fake_native.calls[0] == ((160, 2), (2, 3))  # 1x128 x 128x128
+        assert fake_native.calls[2] == ((384, 2), (2, 256))  # 1x128 x 1x128 along tokens
+    for g, w in zip(got, want, strict=True):
+        # native results come back in bf16: equal up to its rounding
+        assert float((g.float() - w).norm() / w.norm()) < 4e-3
+
+
+def test_sm90_wgrad_in_bf16_and_unsupported_shape_fallback(monkeypatch, fake_native):
+    torch.manual_seed(1)
+    monkeypatch.setattr(linear_mod, "gemm_backend", lambda device: "sm90")
+    layer = Fp8Linear(128, 128, recipe=Fp8Recipe(wgrad_in_bf16=True))
+    x, grad = torch.randn(64, 128), torch.randn(64, 128)
+    out, gx, gw, gb = _run(layer, x, grad)
+    assert len(fake_native.calls) == 2  # no FP8 wgrad
+    want = grad.bfloat16().float().T @ x.bfloat16().float()
+    assert float((gw.float() - want).norm() / want.norm()) < 4e-3  # a bf16 GEMM
+    torch.testing.assert_close(gb, grad.sum(0))
+    # K=100 is not a multiple of 16: _scaled_mm is not called, the emulation is, with a warning.
+    odd = Fp8Linear(100, 128)
+    with pytest.warns(RuntimeWarning, match="not a multiple of 16"):
+        odd(torch.randn(64, 100))
+
+
+def test_sm100_mxfp8_path_matches_independent_emulation(monkeypatch, fake_native):
+    torch.manual_seed(2)
+    monkeypatch.setattr(linear_mod, "gemm_backend", lambda device: "sm100")
+    layer = Fp8Linear(256, 128)
+    x, grad = torch.randn(96, 256), torch.randn(96, 128)
+    out, gx, gw, gb = _run(layer, x, grad)
+    assert [c[0] for c in fake_native.calls] == ["mx", "mx", "mx"]
+
+    def mx(t, square=False):
+        q = quantize_mx(t.contiguous(), scale_rounding="ceil", square=square)
+        return dequantize_mx(q, torch.float32)
+
+    w = layer.weight.detach()
+    w_q = mx(w, square=True)  # 32x32 squares: the same values serve W and W.T
+    want_out = mx(x) @ w_q.T + layer.bias.detach()
+    want_gx = mx(grad) @ w_q
+    want_gw = mx(grad.T) @ mx(x.T).T
+    for g, w_ in ((out, want_out), (gx, want_gx), (gw, want_gw)):
+        assert float((g.float() - w_).norm() / w_.norm()) < 4e-3
+    torch.testing.assert_close(gb, grad.sum(0))
+
+
+def test_mx_recipe_on_cpu_is_the_same_numerics_emulated():
+    torch.manual_seed(3)
+    layer = Fp8Linear(128, 64, recipe=Fp8Recipe(scaling="mx", mx_scale_rounding="floor"))
+    x = torch.randn(32, 128)
+    q = lambda t, sq=False: dequantize_mx(quantize_mx(t, square=sq), torch.float32)  # noqa: E731
+    want = q(x) @ q(layer.weight.detach(), True).T + layer.bias.detach()
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_mx_scaled_mm_rejects_other_block_sizes():
+    a = quantize_mx(torch.randn(4, 64), block_size=16)
+    with pytest.raises(ValueError, match="block_size=32"):
+        mx_scaled_mm_nt(a, a)
+
+
+def test_recipe_validation():
+    with pytest.raises(ValueError, match="scaling must be"):
+        Fp8Recipe(scaling="nvfp4")
+    with pytest.raises(ValueError, match="mx_scale_rounding"):
+        Fp8Recipe(mx_scale_rounding="up")
