@@ -18,15 +18,13 @@ CPU tensors run under the Triton interpreter when ``TRITON_INTERPRET=1`` is set 
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from gem_kernels._triton_loader import interpret_requested, load_kernel_module, triton_importable
 
 __all__ = [
     "MAX_TRITON_BLOCK_SIZE",
@@ -82,46 +80,10 @@ def default_config(head_dim: int, *, interpret: bool = False) -> BlockAttentionT
 # ---------------------------------------------------------------------------------------------
 # Kernel module loading (compiled or interpreted).
 
-_KERNEL_MODULES: dict[bool, ModuleType] = {}
-
-
-def _interpret_requested() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-
-
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:  # pragma: no cover - depends on the environment
-        return False
-    return True
-
 
 def _kernels(interpret: bool) -> ModuleType:
-    """The kernel module decorated for this mode (``triton.jit`` reads the mode at decoration)."""
-    module = _KERNEL_MODULES.get(interpret)
-    if module is not None:
-        return module
-    name = f"gem_kernels._block_kernels_{'interpreted' if interpret else 'compiled'}"
-    path = Path(__file__).with_name("_block_kernels.py")
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-    try:
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-    _KERNEL_MODULES[interpret] = module
-    return module
+    """The kernel module decorated for this mode (compiled for CUDA, interpreted for CPU tests)."""
+    return load_kernel_module("_block_kernels.py", interpret)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,9 +103,9 @@ def triton_unsupported_reason(q: torch.Tensor, block_size: int) -> str | None:
         return f"head_dim {q.shape[2]} is larger than {MAX_TRITON_HEAD_DIM}"
     if block_size > MAX_TRITON_BLOCK_SIZE:
         return f"block_size {block_size} is larger than {MAX_TRITON_BLOCK_SIZE}"
-    if q.device.type != "cuda" and not _interpret_requested():
+    if q.device.type != "cuda" and not interpret_requested():
         return f"tensors on {q.device.type} need TRITON_INTERPRET=1 (Triton runs CUDA tensors)"
-    if not _triton_importable():
+    if not triton_importable():
         return "triton is not importable"
     return None
 
@@ -319,7 +281,7 @@ def block_attention_from_lengths(
     Same semantics as :func:`gem_kernels.block_attention`; inputs are assumed valid (lengths
     sum to the row count, ``block_size <= MAX_TRITON_BLOCK_SIZE``, D even).
     """
-    interpret = _interpret_requested()
+    interpret = interpret_requested()
     if not interpret and q.device.type != "cuda":
         raise ValueError(
             f"the Triton path needs CUDA tensors, got {q.device} (set TRITON_INTERPRET=1 to run "

@@ -1,0 +1,60 @@
+"""Loads a Triton kernel file compiled (CUDA) or interpreted (CPU tests), shared by all kernels.
+
+``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates a function, so one kernel file cannot
+serve both modes. Each ``_*_kernels.py`` file is therefore executed once per mode, under its own
+module name, with the variable set for the duration of the import only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+__all__ = ["interpret_requested", "load_kernel_module", "triton_importable"]
+
+_LOADED: dict[tuple[str, bool], ModuleType] = {}
+
+
+def interpret_requested() -> bool:
+    """Whether ``TRITON_INTERPRET`` asks for the Triton interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def triton_importable() -> bool:
+    """Whether ``triton`` can be imported here."""
+    try:
+        import triton  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the environment
+        return False
+    return True
+
+
+def load_kernel_module(filename: str, interpret: bool) -> ModuleType:
+    """The kernel file ``gem_kernels/<filename>`` decorated for ``interpret`` (cached)."""
+    key = (filename, interpret)
+    module = _LOADED.get(key)
+    if module is not None:
+        return module
+    stem = filename.removesuffix(".py")
+    name = f"gem_kernels.{stem}_{'interpreted' if interpret else 'compiled'}"
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(filename))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+    _LOADED[key] = module
+    return module
