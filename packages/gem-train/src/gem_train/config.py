@@ -8,7 +8,15 @@ from dataclasses import dataclass, field
 
 from gem_model import GemArchitecture
 
-__all__ = ["DataConfig", "OptimConfig", "TrainConfig", "apply_overrides"]
+__all__ = [
+    "PARALLEL_DENSE_MODES",
+    "DataConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "PrecisionConfig",
+    "TrainConfig",
+    "apply_overrides",
+]
 
 
 @dataclass
@@ -48,6 +56,80 @@ class OptimConfig:
 
 
 @dataclass
+class PrecisionConfig:
+    """GEMM precision of the dense ``nn.Linear`` layers (gem-precision); embeddings and
+    attention kernels are unchanged."""
+
+    mode: str = "fp32"
+    """'fp32' (unchanged), 'bf16' (GEMM operands rounded to bf16, float32 accumulation) or
+    'fp8' (gem-precision ``Fp8Linear``: 1x128 / 128x128 power-of-two block-scaled E4M3)."""
+    min_features: int = 128
+    """Layers with min(in_features, out_features) below this keep their precision."""
+    exclude: tuple[str, ...] = ()
+    """Glob patterns of layer names that keep their precision (e.g. the task heads)."""
+    bf16_layers: tuple[str, ...] = ()
+    """FP8 only: glob patterns of layers that run bf16 GEMMs instead of FP8 (last layers)."""
+    wgrad_in_bf16: bool = False
+    """FP8 only: weight-gradient GEMM on bf16 operands."""
+    stochastic_rounding_grads: bool = False
+    """FP8 only: round output gradients to FP8 stochastically."""
+    hadamard: bool = False
+    """FP8 only: random Hadamard transform along K of both operands of every GEMM."""
+    tensorwise: bool = False
+    """FP8 only: one scale per tensor instead of 1x128 / 128x128 tiles."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("fp32", "bf16", "fp8"):
+            raise ValueError(f"precision.mode must be 'fp32', 'bf16' or 'fp8', got {self.mode!r}")
+
+
+PARALLEL_DENSE_MODES = ("ddp", "fsdp")
+"""Values of ``ParallelConfig.dense``."""
+
+
+@dataclass
+class ParallelConfig:
+    """How the dense part is parallelised; embedding tables are always sharded by torchrec.
+
+    Sizes that depend on the world (``shard`` dividing it, ``expert_parallel`` fitting a host)
+    are checked when the trainer starts, by ``gem_parallel.build_gem_mesh``.
+    """
+
+    dense: str = "ddp"
+    """'ddp': every rank holds all dense weights, gradients all-reduced (torchrec's default);
+    'fsdp': FSDP2 ``fully_shard`` over the (replicate, shard) dense mesh (HSDP when
+    ``shard`` < world size)."""
+    shard: int = 0
+    """FSDP shard group size: contiguous ranks that split the dense weights (0: all ranks).
+    The replicate size is world // shard. Only with dense='fsdp'."""
+    expert_parallel: int = 1
+    """Expert-parallel group size for the DHEN experts (1: off). Each rank of a group keeps
+    only its share of every layer's experts (gem_parallel.ExpertParallel); must divide
+    ``shard`` (FSDP) or the world (DDP), fit inside one host, and not exceed the experts per
+    layer."""
+    gpus_per_host: int = 0
+    """Ranks per host for the topology (0: torchrun's LOCAL_WORLD_SIZE, else one host)."""
+    reshard_after_forward: bool = True
+    """FSDP: free gathered weights after forward and gather again in backward (less memory,
+    one more all-gather per block)."""
+
+    def __post_init__(self) -> None:
+        if self.dense not in PARALLEL_DENSE_MODES:
+            raise ValueError(
+                f"parallel.dense must be one of {PARALLEL_DENSE_MODES}, got {self.dense!r}"
+            )
+        for name, low in (("shard", 0), ("expert_parallel", 1), ("gpus_per_host", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"parallel.{name} must be an int >= {low}, got {value!r}")
+        if self.dense == "ddp" and self.shard != 0:
+            raise ValueError(
+                f"parallel.shard ({self.shard}) only applies to parallel.dense='fsdp'; "
+                "leave it 0 with 'ddp'"
+            )
+
+
+@dataclass
 class TrainConfig:
     """One training run: data, model, optimizer, loop and outputs."""
 
@@ -77,6 +159,10 @@ class TrainConfig:
     """Also train the same model without the sequence tower, as the reference point."""
     device: str = "auto"
     """'auto' (CUDA when available), 'cpu' or 'cuda'."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """GEMM precision of the dense linear layers (default: unchanged float32)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Dense parallelism: DDP or 2D FSDP, and expert parallelism for the DHEN experts."""
 
 
 def _convert(value: str, annotation: object, name: str) -> object:

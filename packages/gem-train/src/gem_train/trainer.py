@@ -30,6 +30,8 @@ from gem_train.checkpoint import (
 )
 from gem_train.config import TrainConfig
 from gem_train.metrics import auc, normalized_entropy
+from gem_train.parallel import DenseParallel
+from gem_train.precision import apply_precision
 
 __all__ = ["Trainer", "init_distributed", "resolve_device"]
 
@@ -111,18 +113,30 @@ class Trainer:
         # DistributedModelParallel materialises each shard where the plan puts it.
         with self.device:
             model = GemModel(self.model_config, device=torch.device("meta"))
+        # FP8 / bf16 GEMMs for the dense linears (shares parameters, so order vs DMP is free).
+        self.precision_converted = apply_precision(model, config.precision)
         apply_optimizer_in_backward(
             RowWiseAdagrad,
             [p for name, p in model.named_parameters() if "_embeddings." in name],
             {"lr": config.optim.sparse_lr},
         )
-        self.model = DistributedModelParallel(model, device=self.device)
+        # Dense part: DDP (torchrec's default) or FSDP2, plus expert parallelism for DHEN.
+        self.parallel = DenseParallel(config.parallel, self.device)
+        model = self.parallel.prepare(model)
+        self.model = DistributedModelParallel(
+            model,
+            device=self.device,
+            plan=self.parallel.sharding_plan(model),
+            data_parallel_wrapper=self.parallel.data_parallel_wrapper(model),
+        )
         dense_parameters = dict(in_backward_optimizer_filter(self.model.named_parameters()))
         self.dense_parameters = list(dense_parameters.values())
         self.dense_optimizer = KeyedOptimizerWrapper(
             dense_parameters,
             lambda params: torch.optim.AdamW(
-                params, lr=config.optim.dense_lr, weight_decay=config.optim.weight_decay
+                self.parallel.param_groups(params),
+                lr=config.optim.dense_lr,
+                weight_decay=config.optim.weight_decay,
             ),
         )
         self.optimizer = CombinedOptimizer(
@@ -167,8 +181,8 @@ class Trainer:
             raise FloatingPointError(f"loss became {loss.item()} at step {self.step}")
         self.optimizer.zero_grad()
         loss.backward()  # the fused sparse optimizer updates embedding rows here
-        if self.config.optim.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(self.dense_parameters, self.config.optim.max_grad_norm)
+        # Expert gradients averaged over their replicas, then the global-norm clip.
+        self.parallel.finish_gradients(self.dense_parameters, self.config.optim.max_grad_norm)
         self.dense_optimizer.step()
         self.step += 1
         return loss.item()

@@ -1,0 +1,183 @@
+"""Model quality under FP8 GEMMs: eval NE of the GEM model trained with FP8 vs bf16 GEMMs.
+
+Every provider trains the same GEM model (recipe ``tiny`` architecture) from the same seed on
+the same synthetic data in the same order, for the same number of steps, and evaluates NE per
+task on the same held-out users. Only the numerics of the dense ``nn.Linear`` GEMMs differ
+(``TrainConfig.precision``, applied by gem-train through gem-precision):
+
+* ``bf16``: GEMM operands (forward, dgrad, wgrad) rounded to bfloat16, float32 accumulation and
+  float32 master weights (``Bf16GemmLinear``), i.e. a bf16 tensor-core GEMM, emulated;
+* ``gem``: ``Fp8Linear`` with the Hopper recipe (E4M3, 1x128 activations / gradients, 128x128
+  weights, power-of-two scales), emulated with the same numerics as the GPU path;
+* ``gem-rht`` / ``gem-sr`` / ``gem-bf16wgrad``: ``gem`` plus one stability option (random
+  Hadamard transform along K, stochastic rounding of gradients, bf16 weight-gradient GEMM);
+* ``gem-heads-bf16``: ``gem`` with the task heads' hidden layers on bf16 GEMMs (the
+  per-layer policy's "last layers stay bf16");
+* ``fp32``: the unchanged model, for reference.
+
+The same layers are converted in every non-fp32 provider: all linears with
+``min(in, out) >= 16`` (the 1-wide task-head outputs and the 8-wide dense-feature projection
+stay float32). Embeddings and attention kernels are float32 throughout.
+
+Usage (from the workspace root; the FP8 emulation is slow: 150 steps of all providers took 37
+minutes on a loaded 2-core CPU, 600 steps of bf16 + gem + fp32 about 5 minutes on an idle one):
+    .venv/bin/python benchmarks/bench_fp8_quality.py          # writes benchmarks/results/cpu/fp8_quality.json
+    .venv/bin/python benchmarks/bench_fp8_quality.py --steps 20 --providers bf16,gem   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from _results import ROOT, meta, write_results
+from gem_train import apply_overrides, tiny
+from gem_train.cli import prepare_data
+from gem_train.trainer import Trainer
+
+PROVIDERS: dict[str, list[str]] = {
+    "fp32": ["precision.mode=fp32"],
+    "bf16": ["precision.mode=bf16"],
+    "gem": ["precision.mode=fp8"],
+    "gem-rht": ["precision.mode=fp8", "precision.hadamard=true"],
+    "gem-sr": ["precision.mode=fp8", "precision.stochastic_rounding_grads=true"],
+    "gem-bf16wgrad": ["precision.mode=fp8", "precision.wgrad_in_bf16=true"],
+    "gem-heads-bf16": ["precision.mode=fp8", "precision.bf16_layers=heads.*"],
+}
+TASKS = ("ctr", "cvr")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=150, help="training steps per provider")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--num-train", type=int, default=40_000)
+    parser.add_argument("--num-eval", type=int, default=10_000)
+    parser.add_argument("--min-features", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0, help="parameter init and data order")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--providers", default=",".join(PROVIDERS))
+    parser.add_argument("--data-dir", default=str(ROOT / "data" / "fp8_quality"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/cpu/fp8_quality.json"))
+    args = parser.parse_args()
+    providers = [p for p in args.providers.split(",") if p]
+    unknown = [p for p in providers if p not in PROVIDERS]
+    if unknown:
+        parser.error(f"unknown providers {unknown}; known: {sorted(PROVIDERS)}")
+
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    for name in ("torchrec", None):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    base = [
+        f"data.directory={args.data_dir}",
+        f"data.num_train={args.num_train}",
+        f"data.num_eval={args.num_eval}",
+        f"max_steps={args.steps}",
+        f"batch_size={args.batch_size}",
+        f"precision.min_features={args.min_features}",
+        "checkpoint_every=0",
+        "compare_no_sequence=false",
+        "device=cpu",
+        f"seed={args.seed}",
+    ]
+    train_data, eval_data = prepare_data(apply_overrides(tiny(), base).data, progress=False)
+    rows: list[dict] = []
+    results: dict[str, dict[str, float]] = {}
+    converted: dict[str, int] = {}
+    for provider in providers:
+        config = apply_overrides(
+            tiny(), [*base, f"output_dir=runs/fp8_quality/{provider}", *PROVIDERS[provider]]
+        )
+        started = time.perf_counter()
+        trainer = Trainer(config, train_data, output_dir=Path(config.output_dir))
+        losses = trainer.fit(progress=False)
+        train_s = time.perf_counter() - started
+        metrics = trainer.evaluate(eval_data)
+        results[provider] = metrics
+        converted[provider] = len(trainer.precision_converted)
+        for task in TASKS:
+            for metric in ("ne", "auc"):
+                rows.append(
+                    {
+                        "case": task,
+                        "provider": provider,
+                        "mode": "eval",
+                        "metric": metric,
+                        "value": metrics[f"{metric}_{task}"],
+                    }
+                )
+        rows.append(
+            {
+                "case": "train",
+                "provider": provider,
+                "mode": "fwd_bwd",
+                "metric": "ms",
+                "value": 1000 * train_s / args.steps,
+            }
+        )
+        rows.append(
+            {
+                "case": "train",
+                "provider": provider,
+                "mode": "fwd_bwd",
+                "metric": "final_loss",
+                "value": sum(losses[-20:]) / len(losses[-20:]),
+            }
+        )
+        print(
+            f"{provider:>14}: NE ctr {metrics['ne_ctr']:.5f} cvr {metrics['ne_cvr']:.5f} "
+            f"({converted[provider]} linears converted, {train_s:.0f} s)",
+            flush=True,
+        )
+
+    if "bf16" in results:
+        for provider, metrics in results.items():
+            for task in TASKS:
+                ref = results["bf16"][f"ne_{task}"]
+                rows.append(
+                    {
+                        "case": task,
+                        "provider": provider,
+                        "mode": "eval",
+                        "metric": "ne_rel_diff_vs_bf16",
+                        "value": (metrics[f"ne_{task}"] - ref) / ref,
+                    }
+                )
+        print("\nrelative NE difference vs bf16 (target |diff| <= 0.1%):")
+        for provider, metrics in results.items():
+            diffs = [
+                100 * (metrics[f"ne_{t}"] - results["bf16"][f"ne_{t}"]) / results["bf16"][f"ne_{t}"]
+                for t in TASKS
+            ]
+            print(f"{provider:>14}: ctr {diffs[0]:+.3f}%  cvr {diffs[1]:+.3f}%")
+
+    command = "python benchmarks/bench_fp8_quality.py " + " ".join(sys.argv[1:])
+    block = meta(
+        "fp8_quality",
+        command.strip(),
+        steps=args.steps,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        num_train=args.num_train,
+        num_eval=args.num_eval,
+        threads=args.threads,
+        architecture="recipe tiny (embedding_dim 32, 1 sequence layer, 2 DHEN layers)",
+        converted_linears=converted,
+        emulation=(
+            "CPU: FP8 and bf16 GEMMs are emulated (operands quantized/rounded, float32 matmul "
+            "and master weights); layers with min(in, out) < min_features stay float32"
+        ),
+        oracle_ne=eval_data.oracle_ne,
+    )
+    write_results(Path(args.out), block, rows)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

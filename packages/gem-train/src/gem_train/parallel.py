@@ -1,0 +1,321 @@
+"""Dense parallelism of the trainer (``TrainConfig.parallel``) around torchrec's DMP.
+
+torchrec's ``DistributedModelParallel`` shards the embedding tables and, by default, wraps the
+rest of the model in DDP. :class:`DenseParallel` decides what happens to that dense rest:
+
+* ``dense="ddp"``: torchrec's own DDP wrapper (unchanged behaviour), minus the expert
+  parameters when expert parallelism is on.
+* ``dense="fsdp"``: a ``DataParallelWrapper`` that applies FSDP2 (``gem_parallel.apply_fsdp``)
+  over the ``(replicate, shard)`` dense mesh instead of DDP. The sharded tables and the expert
+  parameters are left out (``ignored_params``).
+* ``expert_parallel > 1``: before DMP, every DHEN layer is replaced by
+  :class:`ExpertParallelDHENLayer`, which keeps only this rank's experts and runs them through
+  ``gem_parallel.ExpertParallel`` over the expert group.
+
+Checkpoint names do not depend on the layout: a local expert keeps its global index in its
+parameter names (``interaction.0.experts.2.…`` on whichever rank owns expert 2), FSDP2 keeps
+the plain names and stores DTensors, so DCP can load a checkpoint into any other layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from gem_model.dhen import DHENLayer
+from gem_parallel import (
+    ExpertParallel,
+    GemMesh,
+    ParallelLayout,
+    apply_fsdp,
+    build_gem_mesh,
+    default_topology,
+)
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.distributed.comm import get_local_size
+from torchrec.distributed.model_parallel import (
+    DataParallelWrapper,
+    DefaultDataParallelWrapper,
+    DistributedModelParallel,
+)
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.sharding_plan import get_default_sharders
+from torchrec.distributed.types import ShardedModule, ShardingEnv, ShardingPlan, ShardingType
+
+from gem_train.config import ParallelConfig
+
+__all__ = ["DenseParallel", "ExpertParallelDHENLayer", "FSDPWrapper", "fsdp_blocks"]
+
+
+class _ExpertsByGlobalIndex(nn.Module):
+    """This rank's experts of one layer, registered under their global indices ("0", "2"...)
+    so that their parameter names match the unsplit layer's on every rank."""
+
+    def __init__(self, experts: list[nn.Module], indices: tuple[int, ...]) -> None:
+        super().__init__()
+        for index, expert in zip(indices, experts, strict=True):
+            self.add_module(str(index), expert)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+
+class ExpertParallelDHENLayer(nn.Module):
+    """A ``DHENLayer`` whose experts are split over an expert-parallel group.
+
+    Computes ``x + sum_e expert_e(norm(x))`` like the layer it replaces: each rank runs its own
+    experts on the group's gathered batch (``gem_parallel.ExpertParallel``). Holds the original
+    ``norm`` and the local experts (as ``experts.<global index>``).
+    """
+
+    def __init__(
+        self,
+        layer: DHENLayer,
+        group: dist.ProcessGroup,
+        replica_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(layer, DHENLayer):
+            raise TypeError(f"layer must be a gem_model DHENLayer, got {type(layer).__name__}")
+        parallel = ExpertParallel(list(layer.experts), group, replica_group=replica_group)
+        self.norm = layer.norm
+        self.experts = _ExpertsByGlobalIndex(list(parallel.experts), parallel.expert_indices)
+        # Kept out of the module tree: its parameters are the ones registered under `experts`,
+        # and a second path would give them a second, layout-dependent name.
+        self.__dict__["parallel"] = parallel
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens + self.parallel(self.norm(tokens))
+
+    def reduce_grads(self) -> None:
+        """Averages the local experts' gradients over the data-parallel world (collective)."""
+        self.parallel.reduce_grads(average=True)
+
+
+def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
+    """The GEM model's FSDP units in forward order: sequence layers, PMA, cross-attention,
+    interaction layers and task heads. The root unit keeps the small rest (norms, recency,
+    dense projection); the torchrec-sharded tables are never FSDP units."""
+    blocks: list[nn.Module] = []
+    for name in ("sequence_layers", "pma", "cross_attention", "interaction", "heads"):
+        child = getattr(model, name, None)
+        if child is None:
+            continue
+        if isinstance(child, nn.ModuleDict):
+            members = list(child.values())
+        elif isinstance(child, nn.ModuleList | nn.Sequential):
+            members = list(child)
+        else:
+            members = [child]
+        blocks.extend(m for m in members if any(True for _ in m.parameters()))
+    return blocks
+
+
+def _sharded_parameters(module: nn.Module) -> set[nn.Parameter]:
+    """Parameters of torchrec-sharded submodules, as FSDP2 would enumerate them."""
+    found: set[nn.Parameter] = set()
+    for sharded in (m for m in module.modules() if isinstance(m, ShardedModule)):
+        for sub in sharded.modules():
+            found.update(p for _, p in sub.named_parameters(recurse=False))
+        found.update(sharded.parameters())
+    return found
+
+
+class FSDPWrapper(DataParallelWrapper):
+    """torchrec ``DataParallelWrapper`` that applies FSDP2 instead of DDP to the dense part.
+
+    Passed to ``DistributedModelParallel(data_parallel_wrapper=...)``; DMP calls :meth:`wrap`
+    after sharding the tables. ``ignored`` parameters (the expert-parallel experts) stay
+    unsharded, like the tables.
+    """
+
+    def __init__(
+        self,
+        mesh: GemMesh,
+        *,
+        ignored: set[nn.Parameter] | None = None,
+        reshard_after_forward: bool = True,
+    ) -> None:
+        self.mesh = mesh
+        self.ignored = set(ignored or ())
+        self.reshard_after_forward = reshard_after_forward
+
+    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
+        module = dmp._dmp_wrapped_module  # DMP exposes no public setter before wrapping
+        ignored = self.ignored | _sharded_parameters(module)
+        apply_fsdp(
+            module,
+            self.mesh,
+            blocks=fsdp_blocks(module),
+            reshard_after_forward=self.reshard_after_forward,
+            ignored_params=ignored,
+        )
+
+
+class DenseParallel:
+    """Applies ``ParallelConfig`` to a model around DMP and to its gradients.
+
+    Call order: :meth:`prepare` on the unsharded model, pass :meth:`data_parallel_wrapper` to
+    DMP, build the dense optimizer from :meth:`param_groups`, and call
+    :meth:`finish_gradients` after ``backward`` and before the optimizer step.
+    Needs an initialised process group (collective: every rank builds the same meshes).
+    """
+
+    def __init__(self, config: ParallelConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.world_size = dist.get_world_size()
+        self.mesh: GemMesh | None = None
+        self.expert_layers: list[ExpertParallelDHENLayer] = []
+        self._expert_params: set[nn.Parameter] = set()
+        world = self.world_size
+        if config.dense == "fsdp":
+            shard = config.shard or world
+            if world % shard:
+                raise ValueError(f"parallel.shard ({shard}) must divide the world size ({world})")
+            layout_sizes = {"replicate": world // shard, "shard": shard}
+        else:
+            layout_sizes = {"replicate": 1, "shard": world}
+        if config.dense == "fsdp" or config.expert_parallel > 1:
+            topology = (
+                default_topology(world, config.gpus_per_host) if config.gpus_per_host else None
+            )
+            try:  # the layout checks name gem-parallel's fields; say which section they come from
+                layout = ParallelLayout(
+                    **layout_sizes, expert=config.expert_parallel, model_parallel=world
+                )
+                self.mesh = build_gem_mesh(layout, topology, device_type=device.type)
+            except ValueError as error:
+                raise ValueError(f"parallel: {error}") from error
+
+    # ---------------------------------------------------------------- model
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Splits the DHEN experts over the expert groups (``expert_parallel > 1``), in place."""
+        if self.config.expert_parallel == 1:
+            return model
+        assert self.mesh is not None
+        replica = self.mesh.expert_replica_group if self.mesh.expert_replica else None
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, DHENLayer):
+                    layer = ExpertParallelDHENLayer(child, self.mesh.expert_group, replica)
+                    setattr(parent, name, layer)
+                    self.expert_layers.append(layer)
+        if not self.expert_layers:
+            raise ValueError("parallel.expert_parallel > 1 but the model has no DHEN layers")
+        self._expert_params = {
+            p for layer in self.expert_layers for p in layer.experts.parameters()
+        }
+        return model
+
+    def sharding_plan(self, model: nn.Module) -> ShardingPlan:
+        """torchrec's plan for the tables: model-parallel sharding types only. Collective.
+
+        torchrec's planner would make small tables DATA_PARALLEL (replicated) depending on the
+        world size; such tables get no fused optimizer and would be trained by the dense AdamW
+        instead of the sparse row-wise Adagrad, so the optimizer of a table would depend on
+        the number of ranks (and under FSDP their gradients would not be reduced at all).
+        """
+        allowed = [t.value for t in ShardingType if t != ShardingType.DATA_PARALLEL]
+        tables = [
+            table.name
+            for module in model.modules()
+            if isinstance(module, EmbeddingBagCollection | EmbeddingCollection)
+            for table in (
+                module.embedding_bag_configs()
+                if isinstance(module, EmbeddingBagCollection)
+                else module.embedding_configs()
+            )
+        ]
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(
+                local_world_size=get_local_size(self.world_size),
+                world_size=self.world_size,
+                compute_device=self.device.type,
+            ),
+            constraints={name: ParameterConstraints(sharding_types=allowed) for name in tables},
+        )
+        return planner.collective_plan(model, get_default_sharders(), dist.GroupMember.WORLD)
+
+    def data_parallel_wrapper(self, model: nn.Module) -> DataParallelWrapper | None:
+        """The wrapper DMP applies to the dense part (None: torchrec's default DDP)."""
+        if self.config.dense == "fsdp":
+            assert self.mesh is not None
+            return FSDPWrapper(
+                self.mesh,
+                ignored=self._expert_params,
+                reshard_after_forward=self.config.reshard_after_forward,
+            )
+        if self._expert_params:
+            ids = {id(p) for p in self._expert_params}
+            names = [name for name, p in model.named_parameters() if id(p) in ids]
+            return DefaultDataParallelWrapper(params_to_ignore=names)
+        return None
+
+    # ------------------------------------------------------------ optimizer
+    def is_expert(self, parameter: torch.Tensor) -> bool:
+        """Whether ``parameter`` belongs to an expert split by expert parallelism."""
+        return parameter in self._expert_params
+
+    def param_groups(self, parameters: list[torch.Tensor]) -> list[torch.Tensor] | list[dict]:
+        """Optimizer parameter groups: FSDP DTensors and plain tensors apart (foreach kernels
+        take one kind per call); a plain list when there is only one kind."""
+        sharded = [p for p in parameters if isinstance(p, DTensor)]
+        plain = [p for p in parameters if not isinstance(p, DTensor)]
+        if not sharded or not plain:
+            return list(parameters)
+        return [{"params": sharded}, {"params": plain}]
+
+    def finish_gradients(self, parameters: list[torch.Tensor], max_norm: float) -> None:
+        """Averages expert gradients over their replicas and clips the dense gradients to
+        ``max_norm`` by their global norm (0: no clipping). Collective."""
+        for layer in self.expert_layers:
+            layer.reduce_grads()
+        if max_norm <= 0:
+            return
+        if self.mesh is None:  # plain DDP: every rank holds the full, averaged gradients
+            torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+            return
+        with_grad = [p for p in parameters if p.grad is not None]
+        sharded = [p for p in with_grad if isinstance(p.grad, DTensor)]
+        experts = [p for p in with_grad if not isinstance(p.grad, DTensor) and self.is_expert(p)]
+        replicated = [
+            p for p in with_grad if not isinstance(p.grad, DTensor) and not self.is_expert(p)
+        ]
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        if sharded:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in sharded])
+            squares = squares + norm.full_tensor().float().square()
+        if replicated:
+            squares = (
+                squares
+                + torch.nn.utils.get_total_norm([p.grad for p in replicated]).float().square()
+            )
+        if experts:
+            # Experts are disjoint within a group and equal across groups (after reduce_grads).
+            local = torch.nn.utils.get_total_norm([p.grad for p in experts]).float().square()
+            dist.all_reduce(local, group=self.mesh.expert_group)
+            squares = squares + local
+        total = squares.sqrt()
+        for group in (sharded, replicated, experts):
+            if group:
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+
+    def describe(self) -> str:
+        """One line: the dense mode, mesh sizes and expert groups."""
+        config = self.config
+        if self.mesh is None:
+            return f"dense ddp over {self.world_size} rank(s)"
+        layout = self.mesh.layout
+        text = (
+            f"dense {config.dense} (replicate {layout.replicate} x shard {layout.shard})"
+            if config.dense == "fsdp"
+            else f"dense ddp over {self.world_size} rank(s)"
+        )
+        if config.expert_parallel > 1:
+            text += f", experts over groups of {config.expert_parallel}"
+        return text

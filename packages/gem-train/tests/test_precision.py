@@ -1,0 +1,60 @@
+"""Tests for the precision hook: TrainConfig.precision -> gem-precision layer conversion."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gem_precision import Bf16GemmLinear, Fp8Linear
+from gem_train.config import PrecisionConfig, TrainConfig, apply_overrides
+from gem_train.precision import apply_precision, precision_policy
+from torch import nn
+
+
+def small_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 1))
+
+
+def test_overrides_reach_the_recipe():
+    config = apply_overrides(
+        TrainConfig(),
+        [
+            "precision.mode=fp8",
+            "precision.min_features=16",
+            "precision.hadamard=true",
+            "precision.exclude=heads.*,out",
+        ],
+    )
+    assert config.precision.mode == "fp8" and config.precision.min_features == 16
+    policy = precision_policy(config.precision)
+    assert policy.recipe.hadamard and not policy.recipe.stochastic_rounding_grads
+    assert policy.exclude == ("heads.*", "out")
+    with pytest.raises(ValueError, match="precision.mode"):
+        apply_overrides(TrainConfig(), ["precision.mode=fp4"])
+
+
+@pytest.mark.parametrize(("mode", "layer_type"), [("fp8", Fp8Linear), ("bf16", Bf16GemmLinear)])
+def test_apply_precision_converts_the_same_layers(mode, layer_type):
+    model = small_model()
+    weights = [m.weight for m in model if isinstance(m, nn.Linear)]
+    converted = apply_precision(model, PrecisionConfig(mode=mode, min_features=16))
+    assert converted == ["2"]  # 8-wide input and 1-wide output stay float32
+    assert type(model[2]) is layer_type and type(model[0]) is nn.Linear
+    assert model[2].weight is weights[1]  # parameters are shared, optimizers keep working
+    x = torch.randn(4, 8)
+    reference = small_model()
+    out, ref = model(x), reference(x)
+    assert 0 < float((out - ref).norm() / ref.norm()) < 0.1
+
+
+def test_fp32_changes_nothing():
+    model = small_model()
+    assert apply_precision(model, PrecisionConfig()) == []
+    assert all(type(m) in (nn.Linear, nn.ReLU) for m in model)
+
+
+def test_fp8_with_bf16_layers_mixes_both():
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    config = PrecisionConfig(mode="fp8", min_features=16, bf16_layers=("1",))
+    assert sorted(apply_precision(model, config)) == ["0", "1"]
+    assert type(model[0]) is Fp8Linear and type(model[1]) is Bf16GemmLinear
