@@ -30,15 +30,14 @@ the fastest forward and backward.
 
 from __future__ import annotations
 
-import argparse
-import math
 import sys
 import time
 import traceback
 
 import torch
 import torch.nn.functional as F
-from _results import ROOT, meta, write_results
+from _results import ROOT, meta, require_cuda, results_parser, write_results
+from _timing import autograd_provider, fastest, grad_leaves, median_ms, record_check, rel_error
 
 sys.path.insert(0, str(ROOT / "packages" / "gem-kernels" / "src"))
 
@@ -57,11 +56,7 @@ THETA = 10000.0
 
 
 def _bench(fn, grad_to_none=None) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(
-        fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median"
-    )
+    return median_ms(fn, warmup=25, rep=100, grad_to_none=grad_to_none)
 
 
 class Case:
@@ -101,7 +96,7 @@ class Case:
         )
 
     def leaves(self):
-        return [t.detach().clone().requires_grad_(True) for t in (self.q, self.k, self.v)]
+        return grad_leaves((self.q, self.k, self.v))
 
     def rope(self, x):
         half = D // 2
@@ -111,17 +106,7 @@ class Case:
 
 def _provider(case, run):
     """(fwd, fwd_bwd, leaves) from ``run(q, k, v) -> out``."""
-
-    def fwd():
-        with torch.no_grad():
-            return run(case.q, case.k, case.v)
-
-    leaves = case.leaves()
-
-    def fwd_bwd():
-        run(*leaves).backward(case.grad)
-
-    return fwd, fwd_bwd, leaves
+    return autograd_provider(run, (case.q, case.k, case.v), case.grad)
 
 
 def provider_gem(case: Case, config=None):
@@ -192,35 +177,29 @@ PEERS = {
 # ---------------------------------------------------------------------------------------------
 
 
-def _rel_error(got, want) -> float:
-    got, want = got.float(), want.float()
-    return float((got - want).norm() / want.norm().clamp(min=1e-12))
-
-
 def _check(case: Case, checks: dict) -> None:
     """gem's output and gradients against flash varlen over blocks (+ separate RoPE)."""
-    try:
-        results = {}
-        for name, make in (("gem", provider_gem), ("ref", provider_flash_blocks)):
-            _, _, leaves = make(case)
-            out = (
-                block_attention(*leaves, case.offsets)
-                if name == "gem"
-                else _flash_blocks(case, case.rope(leaves[0]), case.rope(leaves[1]), leaves[2])
-            )
-            out.backward(case.grad)
-            results[name] = [out.detach()] + [leaf.grad for leaf in leaves]
-        errors = {
-            label: _rel_error(a, b)
-            for label, a, b in zip(
-                ("out", "dq", "dk", "dv"), results["gem"], results["ref"], strict=True
-            )  # fmt: skip
-        }
-        checks[case.name] = errors
-        print(f"check {case.name}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
-    except Exception as error:  # noqa: BLE001 - report and keep benchmarking
-        checks[case.name] = {"error": repr(error)[:300]}
-        print(f"check {case.name} failed: {error!r}"[:400])
+    record_check(checks, case.name, lambda: _errors_against_flash(case))
+
+
+def _errors_against_flash(case: Case) -> dict[str, float]:
+    """Relative errors of gem's out, dq, dk, dv against flash varlen over blocks."""
+    results = {}
+    for name, make in (("gem", provider_gem), ("ref", provider_flash_blocks)):
+        _, _, leaves = make(case)
+        out = (
+            block_attention(*leaves, case.offsets)
+            if name == "gem"
+            else _flash_blocks(case, case.rope(leaves[0]), case.rope(leaves[1]), leaves[2])
+        )
+        out.backward(case.grad)
+        results[name] = [out.detach()] + [leaf.grad for leaf in leaves]
+    return {
+        label: rel_error(a, b)
+        for label, a, b in zip(
+            ("out", "dq", "dk", "dv"), results["gem"], results["ref"], strict=True
+        )  # fmt: skip
+    }
 
 
 def _measure(rows, errors, case, provider, make) -> dict:
@@ -258,42 +237,34 @@ def _sweep(device, deadline) -> BlockAttentionTritonConfig:
     """Time a few launch configurations at B128xL4096; return the fastest fwd and bwd mix."""
     case = Case(128, 4096, device)
     base = default_config(D)
-    best_fwd, best_ms = (base.fwd_heads_per_program, base.fwd_warps, base.fwd_stages), math.inf
-    for fields in [(4, 4, 2), (4, 4, 3), (2, 4, 3), (4, 4, 4)]:
-        if time.time() > deadline:
-            break
-        config = BlockAttentionTritonConfig(*fields, 4, 8, 1)
-        try:
-            ms = _bench(provider_gem(case, config)[0])
-        except Exception as error:  # noqa: BLE001
-            print(f"sweep fwd {fields}: {error!r}"[:300])
-            continue
-        print(f"sweep fwd (heads/program, warps, stages) {fields}: {ms:.3f} ms")
-        if ms < best_ms:
-            best_fwd, best_ms = fields, ms
-    best_bwd = (base.bwd_heads_per_program, base.bwd_warps, base.bwd_stages)
-    best_ms = math.inf
-    for fields in [(4, 8, 1), (4, 8, 2), (2, 8, 2)]:
-        if time.time() > deadline:
-            break
-        config = BlockAttentionTritonConfig(*best_fwd, *fields)
-        try:
-            _, fwd_bwd, leaves = provider_gem(case, config)
-            ms = _bench(fwd_bwd, grad_to_none=leaves)
-        except Exception as error:  # noqa: BLE001
-            print(f"sweep bwd {fields}: {error!r}"[:300])
-            continue
-        print(f"sweep fwd+bwd, bwd (heads/program, warps, stages) {fields}: {ms:.3f} ms")
-        if ms < best_ms:
-            best_bwd, best_ms = fields, ms
+    best_fwd = fastest(
+        [(4, 4, 2), (4, 4, 3), (2, 4, 3), (4, 4, 4)],
+        lambda fields: _bench(provider_gem(case, BlockAttentionTritonConfig(*fields, 4, 8, 1))[0]),
+        default=(base.fwd_heads_per_program, base.fwd_warps, base.fwd_stages),
+        deadline=deadline,
+        label="fwd",
+        describe=lambda fields: f"sweep fwd (heads/program, warps, stages) {fields}",
+    )
+
+    def time_bwd(fields) -> float:
+        _, fwd_bwd, leaves = provider_gem(case, BlockAttentionTritonConfig(*best_fwd, *fields))
+        return _bench(fwd_bwd, grad_to_none=leaves)
+
+    best_bwd = fastest(
+        [(4, 8, 1), (4, 8, 2), (2, 8, 2)],
+        time_bwd,
+        default=(base.bwd_heads_per_program, base.bwd_warps, base.bwd_stages),
+        deadline=deadline,
+        label="bwd",
+        describe=lambda fields: f"sweep fwd+bwd, bwd (heads/program, warps, stages) {fields}",
+    )
     chosen = BlockAttentionTritonConfig(*best_fwd, *best_bwd)
     print(f"chosen config: {chosen}")
     return chosen
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/h200/block_attention.json"))
+    parser = results_parser(__doc__, "h200/block_attention.json")
     parser.add_argument("--sweep", action="store_true", help="pick gem's launch config by a sweep")
     parser.add_argument("--config", default="", help="6 comma-separated config fields")
     parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated peer names")
@@ -301,8 +272,7 @@ def main() -> None:
     parser.add_argument("--flex-shapes", default="128x4096", help="shapes that run flex")
     parser.add_argument("--budget-s", type=float, default=150.0, help="stop starting new work")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA device")
+    require_cuda()
     import triton
 
     device = torch.device("cuda")

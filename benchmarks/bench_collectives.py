@@ -34,7 +34,6 @@ for _name, _value in (
 ):
     os.environ[_name] = _value
 
-import argparse  # noqa: E402
 import datetime  # noqa: E402
 import logging  # noqa: E402
 import socket  # noqa: E402
@@ -47,7 +46,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from _results import ROOT, meta, write_results  # noqa: E402
+from _results import ROOT, meta, results_parser, write_results  # noqa: E402
 
 _SRC = ROOT / "packages" / "gem-parallel" / "src"
 sys.path.insert(0, str(_SRC))
@@ -416,10 +415,7 @@ def _worker(rank: int, world: int, out_path: str, command: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--out", default=str(ROOT / "benchmarks" / "results" / "h200x2" / "collectives.json")
-    )
+    parser = results_parser(__doc__, "h200x2/collectives.json")
     args = parser.parse_args()
     world = torch.cuda.device_count()
     if world < 2:

@@ -39,14 +39,15 @@ and uses the fastest.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
-from _results import ROOT, meta, write_results  # noqa: E402
+from _results import ROOT, meta, require_cuda, results_parser, write_results  # noqa: E402
+from _timing import median_ms
 from torch import nn
 
 sys.path.insert(0, str(ROOT / "packages" / "gem-precision" / "src"))
@@ -78,9 +79,7 @@ DTYPE = torch.bfloat16
 
 
 def _bench(fn, rep=100) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+    return median_ms(fn, warmup=25, rep=rep)
 
 
 def _row(rows, case, provider, mode, metric, value):
@@ -91,6 +90,21 @@ def _row(rows, case, provider, mode, metric, value):
 
 # ---------------------------------------------------------------------------------------------
 # Correctness on the GPU (bit-exact kernels, native GEMMs against the emulation).
+
+
+def _with_cpu_copy(module, make_cpu_module, xs, dy):
+    """Forward+backward of ``module`` on a leaf copy of ``xs``, then of ``make_cpu_module()``
+    (loaded with ``module``'s state in float32) on a float32 CPU copy: ``(out, x_leaf,
+    cpu_module, cpu_out, cpu_x_leaf)``."""
+    xg = xs.detach().clone().requires_grad_(True)
+    out = module(xg)
+    out.backward(dy)
+    cpu_module = make_cpu_module()
+    cpu_module.load_state_dict({key: v.float().cpu() for key, v in module.state_dict().items()})
+    xc = xs.detach().float().cpu().clone().requires_grad_(True)
+    out_c = cpu_module(xc)
+    out_c.backward(dy.float().cpu())
+    return out, xg, cpu_module, out_c, xc
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -158,14 +172,8 @@ def check(device) -> dict:
             results[f"scaled_mm_{act}_{name}_rel_err"] = err
     # Fp8Linear / Fp8NormLinear end to end on the GPU against their CPU emulation.
     lin = Fp8Linear(k, n, device=device, dtype=DTYPE)
-    xg = xs.detach().clone().requires_grad_(True)
-    out = lin(xg)
-    out.backward(dy)
-    lin_cpu = Fp8Linear(k, n, dtype=torch.float32)
-    lin_cpu.load_state_dict({key: v.float().cpu() for key, v in lin.state_dict().items()})
-    xc = xs.detach().float().cpu().clone().requires_grad_(True)
-    out_c = lin_cpu(xc)
-    out_c.backward(dy.float().cpu())
+    cpu_copy = partial(Fp8Linear, k, n, dtype=torch.float32)
+    out, xg, lin_cpu, out_c, xc = _with_cpu_copy(lin, cpu_copy, xs, dy)
     rel = lambda a, b: float((a.float().cpu() - b).norm() / b.norm())  # noqa: E731
     results["fp8_linear_out_rel_err_vs_cpu"] = rel(out, out_c)
     results["fp8_linear_dx_rel_err_vs_cpu"] = rel(xg.grad, xc.grad)
@@ -173,14 +181,8 @@ def check(device) -> dict:
     norm = Fp8NormLinear(k, n, device=device, dtype=DTYPE)
     with torch.no_grad():
         norm.norm_weight.uniform_(0.5, 1.5, generator=gen)
-    xg = xs.detach().clone().requires_grad_(True)
-    out = norm(xg)
-    out.backward(dy)
-    norm_cpu = Fp8NormLinear(k, n, dtype=torch.float32)
-    norm_cpu.load_state_dict({key: v.float().cpu() for key, v in norm.state_dict().items()})
-    xc = xs.detach().float().cpu().clone().requires_grad_(True)
-    out_c = norm_cpu(xc)
-    out_c.backward(dy.float().cpu())
+    cpu_copy = partial(Fp8NormLinear, k, n, dtype=torch.float32)
+    out, xg, norm_cpu, out_c, xc = _with_cpu_copy(norm, cpu_copy, xs, dy)
     results["fp8_norm_linear_out_rel_err_vs_cpu"] = rel(out, out_c)
     results["fp8_norm_linear_dx_rel_err_vs_cpu"] = rel(xg.grad, xc.grad)
     results["fp8_norm_linear_dnorm_w_rel_err_vs_cpu"] = rel(
@@ -498,8 +500,7 @@ def _summary(rows) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/h200/fp8_linear.json"))
+    parser = results_parser(__doc__, "h200/fp8_linear.json")
     parser.add_argument("--check", action="store_true", help="GPU correctness checks first")
     parser.add_argument("--sweep", action="store_true", help="sweep kernel launch options")
     parser.add_argument("--shapes", default="all", help="'all' or e.g. 4096x4096,512x512")
@@ -510,8 +511,7 @@ def main() -> None:
     parser.add_argument("--no-kernels", action="store_true", help="skip the bandwidth rows")
     parser.add_argument("--no-norm", action="store_true", help="skip the rmsnorm cases")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA device")
+    require_cuda()
     import triton
 
     device = torch.device("cuda")

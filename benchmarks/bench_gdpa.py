@@ -23,7 +23,6 @@ function) and ``njt_sdpa`` (nested-jagged softmax SDPA, cross and PMA).
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 import traceback
@@ -33,7 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from _results import ROOT, meta, write_results  # noqa: E402
+from _results import ROOT, meta, require_cuda, results_parser, user_args, write_results  # noqa: E402
+from _timing import autograd_provider, grad_leaves, median_ms, raise_recompile_limits, rel_error
 
 sys.path.insert(0, str(ROOT / "packages" / "gem-kernels" / "src"))
 
@@ -53,11 +53,7 @@ COMPILE_OK = {"self/B512xL1024", "pma/B512xL1024"}
 
 
 def _bench(fn, grad_to_none=None) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(
-        fn, warmup=10, rep=40, grad_to_none=grad_to_none, return_mode="median"
-    )
+    return median_ms(fn, warmup=10, rep=40, grad_to_none=grad_to_none)
 
 
 def _lengths(batch: int, max_len: int) -> torch.Tensor:
@@ -111,7 +107,7 @@ class Case:
         self.bytes = 2.0 * H * D * (2 * k_rows + q_rows + out_rows)
 
     def leaves(self):
-        return [t.detach().clone().requires_grad_(True) for t in (self.q, self.k, self.v)]
+        return grad_leaves((self.q, self.k, self.v))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -126,16 +122,7 @@ def provider_gem(case: Case, config=None, activation=ACT):
         k_len = None if case.kind == "self" else case.k_lengths
         return gt.gdpa_from_lengths(q, k, v, q_len, k_len, activation=activation, config=config)
 
-    def fwd():
-        with torch.no_grad():
-            return call(case.q, case.k, case.v)
-
-    leaves = case.leaves()
-
-    def fwd_bwd():
-        call(*leaves).backward(case.grad)
-
-    return fwd, fwd_bwd, leaves
+    return autograd_provider(call, (case.q, case.k, case.v), case.grad)
 
 
 def _pad(t, lengths, max_len):
@@ -168,11 +155,7 @@ def provider_compile_padded(case: Case):
         raise NotImplementedError("padded score tensor too large for this shape")
     act = gdpa_activation(ACT)
     if "fn" not in _COMPILED:
-        import torch._dynamo as dynamo
-
-        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
-            if hasattr(dynamo.config, name):
-                setattr(dynamo.config, name, 64)
+        raise_recompile_limits(64)
 
         def padded_gdpa(q, k, v, key_mask):
             s = torch.matmul(q, k.transpose(-1, -2)).float() * (D**-0.5)
@@ -185,17 +168,7 @@ def provider_compile_padded(case: Case):
     lk = kp.shape[2]
     key_mask = (torch.arange(lk)[None, :] < case.k_lengths[:, None]).to(qp.device)
     key_mask = key_mask[:, None, None, :]
-
-    def fwd():
-        with torch.no_grad():
-            return fn(qp, kp, vp, key_mask)
-
-    leaves = [t.detach().clone().requires_grad_(True) for t in (qp, kp, vp)]
-
-    def fwd_bwd():
-        fn(*leaves, key_mask).backward(gp)
-
-    return fwd, fwd_bwd, leaves
+    return autograd_provider(lambda q, k, v: fn(q, k, v, key_mask), (qp, kp, vp), gp)
 
 
 def provider_sdpa_padded(case: Case):
@@ -295,11 +268,6 @@ def _measure(rows, errors, case, provider, make, modes=("fwd", "fwd_bwd")):
     return times
 
 
-def _rel(a, b):
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).norm() / b.norm().clamp(min=1e-12))
-
-
 def check(device) -> dict:
     """gem (bf16 and fp32 inputs) against the fp32 reference on small jagged problems."""
     results = {}
@@ -332,8 +300,8 @@ def check(device) -> dict:
                 g = torch.randn(out.shape, generator=gen).to(device)
                 out.backward(g.to(dtype))
                 ref.backward(g)
-                errs = [_rel(out, ref)] + [
-                    _rel(a.grad, b.grad) for a, b in zip(leaves, ref_leaves, strict=True)
+                errs = [rel_error(out, ref)] + [
+                    rel_error(a.grad, b.grad) for a, b in zip(leaves, ref_leaves, strict=True)
                 ]
                 results[name] = [round(e, 6) for e in errs]
                 print(f"check {name}: " + " ".join(f"{e:.1e}" for e in errs))
@@ -499,19 +467,6 @@ def quick_sweep(device, deadline, rows) -> gt.GdpaTritonConfig:
     return best
 
 
-def _user_args() -> list[str]:
-    """Command-line arguments without ``--out`` (the result path is the default one)."""
-    argv, skip = [], False
-    for arg in sys.argv[1:]:
-        if skip:
-            skip = False
-        elif arg == "--out":
-            skip = True
-        elif not arg.startswith("--out="):
-            argv.append(arg)
-    return argv
-
-
 def _parse_config(text: str) -> gt.GdpaTritonConfig | None:
     if not text:
         return None
@@ -523,8 +478,7 @@ def _parse_config(text: str) -> gt.GdpaTritonConfig | None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/h200/gdpa.json"))
+    parser = results_parser(__doc__, "h200/gdpa.json")
     parser.add_argument("--check", action="store_true", help="correctness vs the reference")
     parser.add_argument("--sweep", action="store_true", help="pick gem's tiles by a sweep")
     parser.add_argument("--sweep-only", action="store_true", help="check + sweep, no JSON")
@@ -535,8 +489,7 @@ def main() -> None:
     )
     parser.add_argument("--peers", default=",".join(PEERS))
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA device")
+    require_cuda()
     device = torch.device("cuda")
     start = time.time()
     checks = check(device) if args.check or args.sweep_only else {}
@@ -557,7 +510,7 @@ def main() -> None:
 
         meta_block = meta(
             "gdpa",
-            " ".join(["python benchmarks/bench_gdpa.py", *_user_args()]),
+            " ".join(["python benchmarks/bench_gdpa.py", *user_args()]),
             device=torch.cuda.get_device_name(),
             triton=triton.__version__,
             shape={

@@ -31,8 +31,6 @@ configurations (no JSON). A full run takes about 4 minutes on an H200 (the
 
 from __future__ import annotations
 
-import argparse
-import math
 import sys
 import time
 import traceback
@@ -40,7 +38,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _results import ROOT, meta, write_results  # noqa: E402
+from _results import ROOT, meta, require_cuda, results_parser, user_args, write_results  # noqa: E402
+from _timing import (
+    autograd_provider,
+    fastest,
+    grad_leaves,
+    median_ms,
+    raise_recompile_limits,
+    record_check,
+    rel_error,
+)
 
 sys.path.insert(0, str(ROOT / "packages" / "gem-kernels" / "src"))
 
@@ -57,9 +64,7 @@ TIMING = {"warmup": 25, "rep": 100}  # do_bench milliseconds; --warmup-ms / --re
 
 
 def _bench(fn, grad_to_none=None) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, grad_to_none=grad_to_none, return_mode="median", **TIMING)
+    return median_ms(fn, grad_to_none=grad_to_none, **TIMING)
 
 
 def _precompile_job(job) -> str:
@@ -155,7 +160,7 @@ class Case:
         self.fwd_flops = 4.0 * H * D * _visible_pairs(self.lengths, causal, window)
 
     def leaves(self):
-        return [t.detach().clone().requires_grad_(True) for t in (self.q, self.k, self.v)]
+        return grad_leaves((self.q, self.k, self.v))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,18 +267,11 @@ def provider_padded(case: Case, backend):
 
     qp, kp, vp, gp = (_padded(case, t) for t in (case.q, case.k, case.v, case.grad))
 
-    def fwd():
-        with sdpa_kernel([backend]), torch.no_grad():
-            return F.scaled_dot_product_attention(qp, kp, vp, is_causal=case.causal)
-
-    leaves = [t.detach().clone().requires_grad_(True) for t in (qp, kp, vp)]
-
-    def fwd_bwd():
+    def run(q, k, v):
         with sdpa_kernel([backend]):
-            out = F.scaled_dot_product_attention(*leaves, is_causal=case.causal)
-        out.backward(gp)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
 
-    return fwd, fwd_bwd, leaves
+    return autograd_provider(run, (qp, kp, vp), gp)
 
 
 # Peers whose peak memory is measured (flex would recompile for the extra half-token shape).
@@ -288,11 +286,7 @@ def provider_flex(case: Case):
     if "fn" not in _FLEX:
         # One compiled graph per shape, mask and grad mode: lift dynamo's recompile cap (8),
         # past which flex would run eagerly and materialise the full score matrix.
-        import torch._dynamo as dynamo  # binds only `dynamo`: `torch` stays the global
-
-        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
-            if hasattr(dynamo.config, name):
-                setattr(dynamo.config, name, 256)
+        raise_recompile_limits(256)
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     flex = _FLEX["fn"]
     device = case.q.device
@@ -313,18 +307,7 @@ def provider_flex(case: Case):
     qf, kf, vf, gf = (
         t.transpose(0, 1).unsqueeze(0).contiguous() for t in (case.q, case.k, case.v, case.grad)
     )
-
-    def fwd():
-        with torch.no_grad():
-            return flex(qf, kf, vf, block_mask=block_mask)
-
-    leaves = [t.detach().clone().requires_grad_(True) for t in (qf, kf, vf)]
-
-    def fwd_bwd():
-        out = flex(*leaves, block_mask=block_mask)
-        out.backward(gf)
-
-    return fwd, fwd_bwd, leaves
+    return autograd_provider(lambda q, k, v: flex(q, k, v, block_mask=block_mask), (qf, kf, vf), gf)
 
 
 PEERS = {
@@ -345,43 +328,38 @@ def _backend(name):
 # ---------------------------------------------------------------------------------------------
 
 
-def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.float(), want.float()
-    return float((got - want).norm() / want.norm().clamp(min=1e-12))
-
-
 def _check_against_flash(case: Case, results: dict) -> None:
     """gem's output and gradients against flash varlen on the same inputs."""
-    try:
-        fwd, _, _ = provider_gem(case)
-        ours = fwd()
-        ref_out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            case.q, case.k, case.v, case.offsets_dev.int(), case.offsets_dev.int(),
-            int(case.lengths.max()), int(case.lengths.max()), 0.0, case.causal, False,
-            **({} if case.window is None else dict(window_size_left=case.window,
-                                                     window_size_right=0)),
-        )  # fmt: skip
-        leaves = case.leaves()
-        window = None if case.window is None else (case.window, None)
-        out = jagged_flash_attention(
-            *leaves, case.offsets, causal=case.causal, window=window, backend="triton"
-        )
-        out.backward(case.grad)
-        ref_grads = torch.ops.aten._flash_attention_backward(
-            case.grad, case.q, case.k, case.v, ref_out, lse, case.offsets_dev.int(),
-            case.offsets_dev.int(), int(case.lengths.max()), int(case.lengths.max()), 0.0,
-            case.causal, rng, unused,
-            **({} if case.window is None else dict(window_size_left=case.window,
-                                                     window_size_right=0)),
-        )  # fmt: skip
-        errors = {"out": _rel_error(ours, ref_out)}
-        for name, leaf, ref in zip("qkv", leaves, ref_grads, strict=True):
-            errors[f"d{name}"] = _rel_error(leaf.grad, ref)
-        results[case.name] = errors
-        print(f"check {case.name}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors.items()))
-    except Exception as error:  # noqa: BLE001 - report and keep benchmarking
-        results[case.name] = {"error": repr(error)[:300]}
-        print(f"check {case.name} failed: {error!r}"[:400])
+    record_check(results, case.name, lambda: _errors_against_flash(case))
+
+
+def _errors_against_flash(case: Case) -> dict[str, float]:
+    """Relative errors of gem's out, dq, dk, dv against flash varlen."""
+    fwd, _, _ = provider_gem(case)
+    ours = fwd()
+    ref_out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+        case.q, case.k, case.v, case.offsets_dev.int(), case.offsets_dev.int(),
+        int(case.lengths.max()), int(case.lengths.max()), 0.0, case.causal, False,
+        **({} if case.window is None else dict(window_size_left=case.window,
+                                                 window_size_right=0)),
+    )  # fmt: skip
+    leaves = case.leaves()
+    window = None if case.window is None else (case.window, None)
+    out = jagged_flash_attention(
+        *leaves, case.offsets, causal=case.causal, window=window, backend="triton"
+    )
+    out.backward(case.grad)
+    ref_grads = torch.ops.aten._flash_attention_backward(
+        case.grad, case.q, case.k, case.v, ref_out, lse, case.offsets_dev.int(),
+        case.offsets_dev.int(), int(case.lengths.max()), int(case.lengths.max()), 0.0,
+        case.causal, rng, unused,
+        **({} if case.window is None else dict(window_size_left=case.window,
+                                                 window_size_right=0)),
+    )  # fmt: skip
+    errors = {"out": rel_error(ours, ref_out)}
+    for name, leaf, ref in zip("qkv", leaves, ref_grads, strict=True):
+        errors[f"d{name}"] = rel_error(leaf.grad, ref)
+    return errors
 
 
 def _peak_memory(rows, errors, case, provider, make) -> None:
@@ -461,39 +439,34 @@ def _sweep(device, deadline) -> JfaTritonConfig:
         JfaTritonConfig(128, 64, 8, 4, *_bwd_fields(base)),
         JfaTritonConfig(64, 64, 4, 3, *_bwd_fields(base)),
     ]
-    best_fwd, best_ms = base, math.inf
-    for config in fwd_candidates:
-        if time.time() > deadline:
-            break
-        try:
-            fwd, _, _ = provider_gem(case, config=config)
-            ms = _bench(fwd)
-        except Exception as error:  # noqa: BLE001
-            print(f"sweep fwd {config}: {error!r}"[:300])
-            continue
-        print(f"sweep fwd {_fwd_fields(config)}: {ms:.3f} ms")
-        if ms < best_ms:
-            best_fwd, best_ms = config, ms
+    best_fwd = fastest(
+        fwd_candidates,
+        lambda config: _bench(provider_gem(case, config=config)[0]),
+        default=base,
+        deadline=deadline,
+        label="fwd",
+        describe=lambda config: f"sweep fwd {_fwd_fields(config)}",
+    )
     bwd_candidates = [
         _bwd_fields(base),
         (128, 32, 128, 32, 4, 3),
         (128, 64, 128, 64, 8, 3),
         (64, 64, 64, 64, 4, 3),
     ]
-    best_bwd, best_ms = _bwd_fields(base), math.inf
-    for fields in bwd_candidates:
-        if time.time() > deadline:
-            break
+
+    def time_bwd(fields) -> float:
         config = JfaTritonConfig(*_fwd_fields(best_fwd), *fields)
-        try:
-            _, fwd_bwd, leaves = provider_gem(case, config=config)
-            ms = _bench(fwd_bwd, grad_to_none=leaves)
-        except Exception as error:  # noqa: BLE001
-            print(f"sweep bwd {fields}: {error!r}"[:300])
-            continue
-        print(f"sweep fwd+bwd {fields}: {ms:.3f} ms")
-        if ms < best_ms:
-            best_bwd, best_ms = fields, ms
+        _, fwd_bwd, leaves = provider_gem(case, config=config)
+        return _bench(fwd_bwd, grad_to_none=leaves)
+
+    best_bwd = fastest(
+        bwd_candidates,
+        time_bwd,
+        default=_bwd_fields(base),
+        deadline=deadline,
+        label="bwd",
+        describe=lambda fields: f"sweep fwd+bwd {fields}",
+    )
     chosen = JfaTritonConfig(*_fwd_fields(best_fwd), *best_bwd)
     print(f"chosen config: {chosen}")
     return chosen
@@ -547,8 +520,8 @@ def _bias_sweep(device) -> None:
                     window=window, rel_pos_bias=leaves[3], jagged_bias=leaves[4], config=config,
                 )  # fmt: skip
                 out.backward(g)
-                errs = [_rel_error(out, ref)] + [
-                    _rel_error(a.grad, b.grad) for a, b in zip(leaves, ref_leaves, strict=True)
+                errs = [rel_error(out, ref)] + [
+                    rel_error(a.grad, b.grad) for a, b in zip(leaves, ref_leaves, strict=True)
                 ]
                 print(f"check {name} window={window}: " + " ".join(f"{e:.1e}" for e in errs))
             except Exception as error:  # noqa: BLE001
@@ -584,25 +557,12 @@ def _bwd_fields(c: JfaTritonConfig):
     return (c.dkdv_block_n, c.dkdv_block_m, c.dq_block_m, c.dq_block_n, c.bwd_warps, c.bwd_stages)
 
 
-def _user_args() -> list[str]:
-    """Command-line arguments without ``--out`` (the result path is the default one)."""
-    argv, skip = [], False
-    for arg in sys.argv[1:]:
-        if skip:
-            skip = False
-        elif arg == "--out":
-            skip = True
-        elif not arg.startswith("--out="):
-            argv.append(arg)
-    return argv
-
-
 def _write(path, args, config, checks, errors, rows, start) -> None:
     import triton
 
     meta_block = meta(
         "jagged_attention",
-        " ".join(["python benchmarks/bench_jagged_attention.py", *_user_args()]),
+        " ".join(["python benchmarks/bench_jagged_attention.py", *user_args()]),
         device=torch.cuda.get_device_name(),
         triton=triton.__version__,
         shape={"heads": H, "head_dim": D, "dtype": "bfloat16", "window": WINDOW},
@@ -616,10 +576,7 @@ def _write(path, args, config, checks, errors, rows, start) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--out", default=str(ROOT / "benchmarks/results/h200/jagged_attention.json")
-    )
+    parser = results_parser(__doc__, "h200/jagged_attention.json")
     parser.add_argument("--sweep", action="store_true", help="pick gem's tiles by a short sweep")
     parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated peer names")
     parser.add_argument("--shapes", default="all", help="'all' or e.g. 128x4096,512x1024")
@@ -632,8 +589,7 @@ def main() -> None:
     parser.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time")
     args = parser.parse_args()
     TIMING.update(warmup=args.warmup_ms, rep=args.rep_ms)
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA device")
+    require_cuda()
     device = torch.device("cuda")
     if args.bias_sweep:
         _bias_sweep(device)

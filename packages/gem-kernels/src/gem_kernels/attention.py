@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from gem_kernels import reference
+from gem_kernels._triton_host import host_lengths
 from gem_kernels.jagged import validate_offsets
 
 __all__ = [
@@ -132,11 +133,6 @@ def _check_max_len(max_len: object, name: str, lengths: torch.Tensor, what: str)
             )
 
 
-def _host_lengths(offsets: torch.Tensor) -> torch.Tensor:
-    host = offsets.detach().to("cpu", torch.int64)
-    return host[1:] - host[:-1]
-
-
 def _check_offsets_device(offsets: torch.Tensor, name: str, device: torch.device) -> None:
     # Offsets may live on the CPU (the reference reads them there) or on the data's device.
     if offsets.device.type != "cpu" and offsets.device != device:
@@ -154,7 +150,7 @@ def _check_jagged_pair(
     """Validate q/k offsets; returns host (q_lengths, k_lengths)."""
     validate_offsets(q_offsets, "q_offsets", num_rows=q.shape[0])
     _check_offsets_device(q_offsets, "q_offsets", q.device)
-    q_lengths = _host_lengths(q_offsets)
+    q_lengths = host_lengths(q_offsets)
     if k_offsets is None:
         if k.shape[0] != q.shape[0]:
             raise ValueError(
@@ -165,7 +161,7 @@ def _check_jagged_pair(
     else:
         validate_offsets(k_offsets, "k_offsets", num_rows=k.shape[0])
         _check_offsets_device(k_offsets, "k_offsets", q.device)
-        k_lengths = _host_lengths(k_offsets)
+        k_lengths = host_lengths(k_offsets)
         if k_lengths.numel() != q_lengths.numel():
             raise ValueError(
                 f"k_offsets has B={k_lengths.numel()} samples but q_offsets has "
@@ -183,6 +179,23 @@ def _check_bias_tensor(bias: object, name: str, q: torch.Tensor, layout: str) ->
     if bias.device != q.device:
         raise ValueError(f"{name} is on {bias.device} but q is on {q.device}")
     return bias
+
+
+def _wants_triton(backend: str, q: torch.Tensor) -> bool:
+    """Whether a (validated) ``backend`` tries the Triton kernels for ``q``: always for
+    ``"triton"``; for ``"auto"``, CUDA float16/bfloat16 inputs; never for ``"reference"``."""
+    if backend == "reference":
+        return False
+    return backend == "triton" or (
+        q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+    )
+
+
+def _raise_if_forced(backend: str, reason: str) -> None:
+    """The Triton path cannot run (``reason``): an error for ``backend="triton"``; for
+    ``"auto"`` the documented fallback to the reference (same function)."""
+    if backend == "triton":
+        raise ValueError(f"backend='triton' cannot run this call: {reason}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,45 +265,26 @@ def jagged_flash_attention(
             )
     if backend not in JFA_BACKENDS:
         raise ValueError(f"backend must be one of {JFA_BACKENDS}, got {backend!r}")
-    if backend != "reference":
-        use_triton = backend == "triton" or (
-            q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
-        )
-        if use_triton:
-            # Imported here so that the reference path never loads Triton.
-            from gem_kernels import jfa_triton
-
-            reason = jfa_triton.triton_unsupported_reason(
-                q, rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias
-            )
-            if reason is None:
-                return jfa_triton.jagged_flash_attention_from_lengths(
-                    q,
-                    k,
-                    v,
-                    q_lengths,
-                    k_lengths,
-                    scale=resolved_scale,
-                    causal=causal,
-                    window=resolved_window,
-                    rel_pos_bias=rel_pos_bias,
-                    jagged_bias=jagged_bias,
-                )
-            if backend == "triton":
-                raise ValueError(f"backend='triton' cannot run this call: {reason}")
-            # backend="auto": documented fallback to the reference (same function).
-    return reference.jagged_flash_attention_reference(
-        q,
-        k,
-        v,
-        q_offsets,
-        k_offsets,
+    options = dict(
         scale=resolved_scale,
         causal=causal,
         window=resolved_window,
         rel_pos_bias=rel_pos_bias,
         jagged_bias=jagged_bias,
     )
+    if _wants_triton(backend, q):
+        # Imported here so that the reference path never loads Triton.
+        from gem_kernels import jfa_triton
+
+        reason = jfa_triton.triton_unsupported_reason(
+            q, rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias
+        )
+        if reason is None:
+            return jfa_triton.jagged_flash_attention_from_lengths(
+                q, k, v, q_lengths, k_lengths, **options
+            )
+        _raise_if_forced(backend, reason)
+    return reference.jagged_flash_attention_reference(q, k, v, q_offsets, k_offsets, **options)
 
 
 def gdpa(
@@ -352,7 +346,7 @@ def gdpa(
         validate_offsets(k_offsets, "k_offsets", num_rows=k.shape[0])
         _check_offsets_device(k_offsets, "k_offsets", q.device)
         _check_max_len(max_q, "max_q", torch.tensor([q.shape[0]]), "query (Nq)")
-        q_lengths, k_lengths = None, _host_lengths(k_offsets)
+        q_lengths, k_lengths = None, host_lengths(k_offsets)
         _check_max_len(max_k, "max_k", k_lengths, "key")
     else:
         q_lengths, k_lengths = _check_jagged_pair(q, k, q_offsets, k_offsets, max_q, max_k)
@@ -364,43 +358,22 @@ def gdpa(
     resolved_window = _check_window(window)
     if backend not in GDPA_BACKENDS:
         raise ValueError(f"backend must be one of {GDPA_BACKENDS}, got {backend!r}")
-    if backend != "reference":
-        use_triton = backend == "triton" or (
-            q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
-        )
-        if use_triton:
-            # Imported here so that the reference path never loads Triton.
-            from gem_kernels import gdpa_triton
-
-            reason = gdpa_triton.triton_unsupported_reason(q)
-            if reason is None:
-                return gdpa_triton.gdpa_from_lengths(
-                    q,
-                    k,
-                    v,
-                    q_lengths,
-                    k_lengths,
-                    activation=activation,
-                    scale=resolved_scale,
-                    causal=causal,
-                    window=resolved_window,
-                    normalize_by_length=normalize_by_length,
-                )
-            if backend == "triton":
-                raise ValueError(f"backend='triton' cannot run this call: {reason}")
-            # backend="auto": documented fallback to the reference (same function).
-    return reference.gdpa_reference(
-        q,
-        k,
-        v,
-        q_offsets,
-        k_offsets,
+    options = dict(
         activation=activation,
         scale=resolved_scale,
         causal=causal,
         window=resolved_window,
         normalize_by_length=normalize_by_length,
     )
+    if _wants_triton(backend, q):
+        # Imported here so that the reference path never loads Triton.
+        from gem_kernels import gdpa_triton
+
+        reason = gdpa_triton.triton_unsupported_reason(q)
+        if reason is None:
+            return gdpa_triton.gdpa_from_lengths(q, k, v, q_lengths, k_lengths, **options)
+        _raise_if_forced(backend, reason)
+    return reference.gdpa_reference(q, k, v, q_offsets, k_offsets, **options)
 
 
 def block_attention(
@@ -452,7 +425,7 @@ def block_attention(
         raise ValueError(f"head_dim must be even for rotary embedding, got {q.shape[2]}")
     validate_offsets(offsets, "offsets", num_rows=q.shape[0])
     _check_offsets_device(offsets, "offsets", q.device)
-    lengths = _host_lengths(offsets)
+    lengths = host_lengths(offsets)
     _check_max_len(max_len, "max_len", lengths, "sample")
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise TypeError(f"block_size must be an int, got {block_size!r}")
@@ -476,36 +449,18 @@ def block_attention(
     resolved_scale = _resolve_scale(scale, q.shape[2])
     if backend not in BLOCK_ATTENTION_BACKENDS:
         raise ValueError(f"backend must be one of {BLOCK_ATTENTION_BACKENDS}, got {backend!r}")
-    if backend != "reference":
-        use_triton = backend == "triton" or (
-            q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
-        )
-        if use_triton:
-            # Imported here so that the reference path never loads Triton.
-            from gem_kernels import block_attention_triton
-
-            reason = block_attention_triton.triton_unsupported_reason(q, block_size)
-            if reason is None:
-                return block_attention_triton.block_attention_from_lengths(
-                    q,
-                    k,
-                    v,
-                    lengths,
-                    block_size=block_size,
-                    positions=positions,
-                    rope_theta=float(rope_theta),
-                    scale=resolved_scale,
-                )
-            if backend == "triton":
-                raise ValueError(f"backend='triton' cannot run this call: {reason}")
-            # backend="auto": documented fallback to the reference (same function).
-    return reference.block_attention_reference(
-        q,
-        k,
-        v,
-        offsets,
+    options = dict(
         block_size=block_size,
         positions=positions,
         rope_theta=float(rope_theta),
         scale=resolved_scale,
     )
+    if _wants_triton(backend, q):
+        # Imported here so that the reference path never loads Triton.
+        from gem_kernels import block_attention_triton
+
+        reason = block_attention_triton.triton_unsupported_reason(q, block_size)
+        if reason is None:
+            return block_attention_triton.block_attention_from_lengths(q, k, v, lengths, **options)
+        _raise_if_forced(backend, reason)
+    return reference.block_attention_reference(q, k, v, offsets, **options)

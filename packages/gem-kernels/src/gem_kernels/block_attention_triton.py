@@ -24,7 +24,8 @@ from types import ModuleType
 
 import torch
 
-from gem_kernels._triton_loader import interpret_requested, load_kernel_module, triton_importable
+from gem_kernels import _triton_host as host
+from gem_kernels._triton_loader import load_kernel_module
 
 __all__ = [
     "MAX_TRITON_BLOCK_SIZE",
@@ -43,7 +44,6 @@ MAX_TRITON_HEAD_DIM = 256
 MAX_TRITON_BLOCK_SIZE = 128
 
 _LOG2E = 1.4426950408889634
-_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TURN_BITS = 40  # fixed-point fraction bits of the per-frequency "turns per position" table
 
 
@@ -97,17 +97,13 @@ def triton_unsupported_reason(q: torch.Tensor, block_size: int) -> str | None:
     products), or CPU tensors when ``TRITON_INTERPRET=1`` is set; head_dim up to
     ``MAX_TRITON_HEAD_DIM`` and block_size up to ``MAX_TRITON_BLOCK_SIZE``.
     """
-    if q.dtype not in _TRITON_DTYPES:
-        return f"dtype {q.dtype} is not supported by the Triton kernels (float16/bfloat16/float32)"
-    if q.shape[2] > MAX_TRITON_HEAD_DIM:
-        return f"head_dim {q.shape[2]} is larger than {MAX_TRITON_HEAD_DIM}"
-    if block_size > MAX_TRITON_BLOCK_SIZE:
-        return f"block_size {block_size} is larger than {MAX_TRITON_BLOCK_SIZE}"
-    if q.device.type != "cuda" and not interpret_requested():
-        return f"tensors on {q.device.type} need TRITON_INTERPRET=1 (Triton runs CUDA tensors)"
-    if not triton_importable():
-        return "triton is not importable"
-    return None
+    return host.unsupported_reason(
+        q,
+        MAX_TRITON_HEAD_DIM,
+        f"block_size {block_size} is larger than {MAX_TRITON_BLOCK_SIZE}"
+        if block_size > MAX_TRITON_BLOCK_SIZE
+        else None,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,11 +150,7 @@ def _plan(lengths, block_size, head_dim, theta, scale, config, interpret, device
     block_sample = torch.cumsum(marks[:num_blocks], 0)
     freqs = torch.tensor(_turn_frequencies(head_dim, theta), dtype=torch.int64)
     packed = torch.cat([offsets, cum_blocks, block_sample, freqs])
-    if device.type == "cuda":
-        # Pinned + non_blocking: the copy is queued behind running kernels, no host sync.
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    else:
-        packed = packed.to(device)
+    packed = host.copy_to_device(packed, device)
     return _Launch(
         meta=packed,
         num_samples=lengths.numel(),
@@ -168,10 +160,6 @@ def _plan(lengths, block_size, head_dim, theta, scale, config, interpret, device
         config=config,
         interpret=interpret,
     )
-
-
-def _unit_stride(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
 def _common(q: torch.Tensor, launch: _Launch, positions: torch.Tensor | None, per_program: int):
@@ -194,12 +182,11 @@ def _common(q: torch.Tensor, launch: _Launch, positions: torch.Tensor | None, pe
         "HEADS_PER_PROGRAM": per_program,
         "HEAD_DIM": head_dim,
         "HALF": half,
-        "BLOCK_M": max(16, 1 << (launch.block_size - 1).bit_length()),
-        "BLOCK_HALF": max(16, 1 << (half - 1).bit_length()),
-        "BLOCK_D": max(16, 1 << (head_dim - 1).bit_length()),
+        "BLOCK_M": host.padded_block(launch.block_size),
+        "BLOCK_HALF": host.padded_block(half),
+        "BLOCK_D": host.padded_block(head_dim),
         "HAS_POS": positions is not None,
-        "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
-        "UPCAST": launch.interpret and q.dtype == torch.bfloat16,
+        **host.dot_flags(q, launch.interpret),
     }
     return grid, args, sizes, flags
 
@@ -220,7 +207,7 @@ def _forward(q, k, v, positions, launch: _Launch) -> torch.Tensor:
 
 
 def _backward(grad_out, q, k, v, positions, launch: _Launch):
-    grad_out = _unit_stride(grad_out)
+    grad_out = host.unit_stride(grad_out)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -281,12 +268,7 @@ def block_attention_from_lengths(
     Same semantics as :func:`gem_kernels.block_attention`; inputs are assumed valid (lengths
     sum to the row count, ``block_size <= MAX_TRITON_BLOCK_SIZE``, D even).
     """
-    interpret = interpret_requested()
-    if not interpret and q.device.type != "cuda":
-        raise ValueError(
-            f"the Triton path needs CUDA tensors, got {q.device} (set TRITON_INTERPRET=1 to run "
-            "CPU tensors under the Triton interpreter)"
-        )
+    interpret = host.interpret_for(q)
     head_dim = q.shape[2]
     launch = _plan(
         lengths,
@@ -298,7 +280,7 @@ def block_attention_from_lengths(
         interpret,
         q.device,
     )
-    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    q, k, v = host.unit_stride(q), host.unit_stride(k), host.unit_stride(v)
     if positions is not None:
         positions = positions.contiguous()
     return BlockAttentionFunction.apply(q, k, v, positions, launch)
@@ -322,12 +304,11 @@ def block_attention_triton(
     ``backend="triton"``) for argument checks. Offsets are read on the host (one device sync
     when they live on the GPU).
     """
-    host = offsets.detach().to("cpu", torch.int64)
     return block_attention_from_lengths(
         q,
         k,
         v,
-        host[1:] - host[:-1],
+        host.host_lengths(offsets),
         block_size=block_size,
         positions=positions,
         rope_theta=rope_theta,

@@ -45,7 +45,8 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from gem_kernels._triton_loader import interpret_requested, load_kernel_module, triton_importable
+from gem_kernels import _triton_host as host
+from gem_kernels._triton_loader import load_kernel_module
 
 __all__ = [
     "GDPA_SCHEDULES",
@@ -72,7 +73,6 @@ _ACTIVATION_CODES = {
     "relu2": 4,
     "identity": 5,
 }
-_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # [q_start, q_len, k_start, k_len, tile_start, out_start, head, tile_end, range_lo, range_hi,
 #  dst_start, to_partial]: see _gdpa_kernels.py (its TABLE_WIDTH must match).
 _TABLE_WIDTH = 12
@@ -80,7 +80,7 @@ _NO_LIMIT = 1 << 30  # range_hi of items that see the whole other side
 
 
 @dataclass(frozen=True)
-class GdpaTritonConfig:
+class GdpaTritonConfig(host.FlashTileConfig):
     """Tile sizes, launch parameters and schedule of the kernels (tiles: powers of two >= 16).
 
     The defaults are those of the H200 run in ``benchmarks/results/h200/gdpa.json`` (D=128,
@@ -89,26 +89,6 @@ class GdpaTritonConfig:
     ``pma_dq_block_n`` and ``dkdv_q_chunk`` were set without a sweep.
     """
 
-    fwd_block_m: int = 128
-    """Query rows per forward item."""
-    fwd_block_n: int = 128
-    """Keys per inner iteration of the forward."""
-    fwd_warps: int = 8
-    """Warps per forward program."""
-    fwd_stages: int = 3
-    """Software-pipelining depth of the forward's key loop."""
-    dkdv_block_n: int = 128
-    """Keys per dK/dV item."""
-    dkdv_block_m: int = 64
-    """Query rows per inner iteration of the dK/dV kernel."""
-    dq_block_m: int = 128
-    """Query rows per dQ item."""
-    dq_block_n: int = 64
-    """Keys per inner iteration of the dQ kernel."""
-    bwd_warps: int = 8
-    """Warps per backward program."""
-    bwd_stages: int = 3
-    """Software-pipelining depth of the backward loops."""
     short_kv_max: int = 256
     """Cross/PMA calls whose samples all have at most this many keys use the short-KV forward
     (whole K, V of a sample on chip); 0 turns that path off."""
@@ -180,17 +160,13 @@ def triton_unsupported_reason(q: torch.Tensor) -> str | None:
     products), or CPU tensors when ``TRITON_INTERPRET=1`` is set; head_dim up to
     ``MAX_TRITON_HEAD_DIM`` (128 for float32).
     """
-    if q.dtype not in _TRITON_DTYPES:
-        return f"dtype {q.dtype} is not supported by the Triton kernels (float16/bfloat16/float32)"
-    if q.shape[2] > MAX_TRITON_HEAD_DIM:
-        return f"head_dim {q.shape[2]} is larger than {MAX_TRITON_HEAD_DIM}"
-    if q.dtype == torch.float32 and q.shape[2] > 128:
-        return f"float32 with head_dim {q.shape[2]} > 128 needs more shared memory than a GPU has"
-    if q.device.type != "cuda" and not interpret_requested():
-        return f"tensors on {q.device.type} need TRITON_INTERPRET=1 (Triton runs CUDA tensors)"
-    if not triton_importable():
-        return "triton is not importable"
-    return None
+    return host.unsupported_reason(
+        q,
+        MAX_TRITON_HEAD_DIM,
+        f"float32 with head_dim {q.shape[2]} > 128 needs more shared memory than a GPU has"
+        if q.dtype == torch.float32 and q.shape[2] > 128
+        else None,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -529,11 +505,7 @@ def _to_device(tables, combines, device: torch.device) -> list[torch.Tensor]:
     """One host-to-device copy of every table and combine list, split back into views."""
     arrays = [table.reshape(-1) for table, _ in tables] + [c.reshape(-1) for c in combines]
     packed = torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False))
-    if device.type == "cuda":
-        # Pinned + non_blocking: the copy is queued behind running kernels, no host sync.
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    else:
-        packed = packed.to(device)
+    packed = host.copy_to_device(packed, device)
     parts = torch.split(packed, [a.size for a in arrays])
     widths = [_TABLE_WIDTH] * len(tables) + [4] * len(combines)
     return [part.view(-1, width) for part, width in zip(parts, widths, strict=True)]
@@ -581,21 +553,16 @@ class _Launch:
     interpret: bool
 
 
-def _unit_stride(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
-
-
 def _flags(q: torch.Tensor, launch: _Launch) -> dict:
     head_dim = q.shape[2]
     return {
         "HEAD_DIM": head_dim,
-        "BLOCK_D": max(16, 1 << (head_dim - 1).bit_length()),
+        "BLOCK_D": host.padded_block(head_dim),
         "ACT": launch.activation,
         "HAS_LEFT": launch.left is not None,
         "HAS_RIGHT": launch.right is not None,
         "NORMALIZE": launch.normalize,
-        "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
-        "UPCAST": launch.interpret and q.dtype == torch.bfloat16,
+        **host.dot_flags(q, launch.interpret),
     }
 
 
@@ -642,7 +609,7 @@ def _segment_sum(src: torch.Tensor, dst: torch.Tensor, combine: torch.Tensor, la
     """dst rows = fixed-order float32 sums of src rows (see ``segment_sum_kernel``)."""
     if combine.shape[0] == 0 or dst.shape[1] == 0:
         return
-    block = 1024 if dst.shape[1] >= 1024 else max(16, 1 << (dst.shape[1] - 1).bit_length())
+    block = 1024 if dst.shape[1] >= 1024 else host.padded_block(dst.shape[1])
     grid = (combine.shape[0], -(-dst.shape[1] // block))
     _kernels(launch.interpret).segment_sum_kernel[grid](
         src, dst, combine, dst.shape[1], src.stride(0), dst.stride(0), BLOCK=block, num_warps=4
@@ -652,7 +619,7 @@ def _segment_sum(src: torch.Tensor, dst: torch.Tensor, combine: torch.Tensor, la
 def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
     cfg = launch.config
     kernels = _kernels(launch.interpret)
-    grad_out = _unit_stride(grad_out)
+    grad_out = host.unit_stride(grad_out)
     flags = _flags(q, launch)
     pma_m = 0 if launch.num_queries is None else _pma_block_m(launch.num_queries, cfg)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -758,12 +725,7 @@ def gdpa_from_lengths(
     over every sample's keys; ``k_lengths=None`` is self-attention. Same semantics as
     :func:`gem_kernels.gdpa`; inputs are assumed valid.
     """
-    interpret = interpret_requested()
-    if not interpret and q.device.type != "cuda":
-        raise ValueError(
-            f"the Triton path needs CUDA tensors, got {q.device} (set TRITON_INTERPRET=1 to run "
-            "CPU tensors under the Triton interpreter)"
-        )
+    interpret = host.interpret_for(q)
     if activation not in _ACTIVATION_CODES:
         raise ValueError(
             f"activation must be one of {sorted(_ACTIVATION_CODES)}, got {activation!r}"
@@ -800,7 +762,7 @@ def gdpa_from_lengths(
         samples, q.shape[1], left, right, config, q.device, needs_grad, interpret, pma_m
     )
     out_rows = samples.q_len.size * q.shape[0] if pma else q.shape[0]
-    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    q, k, v = host.unit_stride(q), host.unit_stride(k), host.unit_stride(v)
     return GdpaFunction.apply(q, k, v, plan, launch, out_rows)
 
 
@@ -827,19 +789,12 @@ def gdpa_triton(
     Inputs are assumed valid: call :func:`gem_kernels.gdpa` (with ``backend="triton"``) for
     argument checks. Offsets are read on the host (one device sync when they live on the GPU).
     """
-
-    def lengths(offsets):
-        if offsets is None:
-            return None
-        host = offsets.detach().to("cpu", torch.int64)
-        return host[1:] - host[:-1]
-
     return gdpa_from_lengths(
         q,
         k,
         v,
-        lengths(q_offsets),
-        lengths(k_offsets),
+        None if q_offsets is None else host.host_lengths(q_offsets),
+        None if k_offsets is None else host.host_lengths(k_offsets),
         activation=activation,
         scale=scale,
         causal=causal,

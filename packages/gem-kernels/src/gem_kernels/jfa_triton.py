@@ -27,7 +27,8 @@ from types import ModuleType
 
 import torch
 
-from gem_kernels._triton_loader import interpret_requested, load_kernel_module, triton_importable
+from gem_kernels import _triton_host as host
+from gem_kernels._triton_loader import load_kernel_module
 
 __all__ = [
     "JaggedFlashAttentionFunction",
@@ -47,37 +48,15 @@ MAX_TRITON_HEAD_DIM = 256
 MAX_TRITON_BUCKETS = 2048
 
 _LOG2E = 1.4426950408889634
-_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TABLE_WIDTH = 8  # [q_start, q_len, k_start, k_len, tile_start, bias_start, 0, 0]
 
 
 @dataclass(frozen=True)
-class JfaTritonConfig:
+class JfaTritonConfig(host.FlashTileConfig):
     """Tile sizes and launch parameters of the three kernels (powers of two, >= 16).
 
     The defaults are the fastest of a short sweep on an H200 at D=128 (bf16, B128xL4096).
     """
-
-    fwd_block_m: int = 128
-    """Query rows per forward program."""
-    fwd_block_n: int = 128
-    """Keys per inner iteration of the forward."""
-    fwd_warps: int = 8
-    """Warps per forward program."""
-    fwd_stages: int = 3
-    """Software-pipelining depth of the forward's key loop."""
-    dkdv_block_n: int = 128
-    """Keys per dK/dV program."""
-    dkdv_block_m: int = 64
-    """Query rows per inner iteration of the dK/dV kernel."""
-    dq_block_m: int = 128
-    """Query rows per dQ program."""
-    dq_block_n: int = 64
-    """Keys per inner iteration of the dQ kernel."""
-    bwd_warps: int = 8
-    """Warps per backward program."""
-    bwd_stages: int = 3
-    """Software-pipelining depth of the backward loops."""
 
 
 def default_config(
@@ -133,17 +112,14 @@ def triton_unsupported_reason(
     products), or CPU tensors when ``TRITON_INTERPRET=1`` is set; head_dim up to
     ``MAX_TRITON_HEAD_DIM``; ``rel_pos_bias`` tables up to ``MAX_TRITON_BUCKETS`` buckets.
     """
-    if q.dtype not in _TRITON_DTYPES:
-        return f"dtype {q.dtype} is not supported by the Triton kernels (float16/bfloat16/float32)"
-    if q.shape[2] > MAX_TRITON_HEAD_DIM:
-        return f"head_dim {q.shape[2]} is larger than {MAX_TRITON_HEAD_DIM}"
-    if rel_pos_bias is not None and rel_pos_bias.shape[1] > MAX_TRITON_BUCKETS:
-        return f"rel_pos_bias has {rel_pos_bias.shape[1]} buckets, more than {MAX_TRITON_BUCKETS}"
-    if q.device.type != "cuda" and not interpret_requested():
-        return f"tensors on {q.device.type} need TRITON_INTERPRET=1 (Triton runs CUDA tensors)"
-    if not triton_importable():
-        return "triton is not importable"
-    return None
+    too_many_buckets = rel_pos_bias is not None and rel_pos_bias.shape[1] > MAX_TRITON_BUCKETS
+    return host.unsupported_reason(
+        q,
+        MAX_TRITON_HEAD_DIM,
+        f"rel_pos_bias has {rel_pos_bias.shape[1]} buckets, more than {MAX_TRITON_BUCKETS}"
+        if too_many_buckets
+        else None,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,11 +236,7 @@ def _build_plan(q_len, k_len, left, right, config, device, with_backward) -> _Pl
     # One host-to-device copy for all tables.
     sizes = [t.shape[0] for t in tables]
     packed = torch.cat(tables)
-    if device.type == "cuda":
-        # Pinned + non_blocking: the copy is queued behind running kernels, no host sync.
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    else:
-        packed = packed.to(device)
+    packed = host.copy_to_device(packed, device)
     parts = list(torch.split(packed, sizes))
     fwd = parts[0]
     dkdv = parts[1] if with_backward else None
@@ -287,19 +259,14 @@ class _Launch:
     interpret: bool
 
 
-def _unit_stride(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
-
-
 def _flags(q: torch.Tensor, launch: _Launch) -> dict:
     head_dim = q.shape[2]
     return {
         "HEAD_DIM": head_dim,
-        "BLOCK_D": max(16, 1 << (head_dim - 1).bit_length()),
+        "BLOCK_D": host.padded_block(head_dim),
         "HAS_LEFT": launch.left is not None,
         "HAS_RIGHT": launch.right is not None,
-        "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
-        "UPCAST": launch.interpret and q.dtype == torch.bfloat16,
+        **host.dot_flags(q, launch.interpret),
     }
 
 
@@ -342,7 +309,7 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
     num_rows, heads, head_dim = q.shape
     cfg = launch.config
     kernels = _kernels(launch.interpret)
-    grad_out = _unit_stride(grad_out)
+    grad_out = host.unit_stride(grad_out)
     flags = _flags(q, launch)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -353,7 +320,7 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
     rel, jb, num_buckets, stride_rel, stride_jb = _bias_args(
         q, rel_pos_bias, jagged_bias, launch.scale
     )
-    buckets_pad = max(16, 1 << (num_buckets - 1).bit_length())
+    buckets_pad = host.padded_block(num_buckets)
     rel_partial = None
     if rel_pos_bias is not None:
         rel_partial = torch.empty(
@@ -467,12 +434,7 @@ def jagged_flash_attention_from_lengths(
     Same semantics as :func:`gem_kernels.jagged_flash_attention`; inputs are assumed valid
     (lengths sum to the row counts, biases shaped as documented there).
     """
-    interpret = interpret_requested()
-    if not interpret and q.device.type != "cuda":
-        raise ValueError(
-            f"the Triton path needs CUDA tensors, got {q.device} (set TRITON_INTERPRET=1 to run "
-            "CPU tensors under the Triton interpreter)"
-        )
+    interpret = host.interpret_for(q)
     if k_lengths is None:
         k_lengths = q_lengths
     head_dim = q.shape[2]
@@ -497,7 +459,7 @@ def jagged_flash_attention_from_lengths(
         q = q * 0.0
         launch = replace(launch, scale=1.0)
     plan = _plan(q_lengths, k_lengths, left, right, config, q.device, needs_grad)
-    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    q, k, v = host.unit_stride(q), host.unit_stride(k), host.unit_stride(v)
     if rel_pos_bias is not None:
         rel_pos_bias = rel_pos_bias.contiguous()
     if jagged_bias is not None:
@@ -525,14 +487,13 @@ def jagged_flash_attention_triton(
     ``backend="triton"``) for argument checks. Offsets are read on the host (one device sync
     when they live on the GPU).
     """
-    q_host = q_offsets.detach().to("cpu", torch.int64)
-    k_host = q_host if k_offsets is None else k_offsets.detach().to("cpu", torch.int64)
+    q_lengths = host.host_lengths(q_offsets)
     return jagged_flash_attention_from_lengths(
         q,
         k,
         v,
-        q_host[1:] - q_host[:-1],
-        k_host[1:] - k_host[:-1],
+        q_lengths,
+        q_lengths if k_offsets is None else host.host_lengths(k_offsets),
         scale=scale,
         causal=causal,
         window=window,

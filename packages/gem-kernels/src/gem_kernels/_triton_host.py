@@ -1,0 +1,133 @@
+"""Host-side helpers shared by the Triton wrappers (JFA, GDPA, BlockAttention).
+
+The support check's common part, the compiled-or-interpreted decision, the offsets read-back and
+the one packed host-to-device copy of the launch tables. Kernel code lives in ``_*_kernels.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gem_kernels._triton_loader import interpret_requested, triton_importable
+
+__all__ = [
+    "FlashTileConfig",
+    "TRITON_DTYPES",
+    "copy_to_device",
+    "dot_flags",
+    "host_lengths",
+    "interpret_for",
+    "padded_block",
+    "unit_stride",
+    "unsupported_reason",
+]
+
+#: Input dtypes every Triton kernel takes.
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class FlashTileConfig:
+    """Tiles and launch parameters of a forward / dK-dV / dQ kernel trio (tiles: powers of two
+    >= 16), the fields JFA's and GDPA's configs share, in this order (positional arguments).
+
+    A tile is one program's work (JFA) or one work item of a persistent program (GDPA). The
+    defaults are the H200 tiles at D=128, bf16.
+    """
+
+    fwd_block_m: int = 128
+    """Query rows per forward tile."""
+    fwd_block_n: int = 128
+    """Keys per inner iteration of the forward."""
+    fwd_warps: int = 8
+    """Warps per forward program."""
+    fwd_stages: int = 3
+    """Software-pipelining depth of the forward's key loop."""
+    dkdv_block_n: int = 128
+    """Keys per dK/dV tile."""
+    dkdv_block_m: int = 64
+    """Query rows per inner iteration of the dK/dV kernel."""
+    dq_block_m: int = 128
+    """Query rows per dQ tile."""
+    dq_block_n: int = 64
+    """Keys per inner iteration of the dQ kernel."""
+    bwd_warps: int = 8
+    """Warps per backward program."""
+    bwd_stages: int = 3
+    """Software-pipelining depth of the backward loops."""
+
+
+def unsupported_reason(
+    q: torch.Tensor, max_head_dim: int, *kernel_reasons: str | None
+) -> str | None:
+    """Why a Triton kernel cannot run on ``q`` (T, H, D), or ``None`` when it can.
+
+    Checks, in this order: dtype, head dim up to ``max_head_dim``, the kernel's own
+    ``kernel_reasons`` (the first that is not ``None`` wins), then the device (CUDA, or any device
+    with ``TRITON_INTERPRET=1``) and whether triton imports.
+    """
+    if q.dtype not in TRITON_DTYPES:
+        return f"dtype {q.dtype} is not supported by the Triton kernels (float16/bfloat16/float32)"
+    if q.shape[2] > max_head_dim:
+        return f"head_dim {q.shape[2]} is larger than {max_head_dim}"
+    for reason in kernel_reasons:
+        if reason is not None:
+            return reason
+    if q.device.type != "cuda" and not interpret_requested():
+        return f"tensors on {q.device.type} need TRITON_INTERPRET=1 (Triton runs CUDA tensors)"
+    if not triton_importable():
+        return "triton is not importable"
+    return None
+
+
+def interpret_for(q: torch.Tensor) -> bool:
+    """Whether this call runs under the Triton interpreter (``TRITON_INTERPRET`` set).
+
+    Raises:
+        ValueError: ``q`` is not on CUDA and the interpreter was not requested.
+    """
+    interpret = interpret_requested()
+    if not interpret and q.device.type != "cuda":
+        raise ValueError(
+            f"the Triton path needs CUDA tensors, got {q.device} (set TRITON_INTERPRET=1 to run "
+            "CPU tensors under the Triton interpreter)"
+        )
+    return interpret
+
+
+def host_lengths(offsets: torch.Tensor) -> torch.Tensor:
+    """Per-sample lengths (CPU int64) of ``offsets`` (one device sync when they are on a GPU)."""
+    host = offsets.detach().to("cpu", torch.int64)
+    return host[1:] - host[:-1]
+
+
+def copy_to_device(packed: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``packed`` (a host tensor) on ``device``; to CUDA through pinned memory, asynchronously."""
+    if device.type == "cuda":
+        # Pinned + non_blocking: the copy is queued behind running kernels, no host sync.
+        return packed.pin_memory().to(device, non_blocking=True)
+    return packed.to(device)
+
+
+def unit_stride(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when its last dimension is contiguous, else a contiguous copy."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
+
+
+def padded_block(size: int) -> int:
+    """The power-of-two tile (at least 16) that covers ``size`` elements."""
+    return max(16, 1 << (size - 1).bit_length())
+
+
+def dot_flags(q: torch.Tensor, interpret: bool) -> dict[str, object]:
+    """The kernels' ``DOT_PRECISION`` and ``UPCAST`` constexprs for ``q``'s dtype.
+
+    float32 inputs take IEEE-exact dot products; bfloat16 operands are upcast to float32 under
+    the interpreter (it multiplies bfloat16 operands wrongly, see ``_dot`` in the kernels).
+    """
+    return {
+        "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
+        "UPCAST": interpret and q.dtype == torch.bfloat16,
+    }
