@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from gem_model import GemArchitecture
 
 __all__ = [
+    "FSDP_ALL_GATHER_MODES",
     "PARALLEL_DENSE_MODES",
+    "SAVED_ACTIVATION_MODES",
     "DataConfig",
     "OptimConfig",
     "ParallelConfig",
@@ -55,6 +57,10 @@ class OptimConfig:
     """Clip the dense gradients' global norm (0 disables)."""
 
 
+SAVED_ACTIVATION_MODES = ("none", "mx")
+"""Values of ``PrecisionConfig.saved_activations``."""
+
+
 @dataclass
 class PrecisionConfig:
     """GEMM precision of the dense ``nn.Linear`` layers (gem-precision); embeddings and
@@ -77,14 +83,28 @@ class PrecisionConfig:
     """FP8 only: random Hadamard transform along K of both operands of every GEMM."""
     tensorwise: bool = False
     """FP8 only: one scale per tensor instead of 1x128 / 128x128 tiles."""
+    saved_activations: str = "none"
+    """'none' (autograd keeps activations as they are) or 'mx': the training forward runs
+    under ``gem_precision.mx_saved_activations``, so activations saved for backward (>= 1024
+    elements, last dim a multiple of 32) are stored as MXFP8 (1 + 1/32 bytes per element)
+    and expanded in backward. The torchrec embedding lookups are excluded. Works with any
+    ``mode``."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("fp32", "bf16", "fp8"):
             raise ValueError(f"precision.mode must be 'fp32', 'bf16' or 'fp8', got {self.mode!r}")
+        if self.saved_activations not in SAVED_ACTIVATION_MODES:
+            raise ValueError(
+                f"precision.saved_activations must be one of {SAVED_ACTIVATION_MODES}, "
+                f"got {self.saved_activations!r}"
+            )
 
 
 PARALLEL_DENSE_MODES = ("ddp", "fsdp")
 """Values of ``ParallelConfig.dense``."""
+
+FSDP_ALL_GATHER_MODES = ("bf16", "mx")
+"""Values of ``ParallelConfig.fsdp_all_gather``."""
 
 
 @dataclass
@@ -112,6 +132,12 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     """FSDP: free gathered weights after forward and gather again in backward (less memory,
     one more all-gather per block)."""
+    fsdp_all_gather: str = "bf16"
+    """FSDP only. 'bf16': FSDP's own all-gather of the weights in their parameter dtype;
+    'mx': the ``nn.Linear`` weights of the FSDP units whose dim 0 divides by ``shard`` (and
+    in_features by 32) are all-gathered as MXFP8 bytes plus E8M0 scales
+    (``gem_precision.enable_mx_all_gather``) and the forward uses the dequantized weight;
+    other layers are logged and gather as usual."""
 
     def __post_init__(self) -> None:
         if self.dense not in PARALLEL_DENSE_MODES:
@@ -126,6 +152,16 @@ class ParallelConfig:
             raise ValueError(
                 f"parallel.shard ({self.shard}) only applies to parallel.dense='fsdp'; "
                 "leave it 0 with 'ddp'"
+            )
+        if self.fsdp_all_gather not in FSDP_ALL_GATHER_MODES:
+            raise ValueError(
+                f"parallel.fsdp_all_gather must be one of {FSDP_ALL_GATHER_MODES}, "
+                f"got {self.fsdp_all_gather!r}"
+            )
+        if self.fsdp_all_gather != "bf16" and self.dense != "fsdp":
+            raise ValueError(
+                f"parallel.fsdp_all_gather={self.fsdp_all_gather!r} only applies to "
+                f"parallel.dense='fsdp' (got dense={self.dense!r})"
             )
 
 

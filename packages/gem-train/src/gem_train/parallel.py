@@ -19,6 +19,8 @@ the plain names and stores DTensors, so DCP can load a checkpoint into any other
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 from gem_model.dhen import DHENLayer
@@ -30,6 +32,7 @@ from gem_parallel import (
     build_gem_mesh,
     default_topology,
 )
+from gem_precision import enable_mx_all_gather
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
@@ -45,7 +48,17 @@ from torchrec.distributed.types import ShardedModule, ShardingEnv, ShardingPlan,
 
 from gem_train.config import ParallelConfig
 
-__all__ = ["DenseParallel", "ExpertParallelDHENLayer", "FSDPWrapper", "fsdp_blocks"]
+__all__ = [
+    "DenseParallel",
+    "ExpertParallelDHENLayer",
+    "FSDPWrapper",
+    "fsdp_blocks",
+    "mx_all_gather_layers",
+]
+
+_LOG = logging.getLogger(__name__)
+
+_MX_BLOCK = 32  # gem-precision's MX block along in_features
 
 
 class _ExpertsByGlobalIndex(nn.Module):
@@ -125,12 +138,48 @@ def _sharded_parameters(module: nn.Module) -> set[nn.Parameter]:
     return found
 
 
+def mx_all_gather_layers(
+    module: nn.Module, shard_size: int, ignored: set[nn.Parameter] | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """Which ``nn.Linear`` layers of ``module`` can all-gather their weight as MXFP8 under
+    FSDP with ``shard_size`` ranks per shard group.
+
+    Returns ``(eligible names, {skipped name: reason})``: a weight needs dim 0 divisible by
+    ``shard_size`` (FSDP2 pads uneven shards, and the padding cannot carry a scale) and
+    ``in_features`` divisible by 32 (the MX block); with ``shard_size == 1`` every layer is
+    skipped, since nothing is gathered. Layers whose weight is in ``ignored``
+    (not FSDP-managed, e.g. expert-parallel experts) are not listed at all.
+    """
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+        raise ValueError(f"shard_size must be a positive int, got {shard_size!r}")
+    ignored = ignored or set()
+    eligible: list[str] = []
+    skipped: dict[str, str] = {}
+    for name, layer in module.named_modules():
+        if not isinstance(layer, nn.Linear) or layer.weight in ignored:
+            continue
+        rows, cols = layer.weight.shape
+        if shard_size == 1:
+            # Nothing is gathered (and FSDP2's 1-rank path takes a single all-gather input,
+            # so it cannot run the MX extension either).
+            skipped[name] = "shard group of 1 rank: FSDP gathers nothing"
+        elif rows % shard_size:
+            skipped[name] = f"out_features {rows} not divisible by the shard size {shard_size}"
+        elif cols % _MX_BLOCK:
+            skipped[name] = f"in_features {cols} not a multiple of {_MX_BLOCK}"
+        else:
+            eligible.append(name)
+    return eligible, skipped
+
+
 class FSDPWrapper(DataParallelWrapper):
     """torchrec ``DataParallelWrapper`` that applies FSDP2 instead of DDP to the dense part.
 
     Passed to ``DistributedModelParallel(data_parallel_wrapper=...)``; DMP calls :meth:`wrap`
     after sharding the tables. ``ignored`` parameters (the expert-parallel experts) stay
-    unsharded, like the tables.
+    unsharded, like the tables. With ``mx_all_gather`` the eligible linear weights (see
+    :func:`mx_all_gather_layers`) all-gather as MXFP8; ``mx_layers`` / ``mx_skipped`` list
+    them after :meth:`wrap`.
     """
 
     def __init__(
@@ -139,20 +188,40 @@ class FSDPWrapper(DataParallelWrapper):
         *,
         ignored: set[nn.Parameter] | None = None,
         reshard_after_forward: bool = True,
+        mx_all_gather: bool = False,
     ) -> None:
         self.mesh = mesh
         self.ignored = set(ignored or ())
         self.reshard_after_forward = reshard_after_forward
+        self.mx_all_gather = mx_all_gather
+        self.mx_layers: list[str] = []
+        self.mx_skipped: dict[str, str] = {}
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         module = dmp._dmp_wrapped_module  # DMP exposes no public setter before wrapping
         ignored = self.ignored | _sharded_parameters(module)
+        if self.mx_all_gather:
+            self._enable_mx(module, ignored)
         apply_fsdp(
             module,
             self.mesh,
             blocks=fsdp_blocks(module),
             reshard_after_forward=self.reshard_after_forward,
             ignored_params=ignored,
+        )
+
+    def _enable_mx(self, module: nn.Module, ignored: set[nn.Parameter]) -> None:
+        """Wraps the eligible linear weights before ``fully_shard`` (which replaces them)."""
+        shard_size = self.mesh.layout.shard
+        eligible, self.mx_skipped = mx_all_gather_layers(module, shard_size, ignored)
+        for name, reason in self.mx_skipped.items():
+            _LOG.info("MX all-gather skips %s: %s", name, reason)
+        # Exact names as include globs: dotted module names hold no glob characters.
+        self.mx_layers = enable_mx_all_gather(module, include=tuple(eligible)) if eligible else []
+        _LOG.info(
+            "MX all-gather on %d linear weight(s), %d skipped",
+            len(self.mx_layers),
+            len(self.mx_skipped),
         )
 
 
@@ -172,6 +241,7 @@ class DenseParallel:
         self.mesh: GemMesh | None = None
         self.expert_layers: list[ExpertParallelDHENLayer] = []
         self._expert_params: set[nn.Parameter] = set()
+        self.fsdp_wrapper: FSDPWrapper | None = None
         world = self.world_size
         if config.dense == "fsdp":
             shard = config.shard or world
@@ -245,11 +315,13 @@ class DenseParallel:
         """The wrapper DMP applies to the dense part (None: torchrec's default DDP)."""
         if self.config.dense == "fsdp":
             assert self.mesh is not None
-            return FSDPWrapper(
+            self.fsdp_wrapper = FSDPWrapper(
                 self.mesh,
                 ignored=self._expert_params,
                 reshard_after_forward=self.config.reshard_after_forward,
+                mx_all_gather=self.config.fsdp_all_gather == "mx",
             )
+            return self.fsdp_wrapper
         if self._expert_params:
             ids = {id(p) for p in self._expert_params}
             names = [name for name, p in model.named_parameters() if id(p) in ids]
@@ -316,6 +388,11 @@ class DenseParallel:
             if config.dense == "fsdp"
             else f"dense ddp over {self.world_size} rank(s)"
         )
+        if self.fsdp_wrapper is not None and self.fsdp_wrapper.mx_all_gather:
+            text += (
+                f", MX all-gather on {len(self.fsdp_wrapper.mx_layers)} linear(s)"
+                f" ({len(self.fsdp_wrapper.mx_skipped)} skipped)"
+            )
         if config.expert_parallel > 1:
             text += f", experts over groups of {config.expert_parallel}"
         return text

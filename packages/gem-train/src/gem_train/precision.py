@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
-from gem_precision import Fp8Recipe, PrecisionPolicy, convert_to_bf16_gemms, convert_to_fp8
+import torch
+from gem_precision import (
+    Fp8Recipe,
+    PrecisionPolicy,
+    SavedActivationStats,
+    convert_to_bf16_gemms,
+    convert_to_fp8,
+    mx_saved_activations,
+)
 from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.distributed.types import ShardedModule
 
 from gem_train.config import PrecisionConfig
 
-__all__ = ["apply_precision", "precision_policy"]
+__all__ = ["SavedActivations", "apply_precision", "precision_policy"]
 
 
 def precision_policy(config: PrecisionConfig) -> PrecisionPolicy:
@@ -45,3 +56,71 @@ def apply_precision(model: nn.Module, config: PrecisionConfig) -> list[str]:
         converted = convert_to_bf16_gemms(model, bf16_policy)
         policy = dataclasses.replace(policy, exclude=(*policy.exclude, *config.bf16_layers))
     return converted + convert_to_fp8(model, policy).converted
+
+
+def _keep(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class SavedActivations:
+    """``PrecisionConfig.saved_activations`` for the training step of one model.
+
+    ``with saved.step(): loss = ...`` runs the forward under
+    ``gem_precision.mx_saved_activations`` when the mode is ``'mx'`` (a no-op for ``'none'``);
+    backward may run after the block. The torchrec embedding modules (sharded or not) of
+    ``model`` push pass-through saved-tensor hooks around their own forward, so the lookups
+    keep their saved tensors exact: the fused in-backward optimizer must see the real tables.
+    ``last_stats`` holds the counters of the latest step (None for ``'none'``).
+    """
+
+    def __init__(self, model: nn.Module, config: PrecisionConfig) -> None:
+        self.enabled = config.saved_activations == "mx"
+        self.last_stats: SavedActivationStats | None = None
+        self.excluded: list[str] = []
+        if not self.enabled:
+            return
+        embedding_types = (ShardedModule, EmbeddingBagCollection, EmbeddingCollection)
+        for name, module in model.named_modules():
+            if isinstance(module, embedding_types) and not any(
+                name.startswith(f"{outer}.") for outer in self.excluded
+            ):
+                self._exclude(module)
+                self.excluded.append(name)
+
+    @staticmethod
+    def _exclude(module: nn.Module) -> None:
+        """Innermost saved-tensor hooks win: pass-through ones shadow the MX ones."""
+        active: list[torch.autograd.graph.saved_tensors_hooks] = []
+
+        def enter(*_: object) -> None:
+            hooks = torch.autograd.graph.saved_tensors_hooks(_keep, _keep)
+            hooks.__enter__()
+            active.append(hooks)
+
+        def leave(*_: object) -> None:
+            if active:
+                active.pop().__exit__(None, None, None)
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave, always_call=True)
+
+    def step(self) -> contextlib.AbstractContextManager:
+        """Context for one training forward; its counters become ``last_stats``."""
+        if not self.enabled:
+            return contextlib.nullcontext()
+        self.last_stats = SavedActivationStats()
+        return mx_saved_activations(stats=self.last_stats)
+
+    def metrics(self) -> dict[str, float | None]:
+        """Step-metric fields of the latest step (empty for ``'none'`` or before a step)."""
+        stats = self.last_stats
+        if stats is None:
+            return {}
+        return {
+            "saved_act_bytes_fp": stats.bytes_before,
+            "saved_act_bytes_mx": stats.bytes_after,
+            "saved_act_bytes_saved": stats.bytes_saved,
+            # None rather than NaN when nothing was packed: metrics.jsonl stays strict JSON.
+            "saved_act_compression": stats.compression if stats.bytes_before else None,
+            "saved_act_unpacked_bytes": stats.skipped_bytes,
+        }

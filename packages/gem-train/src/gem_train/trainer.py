@@ -31,7 +31,7 @@ from gem_train.checkpoint import (
 from gem_train.config import TrainConfig
 from gem_train.metrics import auc, normalized_entropy
 from gem_train.parallel import DenseParallel
-from gem_train.precision import apply_precision
+from gem_train.precision import SavedActivations, apply_precision
 
 __all__ = ["Trainer", "init_distributed", "resolve_device"]
 
@@ -129,6 +129,8 @@ class Trainer:
             plan=self.parallel.sharding_plan(model),
             data_parallel_wrapper=self.parallel.data_parallel_wrapper(model),
         )
+        # MXFP8 storage of the dense activations saved for backward (precision.saved_activations).
+        self.saved_activations = SavedActivations(self.model, config.precision)
         dense_parameters = dict(in_backward_optimizer_filter(self.model.named_parameters()))
         self.dense_parameters = list(dense_parameters.values())
         self.dense_optimizer = KeyedOptimizerWrapper(
@@ -173,10 +175,13 @@ class Trainer:
         warmup = max(1, self.config.optim.warmup_steps)
         for group in self.dense_optimizer.param_groups:
             group["lr"] = self.config.optim.dense_lr * min(1.0, (self.step + 1) / warmup)
-        logits = self._forward(batch)
-        loss = (
-            F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none").mean(0).sum()
-        )
+        with self.saved_activations.step():
+            logits = self._forward(batch)
+            loss = (
+                F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none")
+                .mean(0)
+                .sum()
+            )
         if not torch.isfinite(loss):
             raise FloatingPointError(f"loss became {loss.item()} at step {self.step}")
         self.optimizer.zero_grad()
@@ -223,6 +228,7 @@ class Trainer:
                             * config.batch_size
                             * self.world_size
                             / (time.perf_counter() - started),
+                            **self.saved_activations.metrics(),
                         )
                     if config.checkpoint_every and self.step % config.checkpoint_every == 0:
                         self.save(checkpoint_dir)
