@@ -16,6 +16,16 @@ from types import ModuleType
 __all__ = ["interpret_requested", "load_kernel_module", "triton_importable"]
 
 _LOADED: dict[tuple[str, bool], ModuleType] = {}
+_UNSET = object()
+
+
+def _runtime_knobs():
+    """``triton.knobs.runtime`` where this Triton has it (3.4+), else None."""
+    try:
+        from triton import knobs
+    except ImportError:  # older Triton reads the environment only
+        return None
+    return getattr(knobs, "runtime", None)
 
 
 def interpret_requested() -> bool:
@@ -45,6 +55,12 @@ def load_kernel_module(filename: str, interpret: bool) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    # Some imports (torch._dynamo) pin triton.knobs.runtime.interpret, which then wins over the
+    # environment: pin it to this mode while decorating, then put it back.
+    runtime_knobs = _runtime_knobs()
+    pinned = runtime_knobs.__dict__.get("interpret", _UNSET) if runtime_knobs else _UNSET
+    if runtime_knobs is not None:
+        runtime_knobs.__dict__["interpret"] = interpret
     try:
         sys.modules[name] = module
         spec.loader.exec_module(module)
@@ -52,6 +68,11 @@ def load_kernel_module(filename: str, interpret: bool) -> ModuleType:
         sys.modules.pop(name, None)
         raise
     finally:
+        if runtime_knobs is not None:
+            if pinned is _UNSET:
+                runtime_knobs.__dict__.pop("interpret", None)
+            else:
+                runtime_knobs.__dict__["interpret"] = pinned
         if previous is None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:

@@ -217,7 +217,7 @@ class _SymmetricBuffer:
         self, peer: int, byte_offset: int, shape: torch.Size, dtype: torch.dtype
     ) -> torch.Tensor:
         """``peer``'s buffer at ``byte_offset`` as a tensor mapped into this process."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         return self.handle.get_buffer(peer, list(shape), dtype, byte_offset // itemsize)
 
 

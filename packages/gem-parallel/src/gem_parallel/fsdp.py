@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from gem_parallel.collectives import (
     COLLECTIVE_CHOICES,
     CollectiveFn,
+    _all_gather_single,
     copy_engine_all_gather,
     select_all_gather,
     symmetric_empty,
@@ -50,9 +51,6 @@ from gem_parallel.mesh import GemMesh
 __all__ = ["FsdpAllGather", "apply_fsdp", "default_fsdp_blocks", "set_fsdp_all_gather"]
 
 _log = logging.getLogger(__name__)
-
-# torch 2.14 deprecates all_gather_into_tensor in favour of all_gather_single.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _fsdp_all_gather_base() -> type:

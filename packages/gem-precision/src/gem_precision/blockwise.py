@@ -9,6 +9,8 @@ scale ``s`` with ``amax / s <= max_normal``, so no element saturates, and the el
 
 from __future__ import annotations
 
+import functools
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +50,12 @@ def _tile_shape(x: torch.Tensor, block_shape: tuple[int, int] | None) -> tuple[i
     return block_shape
 
 
+@functools.cache
+def _float32_bits(value: float) -> int:
+    """The IEEE float32 bit pattern of ``value`` (host arithmetic, no tensor per call)."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
 def _pow2_scale_exponent(amax: torch.Tensor, max_normal: float) -> torch.Tensor:
     """Smallest integer ``e`` with ``amax / 2**e <= max_normal``, clamped to
     [-120, 120] (0 for zero / non-finite ``amax``).
@@ -59,7 +67,7 @@ def _pow2_scale_exponent(amax: torch.Tensor, max_normal: float) -> torch.Tensor:
     amax = amax.to(torch.float32)
     valid = torch.isfinite(amax) & (amax > 0)
     amax = torch.where(valid, amax, torch.ones_like(amax))
-    max_bits = torch.tensor(max_normal, dtype=torch.float32).view(torch.int32).item()
+    max_bits = _float32_bits(max_normal)
     max_exp, max_mantissa = ((max_bits >> 23) & 0xFF) - 127, max_bits & 0x7FFFFF
     bits = amax.view(torch.int32)
     exp = ((bits >> 23) & 0xFF) - 127 - max_exp + ((bits & 0x7FFFFF) > max_mantissa).to(torch.int32)

@@ -423,7 +423,6 @@ class Fp8Linear(nn.Linear):
             out = _MxLinearFunction.apply(x2d, self.weight, self.bias, self.recipe, native)
         else:
             out = _Fp8LinearEmulatedFunction.apply(x2d, self.weight, self.recipe, offset)
-            out = out.to(x.dtype)
             if self.bias is not None:
                 out = out + self.bias.to(out.dtype)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
