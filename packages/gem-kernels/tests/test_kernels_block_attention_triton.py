@@ -223,3 +223,22 @@ def test_gpu_matches_reference(dtype, with_positions, monkeypatch):
         error = (got - want).norm() / want.norm().clamp(min=1e-6)
         assert torch.isfinite(got).all(), name
         assert error < tol, (name, float(error))
+
+
+def test_plan_is_cached_per_lengths_and_options(interpret):
+    from gem_kernels import block_attention_triton as bat
+
+    config = bat.default_config(D, interpret=True)
+    cpu = torch.device("cpu")
+    lengths = torch.tensor([5, 0, 70, 64])
+    first = bat._plan(lengths, 64, D, 10000.0, 0.25, config, True, cpu)
+    assert bat._plan(lengths.clone(), 64, D, 10000.0, 0.25, config, True, cpu) is first
+    assert (
+        bat._plan(torch.tensor([5, 0, 70, 65]), 64, D, 10000.0, 0.25, config, True, cpu)
+        is not first
+    )
+    assert bat._plan(lengths, 32, D, 10000.0, 0.25, config, True, cpu) is not first
+    assert bat._plan(lengths, 64, D, 500.0, 0.25, config, True, cpu) is not first
+    for n in range(3 * bat._PLAN_CACHE.maxsize):
+        bat._plan(torch.tensor([n + 1]), 64, D, 10000.0, 0.25, config, True, cpu)
+    assert len(bat._PLAN_CACHE) <= bat._PLAN_CACHE.maxsize

@@ -238,9 +238,9 @@ def test_plan_cache_reuses_only_identical_batches():
     assert jfa_triton._plan(lengths, lengths, 3, 0, config, cpu, True) is not first
     assert jfa_triton._plan(lengths, lengths, None, 0, config, cpu, False) is not first
     # The cache is bounded.
-    for n in range(3 * jfa_triton._PLAN_CACHE_SIZE):
+    for n in range(3 * jfa_triton._PLAN_CACHE.maxsize):
         jfa_triton._plan(torch.tensor([n + 1]), torch.tensor([n + 1]), None, 0, config, cpu, True)
-    assert len(jfa_triton._PLAN_CACHE) <= jfa_triton._PLAN_CACHE_SIZE
+    assert len(jfa_triton._PLAN_CACHE) <= jfa_triton._PLAN_CACHE.maxsize
 
 
 def test_public_entry_point_dispatch(interpret, monkeypatch):

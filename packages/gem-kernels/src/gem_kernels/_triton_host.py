@@ -6,6 +6,8 @@ the one packed host-to-device copy of the launch tables. Kernel code lives in ``
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +16,7 @@ from gem_kernels._triton_loader import interpret_requested, triton_importable
 
 __all__ = [
     "FlashTileConfig",
+    "PlanCache",
     "TRITON_DTYPES",
     "copy_to_device",
     "dot_flags",
@@ -131,3 +134,34 @@ def dot_flags(q: torch.Tensor, interpret: bool) -> dict[str, object]:
         "DOT_PRECISION": "ieee" if q.dtype == torch.float32 else "tf32",
         "UPCAST": interpret and q.dtype == torch.bfloat16,
     }
+
+
+class PlanCache:
+    """Host plans of recent calls, least recently used dropped first.
+
+    Every attention layer of a model (and its backward) sees the same batch lengths, so only the
+    first call per batch pays for building and uploading its tables.
+    """
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._plans: OrderedDict[Hashable, object] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def clear(self) -> None:
+        """Drop every stored plan."""
+        self._plans.clear()
+
+    def get(self, key: Hashable, build: Callable[[], object]):
+        """The plan stored under ``key``, built with ``build()`` on a miss."""
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+            return plan
+        plan = build()
+        self._plans[key] = plan
+        if len(self._plans) > self.maxsize:
+            self._plans.popitem(last=False)
+        return plan

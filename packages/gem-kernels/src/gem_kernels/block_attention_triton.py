@@ -134,8 +134,19 @@ def _turn_frequencies(head_dim: int, theta: float) -> list[int]:
     ]
 
 
+_PLAN_CACHE = host.PlanCache(maxsize=16)
+
+
 def _plan(lengths, block_size, head_dim, theta, scale, config, interpret, device) -> _Launch:
     lengths = lengths.to("cpu", torch.int64)
+    key = (lengths.numpy().tobytes(), block_size, head_dim, theta, scale, config, interpret)
+    return _PLAN_CACHE.get(
+        key + (str(device),),
+        lambda: _build_plan(lengths, block_size, head_dim, theta, scale, config, interpret, device),
+    )
+
+
+def _build_plan(lengths, block_size, head_dim, theta, scale, config, interpret, device) -> _Launch:
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=offsets[1:])
     blocks = (lengths + block_size - 1) // block_size

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 from types import ModuleType
 
@@ -513,8 +512,7 @@ def _to_device(tables, combines, device: torch.device) -> list[torch.Tensor]:
 
 # Plans of recent calls: training repeats the same lengths for the forward of every layer, and
 # benchmarks repeat whole calls; a hit skips all host work but the one lengths copy.
-_PLAN_CACHE: OrderedDict[tuple, _Plan] = OrderedDict()
-_PLAN_CACHE_SIZE = 64
+_PLAN_CACHE = host.PlanCache(maxsize=64)
 
 
 def _cached_plan(s: _Samples, heads, left, right, config, device, with_backward, interpret,
@@ -524,15 +522,9 @@ def _cached_plan(s: _Samples, heads, left, right, config, device, with_backward,
         s.out_start.tobytes(), heads, left, right, config, str(device), with_backward,
         interpret, pma_m,
     )  # fmt: skip
-    plan = _PLAN_CACHE.get(key)
-    if plan is not None:
-        _PLAN_CACHE.move_to_end(key)
-        return plan
-    plan = _plan(s, heads, left, right, config, device, with_backward, interpret, pma_m)
-    _PLAN_CACHE[key] = plan
-    if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
-        _PLAN_CACHE.popitem(last=False)
-    return plan
+    return _PLAN_CACHE.get(
+        key, lambda: _plan(s, heads, left, right, config, device, with_backward, interpret, pma_m)
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,6 @@ after ``gem_kernels`` was imported.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 from types import ModuleType
 
@@ -186,8 +185,7 @@ def _key_tile_table(samples, block_n, left, right) -> torch.Tensor:
 
 #: Plans of recent batches, keyed by their lengths and tiling: every attention layer of a model
 #: (and its backward) sees the same batch, so only the first call per batch builds tables.
-_PLAN_CACHE: OrderedDict[tuple, _Plan] = OrderedDict()
-_PLAN_CACHE_SIZE = 16
+_PLAN_CACHE = host.PlanCache(maxsize=16)
 
 
 def _plan(
@@ -202,8 +200,8 @@ def _plan(
     q_len = q_lengths.to("cpu", torch.int64)
     k_len = k_lengths.to("cpu", torch.int64)
     key = (
-        tuple(q_len.tolist()),
-        tuple(k_len.tolist()),
+        q_len.numpy().tobytes(),
+        k_len.numpy().tobytes(),
         left,
         right,
         config.fwd_block_m,
@@ -212,15 +210,9 @@ def _plan(
         str(device),
         with_backward,
     )
-    cached = _PLAN_CACHE.get(key)
-    if cached is not None:
-        _PLAN_CACHE.move_to_end(key)
-        return cached
-    plan = _build_plan(q_len, k_len, left, right, config, device, with_backward)
-    _PLAN_CACHE[key] = plan
-    if len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
-        _PLAN_CACHE.popitem(last=False)
-    return plan
+    return _PLAN_CACHE.get(
+        key, lambda: _build_plan(q_len, k_len, left, right, config, device, with_backward)
+    )
 
 
 def _build_plan(q_len, k_len, left, right, config, device, with_backward) -> _Plan:
