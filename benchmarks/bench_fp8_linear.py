@@ -23,7 +23,7 @@ measured device-to-device copy rate): MXFP8 1x32 and 32x32 quantise and 1x32 deq
 quantise kernel, and ``torch_copy`` (a bf16 clone) as the yardstick. Bytes are those each
 kernel must move (input read once, outputs written once).
 
-    PYTHONPATH=packages/gem-precision/src python benchmarks/bench_fp8_linear.py \
+    PYTHONPATH=packages/gem-kernels/src:packages/gem-precision/src python benchmarks/bench_fp8_linear.py \
         --out benchmarks/results/h200/fp8_linear.json
 
 Every linear provider is timed in two rounds (the faster median counts). The committed

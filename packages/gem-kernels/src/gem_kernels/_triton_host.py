@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem_kernels._triton_loader import interpret_requested, triton_importable
+from gem_kernels.triton_loader import interpret_requested, triton_importable
 
 __all__ = [
     "FlashTileConfig",

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from gem_kernels import _triton_host as host
-from gem_kernels._triton_loader import load_kernel_module
+from gem_kernels.triton_loader import load_kernel_module
 
 __all__ = [
     "MAX_TRITON_BLOCK_SIZE",
@@ -83,7 +84,7 @@ def default_config(head_dim: int, *, interpret: bool = False) -> BlockAttentionT
 
 def _kernels(interpret: bool) -> ModuleType:
     """The kernel module decorated for this mode (compiled for CUDA, interpreted for CPU tests)."""
-    return load_kernel_module("_block_kernels.py", interpret)
+    return load_kernel_module(Path(__file__).with_name("_block_kernels.py"), interpret)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,13 +39,14 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import torch
 
 from gem_kernels import _triton_host as host
-from gem_kernels._triton_loader import load_kernel_module
+from gem_kernels.triton_loader import load_kernel_module
 
 __all__ = [
     "GDPA_SCHEDULES",
@@ -149,7 +150,7 @@ def default_config(
 
 def _kernels(interpret: bool) -> ModuleType:
     """The kernel module decorated for this mode (compiled for CUDA, interpreted for CPU tests)."""
-    return load_kernel_module("_gdpa_kernels.py", interpret)
+    return load_kernel_module(Path(__file__).with_name("_gdpa_kernels.py"), interpret)
 
 
 def triton_unsupported_reason(q: torch.Tensor) -> str | None:

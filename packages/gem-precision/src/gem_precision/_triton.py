@@ -1,52 +1,33 @@
 """Loads :mod:`gem_precision._quant_kernels` compiled (CUDA) or interpreted (CPU tests).
 
-``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates, so the kernel file is executed once
-per mode under its own module name. CUDA tensors use the compiled kernels; CPU tensors use the
-interpreter, but only when ``TRITON_INTERPRET=1`` is set at call time (it is slow).
+The loading itself is :func:`gem_kernels.triton_loader.load_kernel_module` (one module per
+mode, since ``triton.jit`` reads the mode when it decorates). CUDA tensors use the compiled
+kernels; CPU tensors use the interpreter, but only when ``TRITON_INTERPRET=1`` is set at call
+time (it is slow).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import torch
+from gem_kernels.triton_loader import interpret_requested, load_kernel_module, triton_importable
 
 __all__: list[str] = []
 
-_MODULES: dict[bool, ModuleType] = {}
-_UNSET = object()
-
-
-def _runtime_knobs():
-    """``triton.knobs.runtime`` where this Triton has it (3.4+), else None."""
-    try:
-        from triton import knobs
-    except ImportError:  # pragma: no cover - older Triton reads the environment only
-        return None
-    return getattr(knobs, "runtime", None)
-
-
-def interpret_requested() -> bool:
-    """Whether ``TRITON_INTERPRET`` asks for the interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+_KERNEL_FILE = Path(__file__).with_name("_quant_kernels.py")
 
 
 def triton_available() -> bool:
     """Whether ``triton`` can be imported here."""
-    try:
-        import triton  # noqa: F401
-    except Exception:  # pragma: no cover - depends on the environment
-        return False
-    return True
+    return triton_importable()
 
 
 def can_run(t: torch.Tensor) -> bool:
     """Whether the Triton kernels can run on tensors on ``t``'s device."""
-    if not triton_available():
+    if not triton_importable():
         return False
     return t.is_cuda or (t.device.type == "cpu" and interpret_requested())
 
@@ -58,42 +39,7 @@ def kernels(t: torch.Tensor) -> ModuleType:
             f"the Triton kernels need CUDA tensors (or CPU tensors with TRITON_INTERPRET=1), "
             f"got a tensor on {t.device}"
         )
-    interpret = not t.is_cuda
-    module = _MODULES.get(interpret)
-    if module is not None:
-        return module
-    name = f"gem_precision._quant_kernels_{'interpreted' if interpret else 'compiled'}"
-    spec = importlib.util.spec_from_file_location(
-        name, Path(__file__).with_name("_quant_kernels.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-    # Some imports (torch._dynamo) pin triton.knobs.runtime.interpret, which then wins over
-    # the environment: pin it to this mode while decorating, then put it back.
-    runtime_knobs = _runtime_knobs()
-    pinned = runtime_knobs.__dict__.get("interpret", _UNSET) if runtime_knobs else _UNSET
-    if runtime_knobs is not None:
-        runtime_knobs.__dict__["interpret"] = interpret
-    try:
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    finally:
-        if runtime_knobs is not None:
-            if pinned is _UNSET:
-                runtime_knobs.__dict__.pop("interpret", None)
-            else:
-                runtime_knobs.__dict__["interpret"] = pinned
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-    _MODULES[interpret] = module
-    return module
+    return load_kernel_module(_KERNEL_FILE, interpret=not t.is_cuda)
 
 
 _FP8_LAYOUT = {

@@ -1,4 +1,6 @@
-"""Loads a Triton kernel file compiled (CUDA) or interpreted (CPU tests), shared by all kernels.
+"""Loads a Triton kernel file compiled (CUDA) or interpreted (CPU tests).
+
+Shared by the gem-kernels attention kernels and the gem-precision quantise kernels.
 
 ``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates a function, so one kernel file cannot
 serve both modes. Each ``_*_kernels.py`` file is therefore executed once per mode, under its own
@@ -15,7 +17,7 @@ from types import ModuleType
 
 __all__ = ["interpret_requested", "load_kernel_module", "triton_importable"]
 
-_LOADED: dict[tuple[str, bool], ModuleType] = {}
+_LOADED: dict[tuple[Path, bool], ModuleType] = {}
 _UNSET = object()
 
 
@@ -42,15 +44,19 @@ def triton_importable() -> bool:
     return True
 
 
-def load_kernel_module(filename: str, interpret: bool) -> ModuleType:
-    """The kernel file ``gem_kernels/<filename>`` decorated for ``interpret`` (cached)."""
-    key = (filename, interpret)
+def load_kernel_module(path: str | Path, interpret: bool) -> ModuleType:
+    """The kernel file at ``path`` decorated for ``interpret`` (cached per file and mode).
+
+    The module is registered as ``<package>.<stem>_interpreted`` or ``..._compiled``, where
+    ``<package>`` is the name of the folder holding the file.
+    """
+    path = Path(path).resolve()
+    key = (path, interpret)
     module = _LOADED.get(key)
     if module is not None:
         return module
-    stem = filename.removesuffix(".py")
-    name = f"gem_kernels.{stem}_{'interpreted' if interpret else 'compiled'}"
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(filename))
+    name = f"{path.parent.name}.{path.stem}_{'interpreted' if interpret else 'compiled'}"
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     previous = os.environ.get("TRITON_INTERPRET")
