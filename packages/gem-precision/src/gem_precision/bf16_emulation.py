@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gem_precision.linear import Fp8Linear, PrecisionPolicy
+from gem_precision.linear import Fp8Linear, PrecisionPolicy, _swap_linears
 
 __all__ = ["Bf16GemmLinear", "convert_to_bf16_gemms"]
 
@@ -75,30 +75,11 @@ def convert_to_bf16_gemms(module: nn.Module, policy: PrecisionPolicy | None = No
 
     Returns the qualified names of the converted layers.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-    policy = policy or PrecisionPolicy()
-    if not isinstance(policy, PrecisionPolicy):
-        raise TypeError(f"policy must be a PrecisionPolicy, got {type(policy).__name__}")
-    linears = {
-        name: m
-        for name, m in module.named_modules()
-        if isinstance(m, nn.Linear) and not isinstance(m, Fp8Linear | Bf16GemmLinear)
-    }
-    missing = [n for n in policy.keep_high_precision if n not in linears]
-    if missing:
-        raise ValueError(
-            f"policy.keep_high_precision names {missing} that are not nn.Linear layers of the "
-            f"module (linear layers: {sorted(linears)})"
-        )
-    converted = []
-    for name, linear in linears.items():
-        if policy.decide(name, linear) is not None:
-            continue
-        if not name:
-            raise ValueError("module itself is an nn.Linear; use Bf16GemmLinear.from_linear")
-        parent_name, _, child_name = name.rpartition(".")
-        parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, child_name, Bf16GemmLinear.from_linear(linear))
-        converted.append(name)
+    converted, _ = _swap_linears(
+        module,
+        policy or PrecisionPolicy(),
+        Bf16GemmLinear.from_linear,
+        skip=(Fp8Linear, Bf16GemmLinear),
+        hint="use Bf16GemmLinear.from_linear",
+    )
     return converted

@@ -29,6 +29,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -501,15 +502,40 @@ def convert_to_fp8(module: nn.Module, policy: PrecisionPolicy | None = None) -> 
     Raises ``ValueError`` if a name in ``policy.keep_high_precision`` is not a linear layer of
     ``module``.
     """
+    policy = policy or PrecisionPolicy()
+    report = ConversionReport()
+    report.converted, report.kept = _swap_linears(
+        module,
+        policy,
+        lambda linear: Fp8Linear.from_linear(linear, policy.recipe),
+        skip=(Fp8Linear,),
+        hint="wrap it with Fp8Linear.from_linear",
+    )
+    return report
+
+
+def _swap_linears(
+    module: nn.Module,
+    policy: PrecisionPolicy,
+    make: Callable[[nn.Linear], nn.Module],
+    *,
+    skip: tuple[type, ...],
+    hint: str,
+) -> tuple[list[str], dict[str, str]]:
+    """Replace in place every ``nn.Linear`` of ``module`` that ``policy`` does not keep.
+
+    Layers that are instances of ``skip`` (already converted) are left alone. Returns the names
+    replaced by ``make(linear)`` and, for the kept ones, the policy's reason. ``hint`` says what
+    to do instead when ``module`` itself is a linear layer.
+    """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-    policy = policy or PrecisionPolicy()
     if not isinstance(policy, PrecisionPolicy):
         raise TypeError(f"policy must be a PrecisionPolicy, got {type(policy).__name__}")
     linears = {
         name: m
         for name, m in module.named_modules()
-        if isinstance(m, nn.Linear) and not isinstance(m, Fp8Linear)
+        if isinstance(m, nn.Linear) and not isinstance(m, skip)
     }
     missing = [n for n in policy.keep_high_precision if n not in linears]
     if missing:
@@ -517,16 +543,17 @@ def convert_to_fp8(module: nn.Module, policy: PrecisionPolicy | None = None) -> 
             f"policy.keep_high_precision names {missing} that are not nn.Linear layers of the "
             f"module (linear layers: {sorted(linears)})"
         )
-    report = ConversionReport()
+    converted: list[str] = []
+    kept: dict[str, str] = {}
     for name, linear in linears.items():
         reason = policy.decide(name, linear)
         if reason is not None:
-            report.kept[name] = reason
+            kept[name] = reason
             continue
         if not name:
-            raise ValueError("module itself is an nn.Linear; wrap it with Fp8Linear.from_linear")
+            raise ValueError(f"module itself is an nn.Linear; {hint}")
         parent_name, _, child_name = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, child_name, Fp8Linear.from_linear(linear, policy.recipe))
-        report.converted.append(name)
-    return report
+        setattr(parent, child_name, make(linear))
+        converted.append(name)
+    return converted, kept
