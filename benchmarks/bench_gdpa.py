@@ -19,6 +19,12 @@ function) and ``njt_sdpa`` (nested-jagged softmax SDPA, cross and PMA).
 
     PYTHONPATH=packages/gem-kernels/src python benchmarks/bench_gdpa.py \
         --out benchmarks/results/h200/gdpa.json [--check] [--sweep] [--config k=v,...]
+
+``--workers N`` compiles every kernel of the run in N processes first (Triton's on-disk cache;
+the timed process then loads binaries: minutes of serial compiling become ~15 s).
+``--explore --workers N --out X.json`` times the variants behind the current defaults (packed
+gelu_fast, forward tiles, PMA programs per SM and chunking, BlockAttention launch options)
+against each other in one run, after a correctness check of the packed path.
 """
 
 from __future__ import annotations
@@ -268,8 +274,10 @@ def _measure(rows, errors, case, provider, make, modes=("fwd", "fwd_bwd")):
     return times
 
 
-def check(device) -> dict:
-    """gem (bf16 and fp32 inputs) against the fp32 reference on small jagged problems."""
+def check(device, config=None, only=None) -> dict:
+    """gem (bf16 and fp32 inputs) against the fp32 reference on small jagged problems
+    (``config``: gem's config, else the default one through the public entry point; ``only``:
+    the index of the one case to run)."""
     results = {}
     gen = torch.Generator().manual_seed(0)
     # 2500: PMA keys and cross queries long enough for the split-KV / split-Q partial paths.
@@ -281,7 +289,15 @@ def check(device) -> dict:
         ("cross", q_len, k_len, dict(activation="gelu_tanh", causal=True)),
         ("pma", None, q_len, dict(activation="gelu", normalize_by_length=True)),
     ]
+    if config is not None and config.packed_gelu:  # the packed path is gelu_fast's only
+        cases += [
+            ("cross", q_len, k_len, dict(activation="gelu_fast", window=(None, 40))),
+            ("pma", None, q_len, dict(activation="gelu_fast")),
+            ("self", q_len, None, dict(activation="gelu_fast")),
+        ]
     for i, (kind, ql, kl, opts) in enumerate(cases):
+        if only is not None and i != only:
+            continue
         for dtype in (torch.bfloat16, torch.float32) if i == 1 else (torch.bfloat16,):
             name = f"{i}:{kind}:{opts.get('activation')}:{str(dtype)[6:]}"
             try:
@@ -295,7 +311,12 @@ def check(device) -> dict:
                 k_off = None if kl is None else _offsets(torch.tensor(kl))
                 leaves = [t.clone().requires_grad_(True) for t in tensors]
                 ref_leaves = [t.float().requires_grad_(True) for t in tensors]
-                out = gdpa(*leaves, q_off, k_off, backend="triton", **opts)
+                if config is None or dtype == torch.float32:  # fp32 takes its own tiles
+                    out = gdpa(*leaves, q_off, k_off, backend="triton", **opts)
+                else:
+                    q_lens = None if ql is None else torch.tensor(ql)
+                    k_lens = None if kl is None else torch.tensor(kl)
+                    out = gt.gdpa_from_lengths(*leaves, q_lens, k_lens, config=config, **opts)
                 ref = gdpa(*ref_leaves, q_off, k_off, backend="reference", **opts)
                 g = torch.randn(out.shape, generator=gen).to(device)
                 out.backward(g.to(dtype))
@@ -351,16 +372,16 @@ def sweep(device, deadline) -> gt.GdpaTritonConfig:
             print(f"sweep {label}: {winner}")
 
     fwd_variants = {
-        "f128x128w8s3": {},
-        "f128x64w4s3": dict(fwd_block_n=64, fwd_warps=4),
-        "f128x128w8s2": dict(fwd_stages=2),
+        "default": {},
+        "f128x128": dict(fwd_block_n=128),
+        "f128x64w8s4": dict(fwd_stages=4),
         "f64x128w4s3": dict(fwd_block_m=64, fwd_warps=4),
     }
     fwd_variants["zigzag_x2"] = dict(programs_per_sm=2)
     fwd_variants["sorted"] = dict(schedule="sorted")
     pick("fwd", fwd_variants, ["self4096", "self1024"], "fwd")
     bwd_variants = {
-        "b128x64/128x64w8s3": {},
+        "default": {},
         "b64x64/64x64w4s3": dict(dkdv_block_n=64, dq_block_m=64, bwd_warps=4),
         "b128x32/128x32w8s3": dict(dkdv_block_m=32, dq_block_n=32),
     }
@@ -370,7 +391,7 @@ def sweep(device, deadline) -> gt.GdpaTritonConfig:
     cases["cross4096"] = Case("cross", 128, 4096, device)
     cases["cross1024"] = Case("cross", 512, 1024, device)
     short_variants = {
-        "s64w4r512": {},
+        "default": {},
         "s64w8r512": dict(short_warps=8),
         "s128w8r512": dict(short_block_m=128, short_warps=8),
         "s64w4r1024": dict(short_rows_per_item=1024),
@@ -379,7 +400,7 @@ def sweep(device, deadline) -> gt.GdpaTritonConfig:
     pick("short", short_variants, ["cross4096", "cross1024"], "fwd")
     cases["pma4096"] = Case("pma", 128, 4096, device)
     pma_variants = {
-        "p64w4s4": {},
+        "default": {},
         "p128w4s3": dict(pma_block_n=128, pma_stages=3),
         "p128w8s3": dict(pma_block_n=128, pma_warps=8, pma_stages=3),
     }
@@ -406,6 +427,165 @@ def skew(rows, errors, device, config):
         _measure(rows, errors, case, f"gem-{schedule}", lambda c=cfg: provider_gem(case, c))
 
 
+# ---------------------------------------------------------------------------------------------
+# Parallel warm-up of Triton's on-disk kernel cache: compiling dozens of kernel variants one
+# after the other costs minutes of GPU-machine time; worker processes (spread over the visible
+# GPUs) run every (case, config) once, so the timed process only loads cached binaries.
+
+_WORKER_CASES: dict = {}
+
+
+def _warm_job(job) -> str:
+    spec, config, activation, modes, device_index = job
+    try:
+        torch.cuda.set_device(device_index)
+        device = torch.device("cuda", device_index)
+        if spec[0] == "check":
+            check(device, config, spec[1])
+            return "check"
+        if spec not in _WORKER_CASES:
+            _WORKER_CASES.clear()
+            _WORKER_CASES[spec] = _case_of(spec, device)
+        case = _WORKER_CASES[spec]
+        if spec[0] == "block":
+            import bench_block_attention as bba
+
+            fwd, fwd_bwd, _ = bba.provider_gem(case, config)
+        else:
+            fwd, fwd_bwd, _ = provider_gem(case, config, activation)
+        for mode in modes:
+            (fwd if mode == "fwd" else fwd_bwd)()
+        torch.cuda.synchronize()
+        return f"{spec} ok"
+    except Exception as error:  # noqa: BLE001
+        return f"{spec} {error!r}"[:300]
+
+
+def _case_of(spec, device) -> Case:
+    if spec == "skew":
+        lengths = _power_law_lengths()
+        return Case("self", lengths.numel(), int(lengths.max()), device, lengths, "skew/alpha1.7")
+    if spec[0] == "block":
+        import bench_block_attention as bba
+
+        return bba.Case(spec[1], spec[2], device)
+    return Case(*spec, device)
+
+
+def precompile(jobs, workers: int) -> None:
+    """Runs ``jobs`` ``(case spec, config, activation, modes)`` in ``workers`` processes."""
+    if workers <= 0 or not jobs:
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    start = time.time()
+    gpus = 1  # tensors of other devices fail Triton's pointer check in the worker
+    # Jobs of one case stay together (a worker keeps its last case's tensors).
+    jobs = sorted(jobs, key=lambda job: str(job[0]))
+    tagged = [(*job, i % gpus) for i, job in enumerate(jobs)]
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        for result in pool.map(_warm_job, tagged):
+            if not result.endswith("ok") and result != "check":  # noqa: SIM102
+                print(f"precompile: {result}")
+    print(f"precompiled {len(jobs)} jobs in {time.time() - start:.0f} s")
+
+
+def explore(device, out_path: Path, workers: int) -> None:
+    """One-call exploration: packed gelu_fast and tile variants for every kernel family, timed
+    against the default config, plus a correctness check of the packed path."""
+    base = gt.default_config(D)
+    packed = replace(base, packed_gelu=True)
+    self_fwd = {
+        "base": base,
+        "P": packed,
+        "P-f128x64": replace(packed, fwd_block_n=64),
+        "P-f128x64s4": replace(packed, fwd_block_n=64, fwd_stages=4),
+        "P-f128x128s2": replace(packed, fwd_stages=2),
+    }
+    self_bwd = {
+        "base": base,
+        "P": packed,
+        "P-dkdv64x64": replace(packed, dkdv_block_n=64),
+        "P-dkdv64x64s2": replace(packed, dkdv_block_n=64, bwd_stages=2),
+    }
+    cross = {
+        "base": base,
+        "P": packed,
+        "P-s64w4": replace(packed, short_block_m=64, short_warps=4),
+    }
+    pma = {
+        "base": base,
+        "s3": replace(base, pma_stages=3),
+        "s4": replace(base, pma_stages=4),
+        "n64s4": replace(base, pma_block_n=64, pma_stages=4),
+        "x2": replace(base, pma_programs_per_sm=2),
+        "c512": replace(base, pma_kv_chunk=512),
+        "c2048": replace(base, pma_kv_chunk=2048),
+        "w8": replace(base, pma_warps=8),
+    }
+    plan = []  # (spec, variant name, config, modes)
+    for shape in SELF_SHAPES:
+        for name, cfg in self_fwd.items():
+            plan.append((("self", *shape), f"fwd-{name}", cfg, ("fwd",)))
+    for shape in [(128, 4096), (512, 1024)]:
+        for name, cfg in self_bwd.items():
+            plan.append((("self", *shape), f"bwd-{name}", cfg, ("fwd_bwd",)))
+    for shape in ASYM_SHAPES:
+        for name, cfg in cross.items():
+            plan.append((("cross", *shape), f"cross-{name}", cfg, ("fwd", "fwd_bwd")))
+        for name, cfg in pma.items():
+            plan.append((("pma", *shape), f"pma-{name}", cfg, ("fwd",)))
+    from gem_kernels.block_attention_triton import BlockAttentionTritonConfig as BlockConfig
+
+    block_variants = {
+        "base": BlockConfig(),
+        "T": BlockConfig(fast_trig=True),
+        "w8": BlockConfig(4, 8, 2),
+        "Tw8": BlockConfig(4, 8, 2, fast_trig=True),
+        "Tw8s3": BlockConfig(4, 8, 3, fast_trig=True),
+        "Tw8s1": BlockConfig(4, 8, 1, fast_trig=True),
+        "Th2w8": BlockConfig(2, 8, 2, fast_trig=True),
+        "Th1w4": BlockConfig(1, 4, 2, fast_trig=True),
+    }
+    for name, cfg in block_variants.items():
+        modes = ("fwd", "fwd_bwd") if name in ("base", "Tw8", "T") else ("fwd",)
+        plan.append((("block", 128, 4096), f"block-{name}", cfg, modes))
+    jobs = [(spec, cfg, ACT, modes) for spec, _, cfg, modes in plan]
+    jobs += [(("check", i), packed, ACT, ()) for i in range(7)]
+    precompile(jobs, workers)
+    checks = check(device, packed)
+    rows = []
+    current = None
+    for spec, name, cfg, modes in plan:
+        if spec != current:
+            case = None
+            torch.cuda.empty_cache()
+            case = _case_of(spec, device)
+            current = spec
+        if spec[0] == "block":
+            import bench_block_attention as bba
+
+            fwd, fwd_bwd, leaves = bba.provider_gem(case, cfg)
+            times = {m: _bench(fwd) if m == "fwd" else _bench(fwd_bwd, leaves) for m in modes}
+            for mode, ms in times.items():
+                gbps = (4 if mode == "fwd" else 8) * case.tensor_bytes / ms * 1e-6
+                rows.append(dict(case=f"block/{case.name}", provider=f"gem-{name}", mode=mode,
+                                 metric="ms", value=ms))  # fmt: skip
+                print(f"block/{case.name:12s} {name:18s} {mode:8s} {ms:8.3f} ms {gbps:7.0f} GB/s")
+            continue
+        times = _time_config(case, cfg, modes)
+        for mode, ms in times.items():
+            flops = case.fwd_flops * (3.5 if mode == "fwd_bwd" else 1.0)
+            rows.append(dict(case=case.name, provider=f"gem-{name}", mode=mode, metric="ms",
+                             value=ms))  # fmt: skip
+            rate = flops / ms * 1e-9
+            extra = f" {case.bytes / ms * 1e-6:7.0f} GB/s" if case.kind == "pma" else ""
+            print(f"{case.name:18s} {name:18s} {mode:8s} {ms:8.3f} ms {rate:7.1f} TFLOP/s{extra}")
+    write_results(out_path, meta("gdpa_explore", "bench_gdpa.py --explore", checks=checks), rows)
+
+
 def quick_sweep(device, deadline, rows) -> gt.GdpaTritonConfig:
     """A few variants per group (self fwd tiles, PMA split-KV, cross short-KV, backward tiles);
     each group's winner is kept. Every timing goes to ``rows`` (provider ``gem-sweep-...``)."""
@@ -414,35 +594,33 @@ def quick_sweep(device, deadline, rows) -> gt.GdpaTritonConfig:
         "self": (
             ["self", 128, 4096], "fwd",
             {
-                "f128x128w8s3": {},
-                "f128x64w8s2x2": dict(fwd_block_n=64, fwd_stages=2, programs_per_sm=2),
-                "f128x64w4s3": dict(fwd_block_n=64, fwd_warps=4),
+                "default": {},
+                "f128x128-plain": dict(fwd_block_n=128, packed_gelu=False),
+                "f128x64w8s4": dict(fwd_stages=4),
             },
         ),
         "pma": (
             ["pma", 128, 4096], "fwd",
             {
-                "p128w4s2x1c1024": {},
-                "p64w4s3x2c1024": dict(pma_block_n=64, pma_stages=3, pma_programs_per_sm=2),
-                "p64w4s3x2c512": dict(
-                    pma_block_n=64, pma_stages=3, pma_programs_per_sm=2, pma_kv_chunk=512
-                ),
-                "p128w4s2x1nosplit": dict(pma_kv_chunk=0),
+                "default": {},
+                "x1": dict(pma_programs_per_sm=1),
+                "n64s4": dict(pma_block_n=64, pma_stages=4),
+                "nosplit": dict(pma_kv_chunk=0),
             },
         ),
         "cross": (
             ["cross", 128, 4096], "fwd",
             {
-                "s128w8st2": {},
-                "s64w4st2": dict(short_block_m=64, short_warps=4),
+                "default": {},
+                "plain": dict(packed_gelu=False),
                 "generic": dict(short_kv_max=0),
             },
         ),
         "bwd": (
             ["self", 128, 4096], "fwd_bwd",
             {
-                "b128x64/128x64w8s3": {},
-                "b64x64/64x64w4s3": dict(dkdv_block_n=64, dq_block_m=64, bwd_warps=4),
+                "default": {},
+                "plain": dict(packed_gelu=False),
             },
         ),
     }  # fmt: skip
@@ -488,13 +666,30 @@ def main() -> None:
         "--budget-s", type=float, default=200.0, help="stop starting new cases (after --check)"
     )
     parser.add_argument("--peers", default=",".join(PEERS))
+    parser.add_argument("--explore", action="store_true", help="time variants only (to --out)")
+    parser.add_argument(
+        "--workers", type=int, default=0, help="processes that pre-compile the kernels in parallel"
+    )
     args = parser.parse_args()
     require_cuda()
     device = torch.device("cuda")
-    start = time.time()
+    if args.explore:
+        explore(device, Path(args.out), args.workers)
+        return
+    config = _parse_config(args.config)
+    if args.workers > 0:  # every kernel of the run below, compiled in parallel first
+        cfg = config or gt.default_config(D)
+        jobs = [(("check", i), None, ACT, ()) for i in range(4)] if args.check else []
+        shapes = [("self", b, n) for b, n in SELF_SHAPES]
+        shapes += [(kind, b, n) for kind in ("cross", "pma") for b, n in ASYM_SHAPES]
+        jobs += [(spec, cfg, ACT, ("fwd", "fwd_bwd")) for spec in shapes]
+        jobs += [
+            ("skew", replace(cfg, schedule=s), ACT, ("fwd", "fwd_bwd")) for s in gt.GDPA_SCHEDULES
+        ]
+        jobs += [(("self", 128, 4096), cfg, a, ("fwd",)) for a in ("identity", "silu")]
+        precompile(jobs, args.workers)
     checks = check(device) if args.check or args.sweep_only else {}
     start = time.time()  # --budget-s covers the sweep and the cases, not the check
-    config = _parse_config(args.config)
     if args.sweep or args.sweep_only:
         config = sweep(device, start + (0.9 if args.sweep_only else 0.5) * args.budget_s)
     if args.sweep_only:

@@ -129,6 +129,20 @@ def test_heads_per_program_and_from_lengths(interpret):
         torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
 
 
+def test_fast_trig_needs_compiled_kernels(interpret):
+    # fast_trig is inline PTX: the interpreter takes libdevice's sin/cos whatever the config
+    # says, so both configs give the same bits (the GPU test covers the PTX path, the default).
+    lengths = [70]
+    tensors = _inputs(lengths, seed=4)
+    outs = [
+        block_attention_from_lengths(*(tensors[n] for n in "qkv"), torch.tensor(lengths),
+                                     config=BlockAttentionTritonConfig(fast_trig=fast))
+        for fast in (True, False)
+    ]  # fmt: skip
+    assert BlockAttentionTritonConfig().fast_trig
+    torch.testing.assert_close(outs[0], outs[1], atol=0.0, rtol=0.0)
+
+
 @settings(max_examples=10, deadline=None, phases=[Phase.explicit, Phase.generate])
 @given(
     lengths=st.lists(st.integers(0, 140), max_size=3),

@@ -9,17 +9,20 @@ the interpreter runs 3 persistent programs, so every kernel's work loop runs sev
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
 import torch
 from gem_kernels import GDPA_BACKENDS, gdpa, gdpa_triton
 from gem_kernels.gdpa_triton import (
+    GELU_FAST_F16_MAX_ABS_ERROR,
     GdpaTritonConfig,
     default_config,
     gdpa_from_lengths,
     schedule_loads,
 )
+from gem_kernels.reference import _GELU_FAST_COEFFS
 from kernels_naive import naive_gdpa, offsets_of
 
 H, D = 2, 16
@@ -175,6 +178,96 @@ def test_plans_are_cached(interpret):
 
 def test_bfloat16_inputs(interpret):
     _check(CROSS_Q, CROSS_K, activation="silu", dtype=torch.bfloat16, tol=3e-2, causal=True)
+
+
+@pytest.mark.parametrize("kind", ["self", "cross", "pma"])
+def test_packed_gelu_fast_bfloat16(interpret, kind):
+    # The f16x2 gelu_fast (tl emulation of the inline-PTX math under the interpreter), forward
+    # and backward, masks included; PMA keeps the float32 activation (same result either way).
+    q_lengths, k_lengths = {"self": (SELF_LENGTHS, None), "cross": (CROSS_Q, CROSS_K),
+                            "pma": (None, PMA_K)}[kind]  # fmt: skip
+    options = dict(activation="gelu_fast", dtype=torch.bfloat16, tol=3e-2, window=(20, 3))
+    options["num_queries"] = 3 if kind == "pma" else None
+    packed = _check(q_lengths, k_lengths, config=_config(packed_gelu=True), **options)
+    plain = _check(q_lengths, k_lengths, config=_config(packed_gelu=False), **options)
+    if kind == "pma":
+        torch.testing.assert_close(packed, plain, atol=0.0, rtol=0.0)
+    else:  # the packed path really ran: float16 roundings move some bfloat16 outputs
+        assert not torch.equal(packed, plain)
+        torch.testing.assert_close(packed.float(), plain.float(), atol=3e-2, rtol=3e-2)
+
+
+def _gelu_fast_f16(x: torch.Tensor) -> torch.Tensor:
+    """The packed path's math, re-derived with torch: float16 Horner with fused multiply-adds
+    (products and sums in float64, rounded once), saturating clamp, times x in float32."""
+    coeffs = [torch.tensor(c, dtype=torch.float64).half().double() for c in _GELU_FAST_COEFFS]
+
+    def f16(value):
+        return value.half().double()
+
+    h = f16(x)
+    h2 = f16(h * h)
+    poly = coeffs[-1]
+    for coeff in reversed(coeffs[:-1]):
+        poly = f16(poly * h2 + coeff)
+    cdf = f16(h * poly + 0.5).clamp(0.0, 1.0)
+    return (x.float() * cdf.float()).double()
+
+
+def test_packed_gelu_fast_error_bound():
+    x = torch.cat([torch.linspace(-12, 12, 480_001), torch.linspace(-1e4, 1e4, 20_001)])
+    x = x.double()
+    exact = 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+    error = (_gelu_fast_f16(x) - exact).abs()
+    worst = float(error.max())
+    assert worst < GELU_FAST_F16_MAX_ABS_ERROR, f"{worst:.3e} at {float(x[error.argmax()])}"
+    assert worst > 0.8 * GELU_FAST_F16_MAX_ABS_ERROR  # the documented bound is tight
+    tails = x.abs() > 3.43
+    assert torch.equal(_gelu_fast_f16(x)[tails], torch.where(x > 0, x, 0.0)[tails])
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.parametrize("kind", ["self", "cross"])
+def test_gpu_packed_gelu_fast_matches_reference(kind, monkeypatch):
+    # The inline-PTX f16x2 path (D=128, production tiles) against the float32 reference, and
+    # against the float32-activation kernels: same accuracy class, different roundings.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gen = torch.Generator().manual_seed(0)
+    q_lengths = torch.randint(1, 700, (12,), generator=gen).tolist() + [0, 1, 1500]
+    k_lengths = None if kind == "self" else [int(n) % 257 for n in q_lengths]
+    keys = q_lengths if k_lengths is None else k_lengths
+    heads, dim = 4, 128
+    tensors = [
+        torch.randn(rows, heads, dim, generator=gen).cuda()
+        for rows in (sum(q_lengths), sum(keys), sum(keys))
+    ]
+    grad = torch.randn(sum(q_lengths), heads, dim, generator=gen).cuda()
+    results = {}
+    for name, config in (("ref", None), ("packed", True), ("plain", False)):
+        if config is None:
+            leaves = [t.clone().requires_grad_(True) for t in tensors]
+            out = gdpa(*leaves, offsets_of(q_lengths).cuda(),
+                       None if k_lengths is None else offsets_of(k_lengths).cuda(),
+                       activation="gelu_fast", causal=True, backend="reference")  # fmt: skip
+        else:
+            leaves = [t.bfloat16().requires_grad_(True) for t in tensors]
+            cfg = replace(default_config(dim), packed_gelu=config)
+            out = gdpa_from_lengths(
+                *leaves, torch.tensor(q_lengths),
+                None if k_lengths is None else torch.tensor(k_lengths),
+                activation="gelu_fast", causal=True, config=cfg,
+            )  # fmt: skip
+        out.float().mul(grad).sum().backward()
+        results[name] = [out.float()] + [leaf.grad.float() for leaf in leaves]
+    for label, ref, packed, plain in zip("oqkv", *results.values(), strict=True):
+        error = float((packed - ref).norm() / ref.norm())
+        baseline = float((plain - ref).norm() / ref.norm())
+        assert error < 1e-2 and error < 1.5 * baseline + 1e-3, (label, error, baseline)
+        assert not torch.equal(packed, plain), label
 
 
 def test_every_schedule_computes_the_same_function(interpret):

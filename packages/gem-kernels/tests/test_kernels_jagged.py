@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from gem_kernels import lengths_to_offsets, offsets_to_lengths, validate_offsets
+from gem_kernels import host_offsets, lengths_to_offsets, offsets_to_lengths, validate_offsets
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -51,3 +51,15 @@ def test_validate_offsets_type_and_rank():
 def test_lengths_to_offsets_rejects_negative():
     with pytest.raises(ValueError, match=r"lengths must be non-negative"):
         lengths_to_offsets(torch.tensor([1, -1]))
+
+
+def test_host_offsets_is_read_once_per_tensor_and_version():
+    offsets = torch.tensor([0, 2, 2, 7], dtype=torch.int32)
+    first = host_offsets(offsets)
+    assert first.dtype == torch.int64 and first.tolist() == [0, 2, 2, 7]
+    assert host_offsets(offsets) is first  # remembered: no second device read
+    offsets[3] = 9  # an in-place change bumps the version counter: read again
+    assert host_offsets(offsets).tolist() == [0, 2, 2, 9]
+    twin = offsets.clone()  # same values, another tensor: its own entry
+    assert host_offsets(twin) is not host_offsets(offsets)
+    assert host_offsets(twin).tolist() == [0, 2, 2, 9]

@@ -10,6 +10,8 @@ GPU tests (``-m gpu``) use the compiled kernels on larger shapes.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from gem_kernels import jagged_flash_attention, jfa_triton
@@ -33,6 +35,17 @@ CROSS_K = [3, 0, 17, 4, 1, 20, 6, 45]  # Lk = 0 with Lq > 0, Lq = 0 with Lk > 0,
 @pytest.fixture
 def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _nan_filled(jagged_bias: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(jagged_bias, float("nan"))
+
+
+@pytest.fixture(autouse=True)
+def nan_bias_grad_buffer(monkeypatch):
+    """The jagged-bias gradient buffer starts as NaN in every test (it is torch.empty in
+    production): an element no kernel writes shows up as a non-finite gradient."""
+    monkeypatch.setattr(jfa_triton, "_new_bias_grad", _nan_filled)
 
 
 def _inputs(q_lengths, k_lengths, *, seed, dtype=torch.float32, heads=H, dim=D, rel=None,
@@ -183,6 +196,45 @@ def test_empty_batches(interpret, lengths):
     assert q.grad is not None and q.grad.shape == q.shape
 
 
+@pytest.mark.parametrize(
+    ("q_lengths", "k_lengths", "causal", "window"),
+    [
+        ([60, 3, 0, 33], [60, 3, 0, 33], True, None),  # causal band: right tiles skipped
+        ([60, 21], [60, 21], False, (5, 3)),  # window: tiles skipped on both sides
+        ([9, 50, 0, 40], [50, 9, 7, 0], True, (6, None)),  # Q != KV, bottom-right aligned
+    ],
+)
+def test_jagged_bias_grad_written_everywhere(interpret, monkeypatch, q_lengths, k_lengths,
+                                             causal, window):  # fmt: skip
+    """Every d(jagged_bias) element is written by a kernel, zeros for skipped pairs."""
+    buffers = []
+
+    def recording_nan_buffer(jagged_bias):
+        buffers.append(_nan_filled(jagged_bias))
+        return buffers[-1]
+
+    monkeypatch.setattr(jfa_triton, "_new_bias_grad", recording_nan_buffer)
+    tensors = _inputs(q_lengths, k_lengths, seed=13, jagged=True)
+    _check_grads(q_lengths, k_lengths, tensors, tol=2e-5, causal=causal, window=window)
+    assert len(buffers) == 1 and not buffers[0].isnan().any()
+    # Pairs no query sees get exactly zero (independent mask from the oracle's rules).
+    visible = []
+    for lq, lk in zip(q_lengths, k_lengths, strict=True):
+        pos = torch.arange(lq)[:, None] + (lk - lq)
+        keys = torch.arange(lk)[None, :]
+        seen = torch.ones(lq, lk, dtype=torch.bool)
+        if causal:
+            seen &= keys <= pos
+        if window is not None and window[0] is not None:
+            seen &= keys >= pos - window[0]
+        if window is not None and window[1] is not None:
+            seen &= keys <= pos + window[1]
+        visible.append(seen.reshape(-1))
+    hidden = ~torch.cat(visible)
+    assert hidden.any()
+    assert (buffers[0][:, hidden] == 0).all()
+
+
 def test_backward_is_deterministic(interpret):
     lengths = [40, 3, 0, 17]
     tensors = _inputs(lengths, lengths, seed=9, rel=24, jagged=True)
@@ -204,6 +256,39 @@ def test_other_tile_shapes(interpret):
     config = JfaTritonConfig(16, 32, 1, 1, 32, 16, 32, 16, 1, 1)
     tensors = _inputs(CROSS_Q, CROSS_K, seed=10, rel=11, jagged=True)
     _check_grads(CROSS_Q, CROSS_K, tensors, tol=2e-5, causal=True, window=(7, None), config=config)
+
+
+def test_default_config_choices():
+    long = jfa_triton.default_config(128)
+    short = jfa_triton.default_config(128, max_len=jfa_triton.SHORT_SEQUENCE_LEN)
+    assert (short.fwd_block_m, short.fwd_block_n, short.fwd_warps) == (64, 64, 4)
+    assert short.dkdv_block_n == long.dkdv_block_n and short.dq_block_n == long.dq_block_n
+    assert jfa_triton.default_config(128, max_len=jfa_triton.SHORT_SEQUENCE_LEN + 1) == long
+    rel = jfa_triton.default_config(128, with_bias=True, max_len=16)
+    assert (rel.fwd_block_m, rel.fwd_block_n, rel.dkdv_block_m) == (128, 64, 32)
+    assert rel.dq_block_n == long.dq_block_n
+    jagged = jfa_triton.default_config(128, with_jagged_bias=True)
+    assert jagged == replace(rel, dq_block_n=32)
+    assert jfa_triton.default_config(16, interpret=True, max_len=8).fwd_block_m == 16
+
+
+def test_entry_point_passes_longest_sample_and_biases(interpret, monkeypatch):
+    calls = []
+    real = jfa_triton.default_config
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jfa_triton, "default_config", recording)
+    q_lengths, k_lengths = [3, 0, 9], [2, 11, 1]
+    tensors = _inputs(q_lengths, k_lengths, seed=14, jagged=True)
+    jagged_flash_attention_triton(
+        tensors["q"], tensors["k"], tensors["v"], offsets_of(q_lengths), offsets_of(k_lengths),
+        jagged_bias=tensors["jagged_bias"],
+    )  # fmt: skip
+    assert calls[-1]["max_len"] == 11 and calls[-1]["with_jagged_bias"]
+    assert not calls[-1]["with_bias"]
 
 
 def test_plan_has_only_real_tiles_longest_first():

@@ -109,6 +109,26 @@ def _take(jagged, index):
     return JaggedTensor(values=values, lengths=jagged.lengths()[index])
 
 
+@pytest.mark.parametrize("self_attention", ["jagged_flash", "block"])
+def test_bf16_attention_matches_fp32_and_keeps_the_residual_dtype(self_attention):
+    """attention_dtype='bfloat16' (the Triton path on CUDA) changes only q/k/v rounding."""
+    generator = torch.Generator().manual_seed(1)
+    sequence, sparse, dense = make_inputs([0, 1, 70, 5, 33], generator)
+    outputs, grads = [], []
+    for dtype in ("float32", "bfloat16"):
+        torch.manual_seed(0)
+        model = GemModel(make_config(self_attention=self_attention, attention_dtype=dtype))
+        logits = model(sequence, sparse, dense)
+        assert logits.dtype == torch.float32
+        logits.sum().backward()
+        outputs.append(logits.detach())
+        grads.append(model.sequence_layers[0].qkv.weight.grad.clone())
+    torch.testing.assert_close(outputs[1], outputs[0], atol=3e-2, rtol=3e-2)
+    scale = grads[0].abs().max()
+    assert (grads[1] - grads[0]).abs().max() <= 5e-2 * scale
+    assert (grads[1] != grads[0]).any(), "bfloat16 attention should round q/k/v"
+
+
 def test_too_long_history_is_rejected():
     generator = torch.Generator().manual_seed(3)
     model = GemModel(make_config(max_seq_len=8))
@@ -128,6 +148,7 @@ def test_too_long_history_is_rejected():
         ({"pma_queries": 0}, "pma_queries"),
         ({"tasks": ()}, "tasks"),
         ({"dropout": 1.5}, "dropout"),
+        ({"attention_dtype": "float8"}, "attention_dtype"),
         ({"max_seq_len": 0}, "max_seq_len"),
     ],
 )

@@ -64,6 +64,51 @@ def global_batch(sizes: list[int], seed: int) -> tuple[torch.Tensor, torch.Tenso
     return inputs, targets
 
 
+def _check_uniform_batch(layer: ExpertParallel, x: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal per-rank batches: ``uniform_batch`` gives the same output and gradients without
+    exchanging sizes (the exchange is made to fail if it is ever called)."""
+
+    def no_exchange(*_args):
+        raise AssertionError("uniform_batch must not exchange batch sizes")
+
+    exchanged = {"calls": 0}
+    original = layer._batch_sizes
+
+    def counting(*args):
+        exchanged["calls"] += 1
+        return original(*args)
+
+    layer._batch_sizes = counting
+    assert_close(layer(x), expected)
+    assert exchanged["calls"] == 1  # the default still exchanges
+
+    layer._batch_sizes = no_exchange
+    for uniform in ("call", "constructor"):
+        for p in layer.experts.parameters():
+            p.grad = None
+        leaf = x.clone().requires_grad_(True)
+        if uniform == "call":
+            out = layer(leaf, uniform_batch=True)
+        else:
+            layer.uniform_batch = True
+            out = layer(leaf)
+            layer.uniform_batch = False
+        assert_close(out, expected)
+        out.square().sum().backward()
+        grads = [p.grad.clone() for p in layer.experts.parameters()]
+        # The same backward through the exchanging path: identical gradients.
+        layer._batch_sizes = original
+        for p in layer.experts.parameters():
+            p.grad = None
+        ref_leaf = x.clone().requires_grad_(True)
+        layer(ref_leaf).square().sum().backward()
+        assert_close(leaf.grad, ref_leaf.grad)
+        for grad, p in zip(grads, layer.experts.parameters(), strict=True):
+            assert_close(grad, p.grad)
+        layer._batch_sizes = no_exchange
+    layer._batch_sizes = original
+
+
 def _ep_worker(rank: int, cases, force_all_reduce_fallback: bool) -> None:
     if force_all_reduce_fallback:  # exercise the path used when gloo lacks reduce-scatter
         collectives._NATIVE_REDUCE_SCATTER_UNSUPPORTED.add("gloo")
@@ -112,6 +157,9 @@ def _ep_worker(rank: int, cases, force_all_reduce_fallback: bool) -> None:
         for local, index in zip(layer.experts, owned, strict=True):
             for p, ref_p in zip(local.parameters(), reference[index].parameters(), strict=True):
                 assert_close(p.grad, ref_p.grad / world)
+
+        if len(set(sizes)) == 1:
+            _check_uniform_batch(layer, inputs[rows], ref_out[rows].detach())
 
     # Bad construction fails on every rank before any collective.
     try:
@@ -162,3 +210,8 @@ def test_collectives_reject_bad_shapes():
 def test_expert_parallel_needs_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
         ExpertParallel([make_expert(0)])
+
+
+def test_expert_parallel_rejects_non_bool_uniform_batch():
+    with pytest.raises(TypeError, match="uniform_batch must be a bool"):
+        ExpertParallel([make_expert(0)], uniform_batch=1)

@@ -13,7 +13,12 @@ from gem_kernels.attention import (
     gdpa,
     jagged_flash_attention,
 )
-from gem_kernels.jagged import lengths_to_offsets, offsets_to_lengths, validate_offsets
+from gem_kernels.jagged import (
+    host_offsets,
+    lengths_to_offsets,
+    offsets_to_lengths,
+    validate_offsets,
+)
 
 __all__ = [
     "BLOCK_ATTENTION_BACKENDS",
@@ -21,6 +26,7 @@ __all__ = [
     "JFA_BACKENDS",
     "block_attention",
     "gdpa",
+    "host_offsets",
     "jagged_flash_attention",
     "lengths_to_offsets",
     "offsets_to_lengths",

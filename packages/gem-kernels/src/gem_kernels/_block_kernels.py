@@ -66,8 +66,13 @@ def _rope_tables(
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     HAS_POS: tl.constexpr,
+    FAST_TRIG: tl.constexpr,
 ):
-    """cos / sin of every (row, frequency) angle of the block, float32 (BLOCK_M, BLOCK_HALF)."""
+    """cos / sin of every (row, frequency) angle of the block, float32 (BLOCK_M, BLOCK_HALF).
+
+    ``FAST_TRIG``: the hardware approximations (``cos.approx`` / ``sin.approx``, absolute error
+    below 2^-20.5 on [-pi, pi], the only range they see here) instead of libdevice's
+    range-reducing functions (inline PTX: compiled kernels only)."""
     if HAS_POS:
         pos = tl.load(pos_ptr + row0 + offs_m, mask=m_ok, other=0).to(tl.int64)
     else:
@@ -79,7 +84,17 @@ def _rope_tables(
     frac = ((turns_fixed >> 16) & 0xFFFFFF).to(tl.int32).to(tl.float32) * (1.0 / 16777216.0)
     frac = tl.where(frac >= 0.5, frac - 1.0, frac)
     angle = frac * 6.283185307179586
-    return tl.cos(angle), tl.sin(angle)
+    if FAST_TRIG:
+        cos = tl.inline_asm_elementwise(
+            "cos.approx.f32 $0, $1;", "=f,f", [angle], dtype=tl.float32, is_pure=True, pack=1
+        )
+        sin = tl.inline_asm_elementwise(
+            "sin.approx.f32 $0, $1;", "=f,f", [angle], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+    return cos, sin
 
 
 @triton.jit
@@ -121,6 +136,7 @@ def block_attn_fwd_kernel(
     HAS_POS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    FAST_TRIG: tl.constexpr,
 ):
     row0, num_rows, first_pos = _locate_block(meta_ptr, num_samples, block_size)
     offs_m = tl.arange(0, BLOCK_M)
@@ -130,7 +146,7 @@ def block_attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     cos, sin = _rope_tables(pos_ptr, row0, first_pos, offs_m, m_ok, freq_ptr, HALF, BLOCK_HALF,
-                            HAS_POS)  # fmt: skip
+                            HAS_POS, FAST_TRIG)  # fmt: skip
     head0 = tl.program_id(1) * HEADS_PER_PROGRAM
     for h in range(HEADS_PER_PROGRAM):
         head = (head0 + h).to(tl.int64)
@@ -206,6 +222,7 @@ def block_attn_bwd_kernel(
     HAS_POS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    FAST_TRIG: tl.constexpr,
 ):
     """dq, dk and dv of one block in one pass (the block is its own softmax: no atomics)."""
     row0, num_rows, first_pos = _locate_block(meta_ptr, num_samples, block_size)
@@ -216,7 +233,7 @@ def block_attn_bwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     md_ok = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     cos, sin = _rope_tables(pos_ptr, row0, first_pos, offs_m, m_ok, freq_ptr, HALF, BLOCK_HALF,
-                            HAS_POS)  # fmt: skip
+                            HAS_POS, FAST_TRIG)  # fmt: skip
     head0 = tl.program_id(1) * HEADS_PER_PROGRAM
     for h in range(HEADS_PER_PROGRAM):
         head = (head0 + h).to(tl.int64)

@@ -31,6 +31,7 @@ Conventions shared by the kernels:
 
 from __future__ import annotations
 
+import numpy as np
 import triton
 import triton.language as tl
 
@@ -80,6 +81,158 @@ def _gelu_fast_cdf(s):
     raw = 0.5 + s * poly
     cdf = tl.minimum(tl.maximum(raw, 0.0), 1.0)
     return cdf, raw, s2, poly
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed half2 gelu_fast (``PACKED`` constexpr: 0 float32 path, 1 inline PTX, 2 the same math in
+# plain tl for the interpreter, which cannot run inline asm).
+#
+# The polynomial CDF runs in f16x2 (two elements per instruction, ``fma.rn.sat`` folds the clamp
+# to [0, 1]); ``s * cdf`` is taken in float32 and rounded once to bfloat16 for the PV MMA, so the
+# tails stay exact (cdf is exactly 0 or 1 there, also when s^2 overflows f16 to inf). Error
+# (RMS over s ~ N(0, 1), relative to RMS GELU, after the bf16 rounding the MMA needs anyway):
+# 2.05e-3 against 1.98e-3 for the float32 path; max abs error before that rounding: below
+# gdpa_triton.GELU_FAST_F16_MAX_ABS_ERROR (4.5e-3; float32 path 1.07e-3). Evaluating in bf16x2
+# instead would save one op per pair but nearly double the RMS error (3.6e-3). Measured on an
+# H200: the forward is not faster with it at a 128x128 tile (which spills registers), the
+# backward is (see GdpaTritonConfig).
+
+
+def _half2(value: float) -> str:
+    """PTX b32 immediate holding ``value`` rounded to float16 in both halves."""
+    bits = int(np.float16(value).view(np.uint16))
+    return f"0x{bits | bits << 16:08x}"
+
+
+_C = [_half2(c) for c in _GELU_FAST_COEFFS]
+_D = [_half2(2.0 * (k + 1) * c) for k, c in enumerate(_GELU_FAST_COEFFS[1:])]  # 2 (k+1) c_{k+1}
+# $s0, $s1: scaled scores (f32). Leaves h = s (f16x2), h2 = s^2, p = P(s^2), cdf.
+_POLY_PTX = f"""
+cvt.rn.f16x2.f32 h, $S1, $S0;
+mul.rn.f16x2 h2, h, h;
+mov.b32 k, {_C[4]};
+mov.b32 p, {_C[3]};
+fma.rn.f16x2 p, k, h2, p;
+mov.b32 k, {_C[2]};
+fma.rn.f16x2 p, p, h2, k;
+mov.b32 k, {_C[1]};
+fma.rn.f16x2 p, p, h2, k;
+mov.b32 k, {_C[0]};
+fma.rn.f16x2 p, p, h2, k;
+mov.b32 k, 0x38003800;
+fma.rn.sat.f16x2 cdf, h, p, k;
+"""
+# Forward: $0 = bf16x2 of s * cdf; $1, $2 = s.
+_GELU_FAST_F16X2_PTX = tl.constexpr(
+    "{\n.reg .b32 h, h2, p, k, cdf;\n.reg .f16 c0, c1;\n.reg .f32 a0, a1;\n"
+    + _POLY_PTX.replace("$S0", "$1").replace("$S1", "$2")
+    + "mov.b32 {c0, c1}, cdf;\ncvt.f32.f16 a0, c0;\ncvt.f32.f16 a1, c1;\n"
+    + "mul.f32 a0, a0, $1;\nmul.f32 a1, a1, $2;\ncvt.rn.bf16x2.f32 $0, a1, a0;\n}"
+)
+# Backward: the derivative is cdf + s * (P + 2 s^2 P'(s^2)) where the clamp is inactive
+# (cdf == raw; an and-mask keeps inf * 0 out where s^2 overflowed), ds = dp * act'(s).
+_GRAD_PTX = f"""
+mov.b32 k, 0x38003800;
+fma.rn.f16x2 raw, h, p, k;
+mov.b32 k, {_D[3]};
+mov.b32 d, {_D[2]};
+fma.rn.f16x2 d, k, h2, d;
+mov.b32 k, {_D[1]};
+fma.rn.f16x2 d, d, h2, k;
+mov.b32 k, {_D[0]};
+fma.rn.f16x2 d, d, h2, k;
+fma.rn.f16x2 d, h2, d, p;
+mul.rn.f16x2 d, h, d;
+set.eq.u32.f16x2 m, cdf, raw;
+and.b32 d, d, m;
+add.rn.f16x2 g, cdf, d;
+mov.b32 {{g0, g1}}, g;
+cvt.f32.f16 a0, g0;
+cvt.f32.f16 a1, g1;
+"""
+_GRAD_REGS = "{\n.reg .b32 h, h2, p, k, cdf, raw, d, m, g;\n.reg .f16 g0, g1, c0, c1;\n"
+_GRAD_REGS += ".reg .f32 a0, a1;\n"
+# dK/dV: $0 = bf16x2 of act(s), $1 = bf16x2 of ds; $2, $3 = s; $4, $5 = dp.
+_GELU_FAST_GRAD_F16X2_PTX = tl.constexpr(
+    _GRAD_REGS
+    + _POLY_PTX.replace("$S0", "$2").replace("$S1", "$3")
+    + _GRAD_PTX
+    + "mul.f32 a0, a0, $4;\nmul.f32 a1, a1, $5;\ncvt.rn.bf16x2.f32 $1, a1, a0;\n"
+    + "mov.b32 {c0, c1}, cdf;\ncvt.f32.f16 a0, c0;\ncvt.f32.f16 a1, c1;\n"
+    + "mul.f32 a0, a0, $2;\nmul.f32 a1, a1, $3;\ncvt.rn.bf16x2.f32 $0, a1, a0;\n}"
+)
+# dQ: $0 = bf16x2 of ds; $1, $2 = s; $3, $4 = dp.
+_GELU_FAST_DS_F16X2_PTX = tl.constexpr(
+    _GRAD_REGS
+    + _POLY_PTX.replace("$S0", "$1").replace("$S1", "$2")
+    + _GRAD_PTX
+    + "mul.f32 a0, a0, $3;\nmul.f32 a1, a1, $4;\ncvt.rn.bf16x2.f32 $0, a1, a0;\n}"
+)
+
+
+@triton.jit
+def _gelu_fast_f16_tl(s):
+    """The packed path's math in plain tl (interpreter): (cdf f16, raw f16, s f16, s^2, P)."""
+    h = s.to(tl.float16)
+    h2 = h * h
+    p = (h2 * _GF4 + _GF3).to(tl.float16)
+    p = (p * h2 + _GF2).to(tl.float16)
+    p = (p * h2 + _GF1).to(tl.float16)
+    p = (p * h2 + _GF0).to(tl.float16)
+    raw = (h * p + 0.5).to(tl.float16)
+    cdf = tl.minimum(tl.maximum(raw, 0.0), 1.0).to(tl.float16)
+    return cdf, raw, h, h2, p
+
+
+@triton.jit
+def _act_packed(s, PACKED: tl.constexpr):
+    """gelu_fast(s) as bfloat16 (s: scaled float32 scores) through the f16x2 polynomial."""
+    if PACKED == 1:
+        a = tl.inline_asm_elementwise(
+            _GELU_FAST_F16X2_PTX, "=r,r,r", [s], dtype=tl.bfloat16, is_pure=True, pack=2
+        )
+    else:
+        cdf, raw, h, h2, p = _gelu_fast_f16_tl(s)
+        a = (s * cdf.to(tl.float32)).to(tl.bfloat16)
+    return a
+
+
+@triton.jit
+def _grad_f16_tl(s, dp):
+    cdf, raw, h, h2, p = _gelu_fast_f16_tl(s)
+    d = (h2 * (_GF4 * 8.0) + _GF3 * 6.0).to(tl.float16)
+    d = (d * h2 + _GF2 * 4.0).to(tl.float16)
+    d = (d * h2 + _GF1 * 2.0).to(tl.float16)
+    d = (h * (h2 * d + p).to(tl.float16)).to(tl.float16)
+    g = tl.where(cdf == raw, (cdf + d).to(tl.float16), cdf)
+    return cdf, (dp * g.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _act_grad_packed(s, dp, PACKED: tl.constexpr):
+    """(gelu_fast(s), dp * gelu_fast'(s)) as bfloat16 through the f16x2 polynomial."""
+    if PACKED == 1:
+        a, ds = tl.inline_asm_elementwise(
+            _GELU_FAST_GRAD_F16X2_PTX, "=r,=r,r,r,r,r", [s, dp],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2,
+        )  # fmt: skip
+    else:
+        cdf, ds = _grad_f16_tl(s, dp)
+        a = (s * cdf.to(tl.float32)).to(tl.bfloat16)
+    return a, ds
+
+
+@triton.jit
+def _ds_packed(s, dp, PACKED: tl.constexpr):
+    """dp * gelu_fast'(s) as bfloat16 through the f16x2 polynomial."""
+    if PACKED == 1:
+        ds = tl.inline_asm_elementwise(
+            _GELU_FAST_DS_F16X2_PTX, "=r,r,r,r,r", [s, dp], dtype=tl.bfloat16, is_pure=True,
+            pack=2,
+        )  # fmt: skip
+    else:
+        cdf, ds = _grad_f16_tl(s, dp)
+    return ds
 
 
 @triton.jit
@@ -273,7 +426,7 @@ def _fwd_inner(
     k_len, left, right, scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr,
 ):  # fmt: skip
     for start in range(start_n, end_n, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -281,7 +434,10 @@ def _fwd_inner(
         kt = _load_tile(k_base, offs_n, n_ok, stride_kt, offs_d, HEAD_DIM, MASKED, EVEN_D, True)
         v = _load_tile(v_base, offs_n, n_ok, stride_vt, offs_d, HEAD_DIM, MASKED, EVEN_D, False)
         s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
-        p = _act(s, ACT)
+        if PACKED:  # noqa: SIM108 (constexpr branch: only one side is compiled)
+            p = _act_packed(s, PACKED)
+        else:
+            p = _act(s, ACT)
         if MASKED:
             visible = _visible(
                 offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left, right,
@@ -300,6 +456,7 @@ def gdpa_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PACKED: tl.constexpr,
 ):  # fmt: skip
     """Items are (query tile, head); each loops over the key tiles its rows see."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -334,16 +491,19 @@ def gdpa_fwd_kernel(
             acc, q, k_base, v_base, stride_kt, stride_vt, lo_t, full_lo, offs_m, offs_d, shift,
             q_len, k_len, left, right, scale,
             HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+            PACKED,
         )  # fmt: skip
         acc = _fwd_inner(
             acc, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m, offs_d,
             shift, q_len, k_len, left, right, scale,
             HEAD_DIM, BLOCK_N, ACT, False, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+            PACKED,
         )  # fmt: skip
         acc = _fwd_inner(
             acc, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m, offs_d, shift,
             q_len, k_len, left, right, scale,
             HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+            PACKED,
         )  # fmt: skip
         if NORMALIZE:
             acc = acc * (1.0 / tl.maximum(k_len, 1).to(tl.float32))
@@ -367,6 +527,7 @@ def gdpa_fwd_short_kv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KV: tl.constexpr,
     BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PACKED: tl.constexpr,
 ):  # fmt: skip
     """Short KV (every sample has <= BLOCK_KV keys): items are (sample, run of query tiles,
     head). The whole K and V of the sample are loaded once and stay on chip while the item's
@@ -404,7 +565,10 @@ def gdpa_fwd_short_kv_kernel(
             m_ok = offs_m < q_len
             q = _load_tile(q_base, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, True, EVEN_D, False)
             s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
-            p = _act(s, ACT)
+            if PACKED:  # noqa: SIM108 (constexpr branch: only one side is compiled)
+                p = _act_packed(s, PACKED)
+            else:
+                p = _act(s, ACT)
             visible = _visible(
                 offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left, right,
                 HAS_LEFT, HAS_RIGHT,
@@ -427,7 +591,7 @@ def _dkdv_inner(
     shift, q_len, k_len, left, right, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr,
 ):  # fmt: skip
     for start in range(start_m, end_m, BLOCK_M):
         offs_m = start + tl.arange(0, BLOCK_M)
@@ -435,9 +599,12 @@ def _dkdv_inner(
         qt = _load_tile(q_base, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, MASKED, EVEN_D, True)
         do = _load_tile(do_base, offs_m, m_ok, stride_dot, offs_d, HEAD_DIM, MASKED, EVEN_D, False)
         st = _dot(k, qt, None, DOT_PRECISION, UPCAST) * scale  # (keys, queries)
-        pt, gt = _act_grad(st, ACT)
         dpt = _dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST)
-        dst = dpt * gt
+        if PACKED:
+            pt, dst = _act_grad_packed(st, dpt, PACKED)
+        else:
+            pt, gt = _act_grad(st, ACT)
+            dst = dpt * gt
         if MASKED:
             visible = _visible(
                 offs_m[None, :], offs_n[:, None], shift, q_len, k_len, left, right,
@@ -459,6 +626,7 @@ def gdpa_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PACKED: tl.constexpr,
 ):  # fmt: skip
     """Items are (key tile, head); each loops over the query tiles that see its keys and
     writes its dK, dV rows once (no atomics)."""
@@ -500,16 +668,19 @@ def gdpa_bwd_dkdv_kernel(
             dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, lo_t, full_lo, offs_n, offs_d,
             shift, q_len, k_len, left, right, scale,
             HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+            PACKED,
         )  # fmt: skip
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, full_lo, full_hi, offs_n,
             offs_d, shift, q_len, k_len, left, right, scale,
             HEAD_DIM, BLOCK_M, ACT, False, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+            PACKED,
         )  # fmt: skip
         dk, dv = _dkdv_inner(
             dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, full_hi, hi_t, offs_n, offs_d,
             shift, q_len, k_len, left, right, scale,
             HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+            PACKED,
         )  # fmt: skip
         dk_scale = scale
         if NORMALIZE:
@@ -539,7 +710,7 @@ def _dq_inner(
     q_len, k_len, left, right, scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr,
 ):  # fmt: skip
     for start in range(start_n, end_n, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -548,7 +719,9 @@ def _dq_inner(
         vt = _load_tile(v_base, offs_n, n_ok, stride_vt, offs_d, HEAD_DIM, MASKED, EVEN_D, True)
         s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
         dp = _dot(do, vt, None, DOT_PRECISION, UPCAST)
-        if ACT == 5:
+        if PACKED:
+            ds = _ds_packed(s, dp, PACKED)
+        elif ACT == 5:
             ds = dp
         else:
             p, g = _act_grad(s, ACT)
@@ -572,6 +745,7 @@ def gdpa_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PACKED: tl.constexpr,
 ):  # fmt: skip
     """Items are (query tile, head); each loops over the key tiles its rows see (or the
     item's key range). dQ rows go to ``dst_start``: for PMA that is a partial buffer with one
@@ -613,16 +787,19 @@ def gdpa_bwd_dq_kernel(
             dq, q, do, k_base, v_base, stride_kt, stride_vt, lo_t, full_lo, offs_m, offs_d,
             shift, q_len, k_len, left, right, scale,
             HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+            PACKED,
         )  # fmt: skip
         dq = _dq_inner(
             dq, q, do, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m, offs_d,
             shift, q_len, k_len, left, right, scale,
             HEAD_DIM, BLOCK_N, ACT, False, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+            PACKED,
         )  # fmt: skip
         dq = _dq_inner(
             dq, q, do, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m, offs_d,
             shift, q_len, k_len, left, right, scale,
             HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+            PACKED,
         )  # fmt: skip
         dq_scale = scale
         if NORMALIZE:

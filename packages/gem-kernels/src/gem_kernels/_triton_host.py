@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gem_kernels.jagged import host_offsets
 from gem_kernels.triton_loader import interpret_requested, triton_importable
 
 __all__ = [
@@ -101,8 +102,8 @@ def interpret_for(q: torch.Tensor) -> bool:
 
 
 def host_lengths(offsets: torch.Tensor) -> torch.Tensor:
-    """Per-sample lengths (CPU int64) of ``offsets`` (one device sync when they are on a GPU)."""
-    host = offsets.detach().to("cpu", torch.int64)
+    """Per-sample lengths (CPU int64) of ``offsets`` (one device sync per GPU offsets tensor)."""
+    host = host_offsets(offsets)
     return host[1:] - host[:-1]
 
 

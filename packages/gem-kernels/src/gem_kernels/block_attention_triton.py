@@ -52,7 +52,10 @@ _TURN_BITS = 40  # fixed-point fraction bits of the per-frequency "turns per pos
 class BlockAttentionTritonConfig:
     """Launch parameters of the two kernels (heads per program are reduced to divide H).
 
-    The defaults are the fastest of a short sweep on an H200 at D=128 (bf16, B128xL4096).
+    The defaults are the fastest of a short sweep on an H200 at D=128 (bf16, B128xL4096);
+    ``fast_trig`` took the forward from 0.386 to 0.304 ms there (2717 to 3452 GB/s) and the
+    forward+backward from 1.399 to 1.136 ms (``bench_gdpa.py --explore``). 8 forward warps were
+    slower (0.49-0.56 ms), one head per program too (0.340 ms).
     """
 
     fwd_heads_per_program: int = 4
@@ -67,6 +70,10 @@ class BlockAttentionTritonConfig:
     """Warps per backward program."""
     bwd_stages: int = 2
     """Software-pipelining depth of the backward's head loop."""
+    fast_trig: bool = True
+    """RoPE sines/cosines by the hardware approximations (error < 2^-20.5 on the [-pi, pi)
+    angles the kernels reduce to) instead of libdevice ``sin``/``cos``; compiled kernels only
+    (the interpreter always takes libdevice's)."""
 
 
 def default_config(head_dim: int, *, interpret: bool = False) -> BlockAttentionTritonConfig:
@@ -198,6 +205,7 @@ def _common(q: torch.Tensor, launch: _Launch, positions: torch.Tensor | None, pe
         "BLOCK_HALF": host.padded_block(half),
         "BLOCK_D": host.padded_block(head_dim),
         "HAS_POS": positions is not None,
+        "FAST_TRIG": launch.config.fast_trig and not launch.interpret,
         **host.dot_flags(q, launch.interpret),
     }
     return grid, args, sizes, flags

@@ -50,6 +50,7 @@ from gem_kernels.triton_loader import load_kernel_module
 
 __all__ = [
     "GDPA_SCHEDULES",
+    "GELU_FAST_F16_MAX_ABS_ERROR",
     "GdpaFunction",
     "GdpaTritonConfig",
     "MAX_TRITON_HEAD_DIM",
@@ -62,6 +63,11 @@ __all__ = [
 
 #: Largest head dimension the Triton kernels take (bigger ones go to the reference).
 MAX_TRITON_HEAD_DIM = 256
+#: Bound on ``|x * cdf - gelu(x)|`` of the packed path (``GdpaTritonConfig.packed_gelu``): the
+#: polynomial CDF in float16 (coefficients rounded to float16, fused multiply-adds), times x in
+#: float32, before the bfloat16 rounding the PV MMA applies anyway (measured 4.13e-3 at
+#: x ~= -2.92 on a dense grid; 1.4e-3 for |x| <= 1). Exact tails (x or 0) past |x| ~= 3.42.
+GELU_FAST_F16_MAX_ABS_ERROR = 4.5e-3
 #: Accepted values of ``GdpaTritonConfig.schedule``.
 GDPA_SCHEDULES = ("zigzag", "sorted", "unsorted")
 
@@ -84,10 +90,19 @@ class GdpaTritonConfig(host.FlashTileConfig):
     """Tile sizes, launch parameters and schedule of the kernels (tiles: powers of two >= 16).
 
     The defaults are those of the H200 run in ``benchmarks/results/h200/gdpa.json`` (D=128,
-    bf16): the forward tiles won a short sweep at B128xL4096/B512xL1024, the short-KV and PMA
-    tiles a sweep of the cross/PMA forward at L4096; the backward tiles, ``pma_kv_chunk``,
-    ``pma_dq_block_n`` and ``dkdv_q_chunk`` were set without a sweep.
+    bf16). ``bench_gdpa.py --explore`` (one H200 run, 2026-11-30) chose: the packed f16x2
+    gelu_fast (forward+backward 360 vs 337 TFLOP/s at B128xL4096, 267 vs 253 at B512xL1024), a
+    128x64 forward tile with it (fwd 308/426/305 TFLOP/s at B512xL1024/B128xL4096/B1152xL1000
+    against 286/443/285 for 128x128 without packing: the 128x128 tile spills registers), and 2
+    PMA programs per SM (3127 vs 2525 GB/s at B512xL1024, 2300 vs 2050 at B128xL4096; PMA keeps
+    the float32 activation, see ``packed_gelu``). The
+    short-KV tiles won a sweep of the cross forward at L4096; the backward tiles (dK/dV 64x64
+    was 30% slower), ``pma_kv_chunk`` (512 and 2048 no better), ``pma_dq_block_n`` and
+    ``dkdv_q_chunk`` were kept.
     """
+
+    fwd_block_n: int = 64
+    """Keys per inner iteration of the forward (64: the 128-key tile spills registers)."""
 
     short_kv_max: int = 256
     """Cross/PMA calls whose samples all have at most this many keys use the short-KV forward
@@ -105,7 +120,7 @@ class GdpaTritonConfig(host.FlashTileConfig):
     """PMA: warps per forward / dQ program."""
     pma_stages: int = 2
     """PMA: software-pipelining depth of the forward's key loop."""
-    pma_programs_per_sm: int = 1
+    pma_programs_per_sm: int = 2
     """PMA: persistent programs per SM of the forward / dQ (memory-bound: several programs
     per SM hide each other's pipeline fill)."""
     short_stages: int = 2
@@ -123,6 +138,11 @@ class GdpaTritonConfig(host.FlashTileConfig):
     dkdv_q_chunk: int = 2048
     """Cross attention: query rows per dK/dV item of samples with more queries than this
     (float32 partials per chunk, summed in a fixed order by a second pass); 0: no split."""
+    packed_gelu: bool = True
+    """``gelu_fast`` on bfloat16 inputs, self and cross attention: evaluate the polynomial CDF
+    in packed f16x2 arithmetic (inline PTX, two elements per instruction; the same math in
+    plain tl under the interpreter). Max abs error against exact GELU before the bfloat16
+    rounding of P: ``GELU_FAST_F16_MAX_ABS_ERROR`` (float32 path: 1.07e-3)."""
 
 
 def default_config(
@@ -135,13 +155,19 @@ def default_config(
             16, 16, 1, 1, 16, 16, 16, 16, 1, 1, 256, 16, 32, 1, 16, 1, 1,
             pma_kv_chunk=32, pma_dq_block_n=16, dkdv_q_chunk=32,
         )  # fmt: skip
+    # Only the D=128 bfloat16 tiles were measured with packing and 2 PMA programs per SM.
+    unmeasured = dict(pma_programs_per_sm=1, packed_gelu=False)
     if head_dim <= 64:
-        return GdpaTritonConfig(128, 64, 4, 3, 128, 64, 128, 64, 8, 2)
+        return GdpaTritonConfig(128, 64, 4, 3, 128, 64, 128, 64, 8, 2, **unmeasured)
     if head_dim <= 128 and dtype != torch.float32:
         return GdpaTritonConfig()
     if head_dim <= 128:
-        return GdpaTritonConfig(64, 64, 4, 2, 64, 32, 64, 32, 4, 2, 128, 32, 256, 4, 32, 4, 2)
-    return GdpaTritonConfig(64, 32, 4, 2, 64, 32, 64, 32, 4, 2, 128, 16, 256, 4, 32, 4, 2)
+        return GdpaTritonConfig(
+            64, 64, 4, 2, 64, 32, 64, 32, 4, 2, 128, 32, 256, 4, 32, 4, 2, **unmeasured
+        )
+    return GdpaTritonConfig(
+        64, 32, 4, 2, 64, 32, 64, 32, 4, 2, 128, 16, 256, 4, 32, 4, 2, **unmeasured
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -546,9 +572,25 @@ class _Launch:
     interpret: bool
 
 
+def _packed_mode(q: torch.Tensor, launch: _Launch) -> int:
+    """``PACKED`` constexpr: 1 inline-PTX f16x2 gelu_fast, 2 its tl emulation, 0 float32.
+
+    Self and cross attention only: the bandwidth-bound PMA forward measured 0.48-0.50 ms with
+    it at B128xL4096 against 0.23 ms without (H200), so PMA keeps the float32 activation."""
+    if not (
+        launch.config.packed_gelu
+        and launch.activation == _ACTIVATION_CODES["gelu_fast"]
+        and q.dtype == torch.bfloat16
+        and launch.num_queries is None
+    ):
+        return 0
+    return 2 if launch.interpret else 1
+
+
 def _flags(q: torch.Tensor, launch: _Launch) -> dict:
     head_dim = q.shape[2]
     return {
+        "PACKED": _packed_mode(q, launch),
         "HEAD_DIM": head_dim,
         "BLOCK_D": host.padded_block(head_dim),
         "ACT": launch.activation,

@@ -7,10 +7,30 @@ Sample ``i`` owns rows ``offsets[i]:offsets[i + 1]`` of the values tensor, so ``
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["lengths_to_offsets", "offsets_to_lengths", "validate_offsets"]
+__all__ = ["host_offsets", "lengths_to_offsets", "offsets_to_lengths", "validate_offsets"]
+
+# GPU offsets tensor -> (its version counter, CPU int64 copy). Keyed by the tensor object itself
+# (not its address, which the caching allocator reuses) and dropped when the tensor dies.
+_HOST_COPIES = WeakIdKeyDictionary()
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def host_offsets(offsets: torch.Tensor) -> torch.Tensor:
+    """``offsets`` as a CPU int64 tensor (treat it as read-only).
+
+    A GPU tensor is copied to the host once and remembered until it is modified in place or
+    freed: every attention layer of a model (forward and backward) receives the same offsets
+    tensor, and each copy would otherwise stall the host until the GPU drained its queue.
+    """
+    cached = _HOST_COPIES.get(offsets)
+    if cached is not None and cached[0] == offsets._version:
+        return cached[1]
+    host = offsets.detach().to("cpu", torch.int64)
+    _HOST_COPIES[offsets] = (offsets._version, host)
+    return host
 
 
 def _check_index_vector(tensor: object, name: str) -> torch.Tensor:
@@ -51,7 +71,7 @@ def validate_offsets(
         raise TypeError(f"max length for {name} must be an int or None, got {max_len!r}")
     if max_len is not None and max_len < 0:
         raise ValueError(f"max length for {name} must be >= 0, got {max_len}")
-    host = offsets.detach().to("cpu", torch.int64)
+    host = host_offsets(offsets)
     first = int(host[0])
     if first != 0:
         raise ValueError(f"{name} must start at 0, got {name}[0] = {first}")

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gem_kernels.jagged import host_offsets
+
 __all__ = [
     "DEFAULT_SCORE_BUDGET",
     "GDPA_ACTIVATIONS",
@@ -408,7 +410,7 @@ def _attend_chunk(
 
 
 def _lengths_and_starts(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    host = offsets.detach().to("cpu", torch.int64)
+    host = host_offsets(offsets)
     return host[1:] - host[:-1], host[:-1]
 
 

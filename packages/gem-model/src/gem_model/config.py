@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 __all__ = ["GemArchitecture", "GemModelConfig"]
 
 _SELF_ATTENTION_KINDS = ("jagged_flash", "block")
+ATTENTION_DTYPES = ("float32", "bfloat16", "float16")
+"""Values of ``GemArchitecture.attention_dtype`` (names of torch dtypes)."""
 _EXPERT_KINDS = ("attention", "mlp", "cross")
 
 
@@ -34,6 +36,11 @@ class GemArchitecture:
     """Hidden width of the MLP expert and of the task heads."""
     dropout: float = 0.0
     """Dropout in the DHEN layers and heads."""
+    attention_dtype: str = "float32"
+    """Dtype of q, k and v handed to the attention kernels (self-attention, PMA, cross):
+    'float32' runs gem-kernels' PyTorch reference; 'bfloat16' (or 'float16') selects the
+    Triton kernels on CUDA (fp32 accumulation inside). Outputs are cast back to the
+    residual stream's dtype, so the rest of the model keeps its precision."""
 
     def __post_init__(self) -> None:
         if self.embedding_dim <= 0 or self.num_heads <= 0 or self.embedding_dim % self.num_heads:
@@ -57,6 +64,10 @@ class GemArchitecture:
         for name in ("pma_queries", "expert_hidden_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.attention_dtype not in ATTENTION_DTYPES:
+            raise ValueError(
+                f"attention_dtype must be one of {ATTENTION_DTYPES}, got {self.attention_dtype!r}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 

@@ -114,16 +114,19 @@ class GemModel(nn.Module):
             # Unit-scale tokens: raw id embeddings are tiny next to freshly initialised
             # sublayer outputs, which would otherwise drown the history signal.
             self.token_norm = nn.LayerNorm(dim)
+            attention_dtype = getattr(torch, arch.attention_dtype)
             self.sequence_layers = nn.ModuleList(
-                JaggedSelfAttentionLayer(dim, arch.num_heads, arch.self_attention, arch.dropout)
+                JaggedSelfAttentionLayer(
+                    dim, arch.num_heads, arch.self_attention, arch.dropout, attention_dtype
+                )
                 for _ in range(arch.num_sequence_layers)
             )
             self.sequence_norm = nn.LayerNorm(dim)
             self.pma = PoolingByMultiheadAttention(
-                dim, arch.num_heads, arch.pma_queries, arch.sequence_activation
+                dim, arch.num_heads, arch.pma_queries, arch.sequence_activation, attention_dtype
             )
             self.cross_attention = CandidateCrossAttention(
-                dim, arch.num_heads, arch.sequence_activation
+                dim, arch.num_heads, arch.sequence_activation, attention_dtype
             )
             # PMA tokens, the cross-attention token, and the candidate's own embedding.
             num_tokens += arch.pma_queries + 2

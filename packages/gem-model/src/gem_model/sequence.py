@@ -13,13 +13,26 @@ from torch import nn
 __all__ = ["JaggedSelfAttentionLayer", "PoolingByMultiheadAttention", "CandidateCrossAttention"]
 
 
+def _cast(dtype: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v in the attention dtype (a no-op when they already have it)."""
+    return tuple(t.to(dtype) for t in tensors)
+
+
 class JaggedSelfAttentionLayer(nn.Module):
     """Pre-norm transformer layer with causal softmax attention over each history."""
 
-    def __init__(self, dim: int, num_heads: int, kind: str, dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        kind: str,
+        dropout: float = 0.0,
+        attention_dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.kind = kind
+        self.attention_dtype = attention_dtype
         self.attn_norm = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.attn_out = nn.Linear(dim, dim)
@@ -35,11 +48,12 @@ class JaggedSelfAttentionLayer(nn.Module):
             .view(num_tokens, 3, self.num_heads, dim // self.num_heads)
             .unbind(1)
         )
+        q, k, v = _cast(self.attention_dtype, q, k, v)
         if self.kind == "block":
             attended = block_attention(q, k, v, offsets, max_len)
         else:
             attended = jagged_flash_attention(q, k, v, offsets, max_q=max_len, causal=True)
-        tokens = tokens + self.attn_out(attended.reshape(num_tokens, dim))
+        tokens = tokens + self.attn_out(attended.reshape(num_tokens, dim).to(tokens.dtype))
         return tokens + self.ffn(self.ffn_norm(tokens))
 
 
@@ -50,10 +64,18 @@ class PoolingByMultiheadAttention(nn.Module):
     pooled tokens are a learned weighted mean of the history and empty histories pool to zero.
     """
 
-    def __init__(self, dim: int, num_heads: int, num_queries: int, activation: str) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        num_queries: int,
+        activation: str,
+        attention_dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.activation = activation
+        self.attention_dtype = attention_dtype
         self.queries = nn.Parameter(torch.randn(num_queries, dim) * dim**-0.5)
         self.norm = nn.LayerNorm(dim)
         self.q_proj = nn.Linear(dim, dim)
@@ -66,6 +88,7 @@ class PoolingByMultiheadAttention(nn.Module):
         head_dim = dim // self.num_heads
         q = self.q_proj(self.queries).view(num_queries, self.num_heads, head_dim)
         k, v = self.kv_proj(self.norm(tokens)).view(-1, 2, self.num_heads, head_dim).unbind(1)
+        q, k, v = _cast(self.attention_dtype, q, k, v)
         pooled = gdpa(
             q,
             k,
@@ -76,7 +99,7 @@ class PoolingByMultiheadAttention(nn.Module):
             normalize_by_length=True,
         )
         batch_size = offsets.numel() - 1
-        return self.out(pooled.reshape(batch_size, num_queries, dim))
+        return self.out(pooled.reshape(batch_size, num_queries, dim).to(tokens.dtype))
 
 
 class CandidateCrossAttention(nn.Module):
@@ -93,10 +116,17 @@ class CandidateCrossAttention(nn.Module):
     than independent query and key projections.
     """
 
-    def __init__(self, dim: int, num_heads: int, activation: str) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        activation: str,
+        attention_dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.activation = activation
+        self.attention_dtype = attention_dtype
         self.query_norm = nn.LayerNorm(dim)
         self.key_norm = nn.LayerNorm(dim)
         self.qk_proj = nn.Linear(dim, dim)
@@ -113,6 +143,7 @@ class CandidateCrossAttention(nn.Module):
         normed = self.key_norm(tokens)
         k = self.qk_proj(normed).view(-1, self.num_heads, head_dim)
         v = self.v_proj(normed).view(-1, self.num_heads, head_dim)
+        q, k, v = _cast(self.attention_dtype, q, k, v)
         one_query_each = torch.arange(batch_size + 1, device=offsets.device, dtype=offsets.dtype)
         attended = gdpa(
             q,
@@ -125,4 +156,4 @@ class CandidateCrossAttention(nn.Module):
             activation=self.activation,
             normalize_by_length=False,
         )
-        return self.out(attended.reshape(batch_size, dim))
+        return self.out(attended.reshape(batch_size, dim).to(tokens.dtype))

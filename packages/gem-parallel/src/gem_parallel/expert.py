@@ -26,6 +26,13 @@ with ``average=True`` (the default), divides by the data-parallel world size
 rank's ``loss_r`` is the mean over its shard and shards are equal, the result is the gradient of
 the global-batch mean loss.
 
+Batch sizes. Ranks may pass different batch sizes; then every call first all-gathers the
+sizes, which needs them on the host (a device-to-host copy that waits for the GPU queue to drain,
+once per layer call). When every rank of the group is known to pass the same batch size (a
+training loader that drops the last partial batch does), ``uniform_batch=True`` skips that
+exchange: no extra collective and no host synchronisation. A caller that breaks the promise
+gets mismatched collectives (an error or a hang), not a wrong result silently.
+
 Experts must treat samples independently (no BatchNorm-like statistics across the batch), and
 every rank of the group must call forward and backward the same number of times, because both
 contain collectives; the input must require grad on every rank of the group or on none.
@@ -79,6 +86,9 @@ class ExpertParallel(nn.Module):
         replica_group: ranks holding the same experts in other expert groups (e.g.
             ``GemMesh.expert_replica_group``); used only by :meth:`reduce_grads`. ``None`` means
             the expert group is the whole data-parallel world.
+        uniform_batch: every rank of the group always passes the same batch size, so the
+            per-call size exchange (a collective plus a host sync) is skipped. Can be
+            overridden per call with ``forward(x, uniform_batch=...)``.
 
     Forward takes this rank's batch shard ``x`` (batch on dim 0; per-rank batch sizes may
     differ, including zero rows) and returns ``sum_e expert_e(x)`` for those rows. Every expert
@@ -94,8 +104,12 @@ class ExpertParallel(nn.Module):
         *,
         num_experts: int | None = None,
         replica_group: dist.ProcessGroup | None = None,
+        uniform_batch: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(uniform_batch, bool):
+            raise TypeError(f"uniform_batch must be a bool, got {type(uniform_batch).__name__}")
+        self.uniform_batch = uniform_batch
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "ExpertParallel needs an initialized default process group: call "
@@ -135,18 +149,25 @@ class ExpertParallel(nn.Module):
         self.expert_indices = owned
         self.experts = nn.ModuleList(local)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, uniform_batch: bool | None = None) -> torch.Tensor:
+        """``sum_e expert_e(x)`` for this rank's rows ``x``. ``uniform_batch`` overrides the
+        constructor's setting for this call (``True``: every rank passes ``x.shape[0]`` rows,
+        so no size exchange)."""
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             raise ValueError("x must be a tensor with the batch on dim 0")
+        if uniform_batch is None:
+            uniform_batch = self.uniform_batch
         group_size = dist.get_world_size(self.group)
         rank = dist.get_rank(self.group)
-        sizes = self._batch_sizes(x, group_size)
+        # Equal sizes need no exchange (no collective, no host sync).
+        sizes = [x.shape[0]] * group_size if uniform_batch else self._batch_sizes(x, group_size)
         widest = max(sizes)
+        ragged = any(n != widest for n in sizes)
 
         # All-gather needs equal shapes: pad every shard to the widest, drop the padding after.
-        padded = F.pad(x, (0, 0) * (x.dim() - 1) + (0, widest - x.shape[0]))
+        padded = F.pad(x, (0, 0) * (x.dim() - 1) + (0, widest - x.shape[0])) if ragged else x
         gathered = all_gather_dim0(padded, self.group)
-        if any(n != widest for n in sizes):
+        if ragged:
             gathered = torch.cat(
                 [gathered[g * widest : g * widest + n] for g, n in enumerate(sizes)]
             )
@@ -161,7 +182,7 @@ class ExpertParallel(nn.Module):
                 )
             partial = out if partial is None else partial + out
 
-        if any(n != widest for n in sizes):
+        if ragged:
             pieces = partial.split(sizes)
             partial = torch.cat(
                 [F.pad(p, (0, 0) * (p.dim() - 1) + (0, widest - p.shape[0])) for p in pieces]
