@@ -91,6 +91,7 @@ __all__ = [
     "run_in_processes",
     "validate_layout",
     # gem_parallel.sparse, loaded on first use (see __getattr__)
+    "GATHER_CHOICES",
     "SHARDING_TYPES",
     "ShardedSparse",
     "SparseMemory",
@@ -101,6 +102,7 @@ __all__ = [
 
 _SPARSE_NAMES = frozenset(
     (
+        "GATHER_CHOICES",
         "SHARDING_TYPES",
         "ShardedSparse",
         "SparseMemory",

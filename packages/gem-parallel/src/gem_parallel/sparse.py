@@ -1,7 +1,9 @@
 """1D, 2D and fully sharded 2D embedding parallelism on torchrec's sharding primitives.
 
 Embedding tables are sharded by torchrec (``EmbeddingShardingPlanner`` + ``DistributedModelParallel``)
-over a *model-parallel* process group instead of the whole world. The group comes from the
+over a *model-parallel* process group instead of the whole world. Both pooled tables
+(``EmbeddingBagCollection``) and sequence tables (``EmbeddingCollection``, one row per id, as the
+GEM model's history) are handled, alone or inside a larger model. The group comes from the
 ``sparse`` view of a :class:`~gem_parallel.GemMesh` (contiguous ranks, the fastest tier); the
 ``sparse_replica`` dimension strides over those groups.
 
@@ -17,13 +19,16 @@ over a *model-parallel* process group instead of the whole world. The group come
   local shard (``R`` = replica group size), as a flat slice, and the optimizer state only for
   that slice. Before the lookup the local shard is rebuilt by an all-gather over the replica
   group; after backward the dense shard gradient is reduce-scattered (averaged) over the replica
-  group, each rank updates its own slice with a regular ``torch.optim`` optimizer and the
-  rebuilt shard is freed. Persistent memory per rank (weights and optimizer state) drops by
-  ``R`` against ``"2d"``; the update equals single-process training with the same element-wise
-  optimizer. The gather / scatter move the whole local shard every step and the gathered shard
+  group, each rank updates its own slice with a regular ``torch.optim`` optimizer (or
+  torchrec's ``RowWiseAdagrad``, implemented here on flat slices) and the rebuilt shard is freed.
+  Persistent memory per rank (weights and optimizer state) drops by ``R`` against ``"2d"``; the
+  update equals single-process training with the same optimizer. The gather / scatter move the whole local shard every step and the gathered shard
   and its dense gradient live from forward to ``step()`` (:attr:`SparseMemory.transient_bytes`):
-  this lowers what a rank keeps, not its peak. Gathering only the looked-up rows (what
-  ``gem_parallel.cost_model`` prices) would need a row-sparse lookup and is not done here. The
+  this lowers what a rank keeps, not its peak. With ``gather="rows"`` each kernel's lookup runs in
+  PyTorch and rebuilds only the rows the replica group's batches use (their union, filled by
+  the owning ranks and all-reduced), and ``step()`` all-reduces those rows' gradient and keeps
+  each rank's owned elements: the peak then follows the batch, not the table (CPU-verified; the
+  exchange is an all-reduce, not yet a copy-engine collective). The whole-shard
   collectives come from :func:`~gem_parallel.select_all_gather` /
   :func:`~gem_parallel.select_reduce_scatter` (copy engine on one CUDA host, else NCCL / gloo).
 
@@ -36,14 +41,18 @@ torchrec's own ``DMPCollection`` is CUDA-only, so the 2D sharding environment is
 a ``ShardingEnv`` over the model-parallel group, the plan made for that group's size, the plan's
 shard placements remapped to global ranks (what ``ShardedTensor`` checks). Row-wise sharding
 and the dense (gradient-producing) compute kernel, which torchrec's planner only offers on CUDA,
-are enabled on CPU too, so everything runs on gloo.
+are enabled on CPU too, so everything runs on gloo (tables with fewer rows than a row-wise split
+needs are planned table- or column-wise there). fbgemm's CPU dense kernel ignores unpooled
+lookups, so fully sharded 2D looks sequence rows up in PyTorch (:func:`_sequence_lookup`).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import logging
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -52,18 +61,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
 from torch.distributed import _remote_device
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag
+from torchrec.distributed.batched_embedding_kernel import (
+    BaseBatchedEmbedding,
+    BaseBatchedEmbeddingBag,
+)
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DataParallelWrapper
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner import Topology as PlannerTopology
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from gem_parallel.collectives import (
@@ -75,6 +91,7 @@ from gem_parallel.cost_model import SPARSE_MODES
 from gem_parallel.mesh import GemMesh
 
 __all__ = [
+    "GATHER_CHOICES",
     "SHARDING_TYPES",
     "ShardedSparse",
     "SparseMemory",
@@ -86,6 +103,8 @@ __all__ = [
 CollectiveFn = Callable[[torch.Tensor, torch.Tensor, dist.ProcessGroup], torch.Tensor]
 
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise")
+GATHER_CHOICES = ("shard", "rows")
+"""Values of ``shard_sparse(..., gather=...)`` (fully sharded 2D)."""
 _OPTIMIZER_KEY = "optimizer"
 """Per-table sharding types accepted in ``shard_sparse(..., sharding_types=...)``."""
 
@@ -156,6 +175,25 @@ class _AnyDeviceSharder(EmbeddingBagCollectionSharder):
         return ["fused"]
 
 
+class _AnyDeviceSequenceSharder(EmbeddingCollectionSharder):
+    """The same for ``EmbeddingCollection`` (sequence embeddings: one row per id, no pooling);
+    torchrec shards those table-, row- or column-wise (no table-column-wise)."""
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        return [
+            ShardingType.TABLE_WISE.value,
+            ShardingType.ROW_WISE.value,
+            ShardingType.COLUMN_WISE.value,
+        ]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> list[str]:
+        return ["fused"]
+
+
+def _sharders() -> list[Any]:
+    return [_AnyDeviceSharder(), _AnyDeviceSequenceSharder()]
+
+
 @contextmanager
 def _quiet_planner() -> Iterator[None]:
     """The planner warns about hand-built topologies and dry-run estimates on every call."""
@@ -170,12 +208,28 @@ def _quiet_planner() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _table_names(module: nn.Module) -> list[str]:
-    names = []
+def _table_rows(module: nn.Module) -> dict[str, int]:
+    """Rows of every (pooled or sequence) table of ``module``, by table name."""
+    rows: dict[str, int] = {}
     for sub in module.modules():
         if isinstance(sub, EmbeddingBagCollection):
-            names += [config.name for config in sub.embedding_bag_configs()]
-    return names
+            rows.update({c.name: c.num_embeddings for c in sub.embedding_bag_configs()})
+        elif isinstance(sub, EmbeddingCollection):
+            rows.update({c.name: c.num_embeddings for c in sub.embedding_configs()})
+    return rows
+
+
+def _table_names(module: nn.Module) -> list[str]:
+    return list(_table_rows(module))
+
+
+def _table_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The weights of every (pooled or sequence) embedding table of ``module``."""
+    params: list[nn.Parameter] = []
+    for sub in module.modules():
+        if isinstance(sub, EmbeddingBagCollection | EmbeddingCollection):
+            params += list(sub.parameters())
+    return params
 
 
 def _plan(
@@ -193,6 +247,15 @@ def _plan(
         name: ParameterConstraints(sharding_types=[kind], compute_kernels=["fused"])
         for name, kind in (sharding_types or {}).items()
     }
+    if device.type == "cpu":
+        # Tables too small to give every rank a row are never offered row-wise on CPU
+        # (fbgemm's CPU kernels cannot run an empty shard); asked-for row-wise still fails.
+        for name, rows in _table_rows(module).items():
+            if name not in constraints and (group_size - 1) * -(-rows // group_size) >= rows:
+                constraints[name] = ParameterConstraints(
+                    sharding_types=[ShardingType.TABLE_WISE.value, ShardingType.COLUMN_WISE.value],
+                    compute_kernels=["fused"],
+                )
     planner = EmbeddingShardingPlanner(
         topology=PlannerTopology(
             world_size=group_size, local_world_size=group_size, compute_device=device.type
@@ -200,7 +263,7 @@ def _plan(
         constraints=constraints,
     )
     with _quiet_planner():
-        plan = planner.plan(module, [_AnyDeviceSharder()])
+        plan = planner.plan(module, _sharders())
     # Fingerprint in group-local ranks, before the remap: equal across replica groups.
     digest = hashlib.sha256(str(plan).encode()).hexdigest()
     global_ranks = dist.get_process_group_ranks(group)
@@ -231,15 +294,98 @@ def _plan(
     return plan, digest
 
 
-def _embedding_kernels(module: nn.Module) -> list[BaseBatchedEmbeddingBag]:
-    """The table-batched kernels holding this rank's shards, in a rank-independent order.
+def _embedding_kernels(module: nn.Module) -> list[BaseBatchedEmbeddingBag | BaseBatchedEmbedding]:
+    """The table-batched kernels (pooled and sequence) holding this rank's shards, in a
+    rank-independent order.
 
     Sharded modules keep their lookups in a plain list (not registered submodules)."""
-    kernels: list[BaseBatchedEmbeddingBag] = []
+    kinds = (BaseBatchedEmbeddingBag, BaseBatchedEmbedding)
+    kernels: list[BaseBatchedEmbeddingBag | BaseBatchedEmbedding] = []
     for sub in module.modules():
         for lookup in getattr(sub, "_lookups", None) or []:
-            kernels += [m for m in lookup.modules() if isinstance(m, BaseBatchedEmbeddingBag)]
+            kernels += [m for m in lookup.modules() if isinstance(m, kinds)]
     return kernels
+
+
+def _sequence_lookup(
+    emb_module: nn.Module,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None = None,
+    **unused: Any,
+) -> torch.Tensor:
+    """Unpooled lookup of a dense table-batched kernel: one row per id, ``(ids, D)``.
+
+    fbgemm's CPU dense kernel ignores ``PoolingMode.NONE`` (it returns pooled ``(B, sum D)``,
+    which torchrec then reads as ``(ids, D)`` past its end), so sequence tables under fully
+    sharded 2D look their rows up here, from the flat weights: autograd then produces the same
+    dense weight gradient as the kernel would.
+    """
+    if per_sample_weights is not None:
+        raise ValueError("sequence embeddings take no per-sample weights")
+    dims = emb_module.D_offsets.diff()
+    dim = int(dims[0]) if dims.numel() else 0
+    if dims.numel() and not bool((dims == dim).all()):
+        raise ValueError(f"a sequence kernel's features must share one dim, got {dims.tolist()}")
+    features = emb_module.weights_offsets.numel()
+    batch = (offsets.numel() - 1) // max(features, 1)
+    if batch == 0:
+        return emb_module.weights.new_zeros(0, dim)
+    # Offsets are feature-major: feature f's ids are offsets[f * batch] .. offsets[(f+1) * batch].
+    ids_per_feature = offsets[::batch][: features + 1].diff().long()
+    base = torch.repeat_interleave(emb_module.weights_offsets, ids_per_feature)
+    first = base + indices.long() * dim
+    flat = first.unsqueeze(1) + torch.arange(dim, device=indices.device)
+    return emb_module.weights[flat]
+
+
+def _row_sparse_lookup(
+    emb_module: nn.Module,
+    flat: _FlatSlice,
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None = None,
+    batch_size_per_feature_per_rank: Any = None,
+    **unused: Any,
+) -> torch.Tensor:
+    """A dense table-batched kernel's lookup (pooled SUM / MEAN or unpooled) that gathers only
+    the rows the replica group's batches use (``gather="rows"``), never the whole shard."""
+    if batch_size_per_feature_per_rank is not None:
+        raise NotImplementedError("gather='rows' does not support variable batch sizes")
+    dims = emb_module.D_offsets.diff().long()
+    features = dims.numel()
+    batch = (offsets.numel() - 1) // max(features, 1)
+    if batch:
+        ids_per_feature = offsets[::batch][: features + 1].diff().long()
+    else:
+        ids_per_feature = torch.zeros(features, dtype=torch.long, device=offsets.device)
+    feature = torch.repeat_interleave(
+        torch.arange(features, device=indices.device), ids_per_feature
+    )
+    lengths = dims[feature]
+    starts = emb_module.weights_offsets[feature] + indices.long() * lengths
+    rows, row_offsets = flat.gather_rows(starts, lengths)
+    unpooled = int(emb_module.pooling_mode) == int(PoolingMode.NONE)
+    if unpooled:
+        dim = int(dims[0]) if features else 0
+        return rows[row_offsets.unsqueeze(1) + torch.arange(dim, device=rows.device)]
+    outputs = []
+    bounds = offsets.long()
+    for f in range(features):
+        dim = int(dims[f])
+        first, last = int(bounds[f * batch]), int(bounds[(f + 1) * batch])
+        vectors = rows[row_offsets[first:last].unsqueeze(1) + torch.arange(dim, device=rows.device)]
+        if per_sample_weights is not None:
+            vectors = vectors * per_sample_weights[first:last].unsqueeze(1)
+        bag_lengths = (
+            bounds[f * batch + 1 : (f + 1) * batch + 1] - bounds[f * batch : (f + 1) * batch]
+        )
+        bag = torch.repeat_interleave(torch.arange(batch, device=rows.device), bag_lengths)
+        pooled = vectors.new_zeros(batch, dim).index_add(0, bag, vectors)
+        if int(emb_module.pooling_mode) == int(PoolingMode.MEAN):
+            pooled = pooled / bag_lengths.clamp(min=1).unsqueeze(1).to(pooled.dtype)
+        outputs.append(pooled)
+    return torch.cat(outputs, dim=1) if outputs else rows.new_zeros(batch, 0)
 
 
 def _float_tensors(states: Any) -> list[torch.Tensor]:
@@ -282,6 +428,9 @@ class _FlatSlice:
         owned[: stop - start] = weights.detach().view(-1)[start:stop]
         self.owned = nn.Parameter(owned)
         self.materialized = True
+        # gather="rows": (buffer, row starts, row lengths) of each forward since the last step
+        self.row_gathers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.peak_row_bytes = 0
 
     def refresh_owned(self) -> None:
         """Copy this rank's slice out of the materialized full weights (after a load)."""
@@ -309,6 +458,78 @@ class _FlatSlice:
         self.weights.grad = None
         self.weights.untyped_storage().resize_(0)
         self.materialized = False
+
+    # ---- gather="rows": only the rows some replica's batch looks up --------------------------
+    def _owned_range(self) -> tuple[int, int]:
+        low = min(self.index * self.chunk, self.numel)
+        return low, min(low + self.chunk, self.numel)
+
+    def _union_elements(self, union: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Flat weight positions of every element of the rows starting at ``union``."""
+        ends = lengths.cumsum(0)
+        within = torch.arange(int(ends[-1]) if ends.numel() else 0, device=union.device)
+        within = within - torch.repeat_interleave(ends - lengths, lengths)
+        return torch.repeat_interleave(union, lengths) + within
+
+    def gather_rows(
+        self, starts: torch.Tensor, lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rebuild the rows starting at flat positions ``starts`` (``lengths`` elements each)
+        from the owned slices of the replica group. Collective over it.
+
+        The union of every replica's rows is filled from the owned slices and all-reduced, so
+        all replicas hold the same buffer (and later reduce the same gradient layout). Returns
+        the buffer (a leaf that requires grad; :meth:`reduce_scatter_row_grads` reads its
+        gradient) and, per requested row, its offset in the buffer."""
+        unique, inverse = torch.unique(starts, return_inverse=True)
+        unique_lengths = torch.zeros_like(unique)
+        unique_lengths[inverse] = lengths
+        device = starts.device  # NCCL needs the counts on the GPU too
+        counts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(self.replicas)]
+        dist.all_gather(counts, torch.tensor([unique.numel()], device=device), group=self.group)
+        widest = max(int(c) for c in counts)
+        padded = torch.full((2, widest), -1, dtype=torch.long, device=starts.device)
+        padded[0, : unique.numel()] = unique
+        padded[1, : unique.numel()] = unique_lengths
+        everyone = [torch.empty_like(padded) for _ in range(self.replicas)]
+        dist.all_gather(everyone, padded, group=self.group)
+        pairs = torch.cat(everyone, dim=1)
+        pairs = pairs[:, pairs[0] >= 0]
+        union, first = torch.unique(pairs[0], return_inverse=True)
+        union_lengths = torch.zeros_like(union)
+        union_lengths[first] = pairs[1]
+        row_offsets = union_lengths.cumsum(0) - union_lengths
+        positions = self._union_elements(union, union_lengths)
+        low, high = self._owned_range()
+        mine = (positions >= low) & (positions < high)
+        rows = torch.zeros(positions.numel(), dtype=self.owned.dtype, device=self.owned.device)
+        rows[mine] = self.owned.detach()[positions[mine] - self.index * self.chunk]
+        dist.all_reduce(rows, group=self.group)  # each element is owned by exactly one rank
+        rows.requires_grad_(torch.is_grad_enabled())
+        if rows.requires_grad:
+            self.row_gathers.append((rows, union, union_lengths))
+        self.peak_row_bytes = max(
+            self.peak_row_bytes,
+            # buffer + its gradient + the element positions (int64) alive in each collective
+            positions.numel() * (2 * rows.element_size() + positions.element_size()),
+        )
+        return rows, row_offsets[torch.searchsorted(union, starts)]
+
+    def reduce_scatter_row_grads(self) -> None:
+        """Average the gathered rows' gradients over the replica group and add this rank's
+        elements into ``owned.grad`` (zero elsewhere). Collective over it."""
+        owned_grad = torch.zeros_like(self.owned)
+        low, high = self._owned_range()
+        for rows, union, union_lengths in self.row_gathers:
+            grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
+            grad = grad.detach()  # the buffer is ours alone: reduce its gradient in place
+            dist.all_reduce(grad, group=self.group)
+            grad /= self.replicas
+            positions = self._union_elements(union, union_lengths)
+            mine = (positions >= low) & (positions < high)
+            owned_grad.index_add_(0, positions[mine] - self.index * self.chunk, grad[mine])
+        self.row_gathers = []
+        self.owned.grad = owned_grad
 
     def reduce_scatter_grad(self) -> None:
         """Average the full-shard gradient over the replica group into ``owned.grad``."""
@@ -341,10 +562,13 @@ class ShardedSparse(nn.Module):
         optimizer_class: type[torch.optim.Optimizer],
         optimizer_kwargs: dict[str, Any],
         collectives: str = "auto",
+        gather: str = "shard",
     ) -> None:
         super().__init__()
         self.module = module
         self.mode = mode
+        self.gather = gather
+        """Fully sharded 2D: ``"shard"`` (all-gather whole local shards) or ``"rows"``."""
         self.replica_group = replica_group
         self.sync_every = sync_every
         self.steps = 0
@@ -357,19 +581,31 @@ class ShardedSparse(nn.Module):
         if mode == "fully_sharded_2d":
             assert replica_group is not None
             # Copy-engine (SM-free) collectives where available, else NCCL / gloo; logged.
-            gather, gather_reason = select_all_gather(replica_group, prefer=collectives)
+            all_gather, gather_reason = select_all_gather(replica_group, prefer=collectives)
             scatter, scatter_reason = select_reduce_scatter(replica_group, prefer=collectives)
             self.collective_choices = {
                 "all_gather": gather_reason,
                 "reduce_scatter": scatter_reason,
             }
             self._slices = [
-                _FlatSlice(k.emb_module.weights, replica_group, gather, scatter)
+                _FlatSlice(k.emb_module.weights, replica_group, all_gather, scatter)
                 for k in self._kernels
             ]
-            self.slice_optimizer = optimizer_class(
-                [s.owned for s in self._slices], **optimizer_kwargs
-            )
+            for kernel, flat in zip(self._kernels, self._slices, strict=True):
+                emb = kernel.emb_module
+                if gather == "rows":
+                    emb.forward = functools.partial(_row_sparse_lookup, emb, flat)
+                elif isinstance(kernel, BaseBatchedEmbedding):
+                    emb.forward = types.MethodType(_sequence_lookup, emb)
+            if issubclass(optimizer_class, RowWiseAdagrad):
+                layouts = [_table_layout(k) for k in self._kernels]
+                self.slice_optimizer = _FlatRowWiseAdagrad(
+                    self._slices, layouts, **optimizer_kwargs
+                )
+            else:
+                self.slice_optimizer = optimizer_class(
+                    [s.owned for s in self._slices], **optimizer_kwargs
+                )
             self.reshard()
 
     @property
@@ -379,10 +615,17 @@ class ShardedSparse(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Look up this rank's batch. Fully sharded 2D gathers its shards first and keeps them
-        until :meth:`step` (or :meth:`reshard`, e.g. after evaluation)."""
-        self.unshard()
+        until :meth:`step` (or :meth:`reshard`, e.g. after evaluation); with ``gather="rows"``
+        each kernel gathers the rows the replica group's batches use inside its lookup."""
+        self.before_forward()
         out = self.module(*args, **kwargs)
         return out.wait() if hasattr(out, "wait") else out
+
+    def before_forward(self) -> None:
+        """What :meth:`forward` does before calling the module (for callers that call
+        ``.module`` directly): fully sharded 2D with ``gather="shard"`` unshards."""
+        if self.gather == "shard":
+            self.unshard()
 
     def unshard(self) -> None:
         """Fully sharded 2D: all-gather each local shard over the replica group (no-op
@@ -408,7 +651,10 @@ class ShardedSparse(nn.Module):
         elif self.mode == "fully_sharded_2d":
             assert self.slice_optimizer is not None
             for flat in self._slices:
-                flat.reduce_scatter_grad()
+                if self.gather == "rows":
+                    flat.reduce_scatter_row_grads()
+                else:
+                    flat.reduce_scatter_grad()
                 flat.reshard()  # free this kernel's shard and gradient before the next one's
             self.slice_optimizer.step()
             self.slice_optimizer.zero_grad(set_to_none=True)
@@ -446,11 +692,17 @@ class ShardedSparse(nn.Module):
         if self.mode == "fully_sharded_2d":
             assert self.slice_optimizer is not None
             weight_bytes = _nbytes([s.owned for s in self._slices])
-            # Peak at the end of backward: every gathered shard and its dense gradient, plus one
-            # kernel's padded reduce-scatter buffer (kernels are reduced and freed in turn).
-            transient = sum(2 * s.numel * s.owned.element_size() for s in self._slices) + max(
-                (s.chunk * s.replicas * s.owned.element_size() for s in self._slices), default=0
-            )
+            if self.gather == "rows":
+                # Largest gathered rows so far (buffer, gradient, positions), plus the owned
+                # slices' dense gradients built in step().
+                transient = sum(s.peak_row_bytes + _nbytes([s.owned]) for s in self._slices)
+            else:
+                # Peak at the end of backward: every gathered shard and its dense gradient,
+                # plus one kernel's padded reduce-scatter buffer (reduced and freed in turn).
+                transient = sum(2 * s.numel * s.owned.element_size() for s in self._slices) + max(
+                    (s.chunk * s.replicas * s.owned.element_size() for s in self._slices),
+                    default=0,
+                )
             optimizer_bytes = 0
             for state in self.slice_optimizer.state.values():
                 optimizer_bytes += _nbytes([t for t in state.values() if torch.is_tensor(t)])
@@ -483,7 +735,7 @@ class ShardedSparse(nn.Module):
         """The torch optimizer state entry that maps to torchrec's ``momentum1``, if any."""
         assert self.slice_optimizer is not None
         optimizer = self.slice_optimizer
-        if isinstance(optimizer, torch.optim.Adagrad):
+        if isinstance(optimizer, torch.optim.Adagrad | _FlatRowWiseAdagrad):
             return "sum"
         if isinstance(optimizer, torch.optim.SGD) and all(
             group.get("momentum", 0) == 0 for group in optimizer.param_groups
@@ -577,6 +829,99 @@ def _copy_state(target: dict[str, Any], source: dict[str, Any], where: str) -> N
             dst.copy_(src)
 
 
+class _FlatRowWiseAdagrad(torch.optim.Optimizer):
+    """Row-wise Adagrad (torchrec's ``RowWiseAdagrad``, fbgemm's exact row-wise Adagrad) on the
+    owned flat slices of fully sharded 2D.
+
+    Per row: ``sum += mean(g**2)`` over the row's columns, ``w -= lr * g / (sqrt(sum) + eps)``.
+    A slice starts and ends anywhere inside a row, so each rank sums ``g**2`` over its part of
+    every row and the per-row sums (one float per row, ``1/dim`` of the gradient) are
+    all-reduced over the replica group. The state ``"sum"`` is kept per element (every element
+    of a row holds the row's value) so it is sliced, gathered and checkpointed like Adagrad's.
+    """
+
+    def __init__(
+        self,
+        slices: list[_FlatSlice],
+        tables: list[list[tuple[int, int, int]]],
+        lr: float = 0.01,
+        eps: float = 1e-10,
+        weight_decay: float = 0.0,
+        lr_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        **unused: Any,
+    ) -> None:
+        if weight_decay != 0.0 or lr_decay != 0.0:
+            raise ValueError(
+                "optimizer=RowWiseAdagrad under mode='fully_sharded_2d' supports weight_decay=0 "
+                f"and lr_decay=0 only, got weight_decay={weight_decay}, lr_decay={lr_decay}"
+            )
+        super().__init__([s.owned for s in slices], {"lr": lr, "eps": eps})
+        self._slices = slices
+        # Per slice: (start in slice, stop in slice, first row, row count, dim, lead) pieces
+        # of the tables its owned range covers, and the slice's total rows.
+        self._pieces: list[list[tuple[int, int, int, int, int, int]]] = []
+        self._rows: list[int] = []
+        for flat, layout in zip(slices, tables, strict=True):
+            start = flat.index * flat.chunk
+            stop = start + flat.chunk
+            pieces = []
+            row_base = 0
+            for offset, rows, dim in layout:
+                low, high = max(offset, start), min(offset + rows * dim, stop)
+                if low < high:
+                    first = (low - offset) // dim
+                    last = (high - 1 - offset) // dim + 1
+                    lead = low - offset - first * dim
+                    pieces.append(
+                        (low - start, high - start, row_base + first, last - first, dim, lead)
+                    )
+                row_base += rows
+            self._pieces.append(pieces)
+            self._rows.append(row_base)
+        for flat in slices:
+            self.state[flat.owned]["sum"] = torch.full_like(
+                flat.owned, initial_accumulator_value, memory_format=torch.preserve_format
+            )
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        group = self.param_groups[0]
+        for flat, pieces, rows in zip(self._slices, self._pieces, self._rows, strict=True):
+            grad = flat.owned.grad
+            if grad is None:
+                continue
+            row_squares = torch.zeros(rows, dtype=grad.dtype, device=grad.device)
+            for low, high, first, count, dim, lead in pieces:
+                padded = grad.new_zeros(count * dim)
+                padded[lead : lead + high - low] = grad[low:high]
+                row_squares[first : first + count] += padded.view(count, dim).square().sum(1)
+            if flat.replicas > 1:
+                dist.all_reduce(row_squares, group=flat.group)
+            increment = torch.zeros_like(grad)
+            for low, high, first, count, dim, lead in pieces:
+                means = (row_squares[first : first + count] / dim).repeat_interleave(dim)
+                increment[low:high] = means[lead : lead + high - low]
+            state = self.state[flat.owned]["sum"]
+            state.add_(increment)
+            flat.owned.addcdiv_(grad, state.sqrt().add_(group["eps"]), value=-group["lr"])
+
+
+def _table_layout(kernel: nn.Module) -> list[tuple[int, int, int]]:
+    """``(flat offset, rows, dim)`` of each table in a dense kernel's flat weights."""
+    layout = []
+    offset = 0
+    for rows, dim in zip(kernel._local_rows, kernel._local_cols, strict=True):
+        layout.append((offset, rows, dim))
+        offset += rows * dim
+    expected = sorted({int(o) for o in kernel.emb_module.weights_offsets.tolist()})
+    if [o for o, rows, dim in layout if rows * dim] != [o for o in expected if o < offset] or (
+        offset != kernel.emb_module.weights.numel()
+    ):
+        raise RuntimeError("unexpected table layout in a dense table-batched embedding kernel")
+    return layout
+
+
 def _check_args(
     module: object,
     mesh: object,
@@ -593,16 +938,21 @@ def _check_args(
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     tables = _table_names(module)
     if not tables:
-        raise ValueError("module must contain at least one torchrec EmbeddingBagCollection")
+        raise ValueError(
+            "module must contain at least one torchrec EmbeddingBagCollection or "
+            "EmbeddingCollection"
+        )
     if not (
         isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
     ):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer class, got {optimizer_class!r}")
-    if mode == "fully_sharded_2d" and not issubclass(optimizer_class, _ELEMENTWISE_OPTIMIZERS):
+    if mode == "fully_sharded_2d" and not issubclass(
+        optimizer_class, (*_ELEMENTWISE_OPTIMIZERS, RowWiseAdagrad)
+    ):
         names = ", ".join(o.__name__ for o in _ELEMENTWISE_OPTIMIZERS)
         raise ValueError(
             f"mode='fully_sharded_2d' updates flat weight slices, so optimizer must be "
-            f"element-wise ({names}), got {optimizer_class.__name__}"
+            f"element-wise ({names}) or torchrec's RowWiseAdagrad, got {optimizer_class.__name__}"
         )
     if mode != "1d" and not isinstance(mesh, GemMesh | DeviceMesh):
         raise TypeError(
@@ -653,6 +1003,8 @@ def shard_sparse(
     sync_every: int = 1,
     device: torch.device | str | None = None,
     collectives: str = "auto",
+    data_parallel_wrapper: DataParallelWrapper | None = None,
+    gather: str = "shard",
 ) -> ShardedSparse:
     """Shard the torchrec embedding tables of ``module`` as ``mode`` over ``mesh``.
 
@@ -680,8 +1032,25 @@ def shard_sparse(
             when :func:`~gem_parallel.copy_engine_status` allows, else the backend's),
             ``"copy_engine"`` (same, warning when unavailable) or ``"nccl"`` (the backend's);
             see :func:`~gem_parallel.select_all_gather`.
+        data_parallel_wrapper: when ``module`` also holds dense layers (a whole model), the
+            torchrec ``DataParallelWrapper`` that DMP applies to them after sharding the
+            tables. DMP hands it the *model-parallel* group's ``ShardingEnv``; a wrapper that
+            must span all ranks (DDP) has to bring its own group. None: dense layers are left
+            as they are.
+        gather: fully sharded 2D only. ``"shard"`` (default): all-gather each whole local shard
+            before the lookup and reduce-scatter its dense gradient. ``"rows"``: each kernel's
+            lookup (in PyTorch) exchanges the replica group's unique row ids, rebuilds only
+            those rows from the owned slices (filled by their owners, all-reduced) and
+            all-reduces their gradient in :meth:`ShardedSparse.step`; peak memory follows the
+            batch's rows instead of the table. Same updates (up to summation order).
+            CPU-verified only; one forward per step (or accumulate: every training forward
+            since the last step is reduced).
     """
     _check_args(module, mesh, mode, sync_every, optimizer, sharding_types)
+    if gather not in GATHER_CHOICES:
+        raise ValueError(f"gather must be one of {GATHER_CHOICES}, got {gather!r}")
+    if gather != "shard" and mode != "fully_sharded_2d":
+        raise ValueError(f"gather={gather!r} only applies to mode='fully_sharded_2d', got {mode!r}")
     if collectives not in COLLECTIVE_CHOICES:
         raise ValueError(f"collectives must be one of {COLLECTIVE_CHOICES}, got {collectives!r}")
     kwargs = dict(optimizer_kwargs or {})
@@ -701,7 +1070,7 @@ def shard_sparse(
     original = {k: v.detach() for k, v in module.state_dict().items()} if not on_meta else {}
 
     fully_sharded = mode == "fully_sharded_2d"
-    table_params = [p for n, p in module.named_parameters() if "embedding_bags." in n]
+    table_params = _table_parameters(module)
     if not fully_sharded:
         apply_optimizer_in_backward(optimizer, table_params, kwargs)
     plan, digest = _plan(
@@ -719,8 +1088,9 @@ def shard_sparse(
             env=_GroupShardingEnv(model_parallel_group, device.type),
             device=device,
             plan=plan,
-            sharders=[_AnyDeviceSharder()],
-            init_data_parallel=False,
+            sharders=_sharders(),
+            init_data_parallel=data_parallel_wrapper is not None,
+            data_parallel_wrapper=data_parallel_wrapper,
         )
     with torch.no_grad():
         for key, value in sharded.state_dict().items():
@@ -746,6 +1116,7 @@ def shard_sparse(
         optimizer_class=optimizer,
         optimizer_kwargs=kwargs,
         collectives=collectives,
+        gather=gather,
     )
 
 

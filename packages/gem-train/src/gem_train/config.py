@@ -11,6 +11,7 @@ from gem_model import GemArchitecture
 __all__ = [
     "FSDP_ALL_GATHER_MODES",
     "PARALLEL_DENSE_MODES",
+    "PARALLEL_SPARSE_MODES",
     "SAVED_ACTIVATION_MODES",
     "DataConfig",
     "OptimConfig",
@@ -106,10 +107,14 @@ PARALLEL_DENSE_MODES = ("ddp", "fsdp")
 FSDP_ALL_GATHER_MODES = ("bf16", "mx")
 """Values of ``ParallelConfig.fsdp_all_gather``."""
 
+PARALLEL_SPARSE_MODES = ("1d", "2d", "fully_sharded_2d")
+"""Values of ``ParallelConfig.sparse``."""
+
 
 @dataclass
 class ParallelConfig:
-    """How the dense part is parallelised; embedding tables are always sharded by torchrec.
+    """How the dense part is parallelised, and how torchrec shards the embedding tables
+    (``sparse``: 1D, 2D or fully sharded 2D).
 
     Sizes that depend on the world (``shard`` dividing it, ``expert_parallel`` fitting a host)
     are checked when the trainer starts, by ``gem_parallel.build_gem_mesh``.
@@ -138,13 +143,43 @@ class ParallelConfig:
     in_features by 32) are all-gathered as MXFP8 bytes plus E8M0 scales
     (``gem_precision.enable_mx_all_gather``) and the forward uses the dequantized weight;
     other layers are logged and gather as usual."""
+    sparse: str = "1d"
+    """Embedding-table parallelism (``gem_parallel.shard_sparse``). '1d': torchrec shards the
+    tables over all ranks; '2d': over model-parallel groups of world // ``sparse_replicas``
+    contiguous ranks, each group holding a full copy, the copies' weights and row-wise Adagrad
+    state averaged every ``sparse_sync_every`` steps; 'fully_sharded_2d': as '2d', but each
+    rank keeps only 1/``sparse_replicas`` of its group's shard (all-gathered before the lookup,
+    gradient reduce-scattered after backward), trains exactly like '1d'."""
+    sparse_replicas: int = 2
+    """'2d' / 'fully_sharded_2d': number of table copies (replica groups); must divide the
+    world size (checked when the trainer starts). Ignored by '1d'."""
+    sparse_sync_every: int = 1
+    """'2d' only: steps between replica syncs of the tables and their optimizer state."""
+    sparse_gather: str = "shard"
+    """'fully_sharded_2d' only: 'shard' gathers each rank's whole local shard before the lookup;
+    'rows' gathers only the rows the replica group's batches look up (peak memory follows the
+    batch, not the table; CPU-verified, not yet measured on GPU)."""
 
     def __post_init__(self) -> None:
         if self.dense not in PARALLEL_DENSE_MODES:
             raise ValueError(
                 f"parallel.dense must be one of {PARALLEL_DENSE_MODES}, got {self.dense!r}"
             )
-        for name, low in (("shard", 0), ("expert_parallel", 1), ("gpus_per_host", 0)):
+        if self.sparse_gather not in ("shard", "rows"):
+            raise ValueError(
+                f"parallel.sparse_gather must be 'shard' or 'rows', got {self.sparse_gather!r}"
+            )
+        if self.sparse not in PARALLEL_SPARSE_MODES:
+            raise ValueError(
+                f"parallel.sparse must be one of {PARALLEL_SPARSE_MODES}, got {self.sparse!r}"
+            )
+        for name, low in (
+            ("shard", 0),
+            ("expert_parallel", 1),
+            ("gpus_per_host", 0),
+            ("sparse_replicas", 1),
+            ("sparse_sync_every", 1),
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"parallel.{name} must be an int >= {low}, got {value!r}")

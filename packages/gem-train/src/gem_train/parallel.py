@@ -20,6 +20,7 @@ the plain names and stores DTensors, so DCP can load a checkpoint into any other
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,12 +29,15 @@ from gem_parallel import (
     ExpertParallel,
     GemMesh,
     ParallelLayout,
+    ShardedSparse,
     apply_fsdp,
     build_gem_mesh,
     default_topology,
+    shard_sparse,
 )
 from gem_precision import enable_mx_all_gather
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.distributed.comm import get_local_size
@@ -45,6 +49,8 @@ from torchrec.distributed.model_parallel import (
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.sharding_plan import get_default_sharders
 from torchrec.distributed.types import ShardedModule, ShardingEnv, ShardingPlan, ShardingType
+from torchrec.optim import RowWiseAdagrad
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from gem_train.config import ParallelConfig
 
@@ -52,6 +58,7 @@ __all__ = [
     "DenseParallel",
     "ExpertParallelDHENLayer",
     "FSDPWrapper",
+    "SparseParallel",
     "fsdp_blocks",
     "mx_all_gather_layers",
 ]
@@ -83,6 +90,11 @@ class ExpertParallelDHENLayer(nn.Module):
     Computes ``x + sum_e expert_e(norm(x))`` like the layer it replaces: each rank runs its own
     experts on the group's gathered batch (``gem_parallel.ExpertParallel``). Holds the original
     ``norm`` and the local experts (as ``experts.<global index>``).
+
+    With ``uniform_train_batch`` (an attribute too), training-mode calls assume every rank of
+    the group passes the same batch size and skip the per-call size exchange, which would
+    otherwise sync the host with the GPU once per layer; eval-mode calls always exchange sizes
+    (evaluation batches may differ between ranks).
     """
 
     def __init__(
@@ -90,10 +102,17 @@ class ExpertParallelDHENLayer(nn.Module):
         layer: DHENLayer,
         group: dist.ProcessGroup,
         replica_group: dist.ProcessGroup | None = None,
+        *,
+        uniform_train_batch: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(layer, DHENLayer):
             raise TypeError(f"layer must be a gem_model DHENLayer, got {type(layer).__name__}")
+        if not isinstance(uniform_train_batch, bool):
+            raise TypeError(
+                f"uniform_train_batch must be a bool, got {type(uniform_train_batch).__name__}"
+            )
+        self.uniform_train_batch = uniform_train_batch
         parallel = ExpertParallel(list(layer.experts), group, replica_group=replica_group)
         self.norm = layer.norm
         self.experts = _ExpertsByGlobalIndex(list(parallel.experts), parallel.expert_indices)
@@ -102,7 +121,8 @@ class ExpertParallelDHENLayer(nn.Module):
         self.__dict__["parallel"] = parallel
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return tokens + self.parallel(self.norm(tokens))
+        uniform = self.training and self.uniform_train_batch
+        return tokens + self.parallel(self.norm(tokens), uniform_batch=uniform)
 
     def reduce_grads(self) -> None:
         """Averages the local experts' gradients over the data-parallel world (collective)."""
@@ -272,7 +292,12 @@ class DenseParallel:
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, DHENLayer):
-                    layer = ExpertParallelDHENLayer(child, self.mesh.expert_group, replica)
+                    # The trainer's loader drops the last partial batch, so every rank trains
+                    # on batch_size samples: no per-layer size exchange (and host sync) needed.
+                    # 2 H200s, fresh processes: 102.1 ms/step against 104.2 with the exchange.
+                    layer = ExpertParallelDHENLayer(
+                        child, self.mesh.expert_group, replica, uniform_train_batch=True
+                    )
                     setattr(parent, name, layer)
                     self.expert_layers.append(layer)
         if not self.expert_layers:
@@ -395,4 +420,167 @@ class DenseParallel:
             )
         if config.expert_parallel > 1:
             text += f", experts over groups of {config.expert_parallel}"
+        return text
+
+
+# --------------------------------------------------------------------------------------------
+# Sparse: 1D (torchrec DMP over all ranks), 2D and fully sharded 2D (gem_parallel.shard_sparse)
+# --------------------------------------------------------------------------------------------
+
+
+class _AllRanksDataParallel(DataParallelWrapper):
+    """Runs another ``DataParallelWrapper`` with a ``ShardingEnv`` over all ranks.
+
+    Under 2D sparse, DMP shards the tables over a model-parallel group and hands that group's
+    env to its wrapper; the dense part must still be data-parallel over every rank."""
+
+    def __init__(self, inner: DataParallelWrapper) -> None:
+        self.inner = inner
+
+    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
+        self.inner.wrap(dmp, ShardingEnv.from_process_group(dist.group.WORLD), device)
+
+
+class SparseParallel:
+    """Applies ``ParallelConfig.sparse`` to the GEM model's tables (pooled and history).
+
+    ``"1d"``: torchrec's ``DistributedModelParallel`` over all ranks with the fused row-wise
+    Adagrad (unchanged behaviour). ``"2d"`` / ``"fully_sharded_2d"``: ``gem_parallel.shard_sparse``
+    over a ``(sparse_replica, model_parallel)`` mesh of ``sparse_replicas`` x world //
+    ``sparse_replicas`` ranks (model-parallel groups on contiguous ranks), with torchrec's
+    ``RowWiseAdagrad`` (fused for 2D, on the owned flat slices for fully sharded 2D). The
+    dense part goes through :class:`DenseParallel`'s wrapper over all ranks in every mode.
+
+    The trainer keeps using the DMP (:meth:`shard` returns it), so state-dict names are the
+    same in every mode and DCP checkpoints load across modes and worlds. Call :meth:`step`
+    after ``backward`` and use :meth:`model_state_dict`, :meth:`extra_state` and
+    :meth:`finish_load` around checkpoints (fully sharded 2D keeps only slices between steps).
+    Collective: every rank builds the same mesh.
+    """
+
+    def __init__(self, config: ParallelConfig, device: torch.device) -> None:
+        self.config = config
+        self.mode = config.sparse
+        self.device = device
+        self.sharded: ShardedSparse | None = None
+        self._tables: set[nn.Parameter] = set()
+        world = dist.get_world_size()
+        if self.mode != "2d" and config.sparse_sync_every != 1:
+            raise ValueError(
+                f"parallel.sparse_sync_every ({config.sparse_sync_every}) only applies to "
+                f"parallel.sparse='2d' (got {self.mode!r}); leave it 1"
+            )
+        if self.mode != "fully_sharded_2d" and config.sparse_gather != "shard":
+            raise ValueError(
+                f"parallel.sparse_gather={config.sparse_gather!r} only applies to "
+                f"parallel.sparse='fully_sharded_2d' (got {self.mode!r})"
+            )
+        if self.mode != "1d" and world % config.sparse_replicas:
+            raise ValueError(
+                f"parallel.sparse_replicas ({config.sparse_replicas}) must divide the world size "
+                f"({world}) for parallel.sparse={self.mode!r}"
+            )
+
+    def shard(
+        self, model: nn.Module, dense: DenseParallel, sparse_lr: float
+    ) -> DistributedModelParallel:
+        """Shards the tables of ``model`` (and wraps its dense part through ``dense``);
+        returns the ``DistributedModelParallel`` to train. Collective."""
+        tables = [
+            p
+            for m in model.modules()
+            if isinstance(m, EmbeddingBagCollection | EmbeddingCollection)
+            for p in m.parameters()
+        ]
+        if self.mode == "1d":
+            apply_optimizer_in_backward(RowWiseAdagrad, tables, {"lr": sparse_lr})
+            return DistributedModelParallel(
+                model,
+                device=self.device,
+                plan=dense.sharding_plan(model),
+                data_parallel_wrapper=dense.data_parallel_wrapper(model),
+            )
+        world = dist.get_world_size()
+        replicas = self.config.sparse_replicas
+        ranks = torch.arange(world).reshape(replicas, world // replicas)
+        mesh = DeviceMesh(
+            self.device.type, ranks, mesh_dim_names=("sparse_replica", "model_parallel")
+        )
+        wrapper = dense.data_parallel_wrapper(model) or DefaultDataParallelWrapper()
+        self.sharded = shard_sparse(
+            model,
+            mesh,
+            self.mode,
+            optimizer=RowWiseAdagrad,
+            optimizer_kwargs={"lr": sparse_lr},
+            sync_every=self.config.sparse_sync_every,
+            device=self.device,
+            data_parallel_wrapper=_AllRanksDataParallel(wrapper),
+            gather=self.config.sparse_gather if self.mode == "fully_sharded_2d" else "shard",
+        )
+        dmp = self.sharded.module
+        # As DMP lists them (per-table views of the kernels' weights).
+        self._tables = _sharded_parameters(dmp)
+        if self.mode == "fully_sharded_2d":
+            # The trainer calls the DMP: gather the shards first (no-op while gathered or
+            # with gather="rows", whose lookups gather their rows themselves).
+            dmp.register_forward_pre_hook(lambda module, args: self.sharded.before_forward())
+        return dmp
+
+    def is_table(self, parameter: torch.Tensor) -> bool:
+        """Whether ``parameter`` is an embedding kernel's weights (trained by the sparse
+        optimizer, never by the dense one)."""
+        return parameter in self._tables
+
+    def step(self) -> None:
+        """After ``backward``: 2D syncs the replicas every ``sparse_sync_every`` steps; fully
+        sharded 2D reduce-scatters the table gradients and updates the owned slices."""
+        if self.sharded is not None:
+            self.sharded.step()
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """``model.state_dict()`` with fully sharded 2D's tables gathered (views of them).
+
+        2D first syncs the replicas (weights and optimizer state): a checkpoint holds one copy
+        of each shard, so replicas that drifted since the last sync would resume different
+        from how they continue. Collective."""
+        if self.sharded is not None:
+            self.sharded.unshard()
+            self.sharded.sync()
+        return model.state_dict()
+
+    def extra_state(self) -> dict[str, Any]:
+        """Checkpoint entries beyond model and optimizer: fully sharded 2D's slice optimizer
+        state as ``{"sparse_optimizer": ...}`` (torchrec's fused layout); empty otherwise."""
+        if self.mode != "fully_sharded_2d" or self.sharded is None:
+            return {}
+        state = self.sharded.sharded_state_dict(include_optimizer=True)
+        return {"sparse_optimizer": state["optimizer"]}
+
+    def finish_load(self, app_state: dict[str, Any], step: int) -> None:
+        """After DCP loaded ``app_state`` in place (and ``model.load_state_dict``): fully
+        sharded 2D re-slices the tables and, when ``app_state`` has ``"sparse_optimizer"``,
+        their optimizer state; 2D resumes its sync counter at ``step``."""
+        if self.sharded is None:
+            return
+        self.sharded.steps = step
+        if self.mode == "fully_sharded_2d":
+            # DCP loaded the tables in place into the gathered shards (app_state["model"]
+            # itself may have been renamed by DMP's load_state_dict, which adds DDP's prefix).
+            state = self.sharded.sharded_state_dict()
+            if "sparse_optimizer" in app_state:  # absent: a model-only load
+                state["optimizer"] = app_state["sparse_optimizer"]
+            self.sharded.load_sharded_state_dict(state)
+
+    def describe(self) -> str:
+        """One line: the sparse mode and its groups."""
+        if self.mode == "1d":
+            return f"sparse 1d over {dist.get_world_size()} rank(s)"
+        replicas = self.config.sparse_replicas
+        text = (
+            f"sparse {self.mode} ({replicas} replica(s) x model-parallel "
+            f"{dist.get_world_size() // replicas})"
+        )
+        if self.mode == "fully_sharded_2d" and self.sharded is not None:
+            text += f", all-gather: {self.sharded.collective_choices.get('all_gather', '?')}"
         return text

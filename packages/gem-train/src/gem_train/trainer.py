@@ -17,8 +17,6 @@ from gem_model import GemModel, GemModelConfig
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.nn import functional as F
 from torchrec.distributed import DistributedModelParallel
-from torchrec.optim import RowWiseAdagrad
-from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
@@ -30,7 +28,7 @@ from gem_train.checkpoint import (
 )
 from gem_train.config import TrainConfig
 from gem_train.metrics import auc, normalized_entropy
-from gem_train.parallel import DenseParallel
+from gem_train.parallel import DenseParallel, SparseParallel
 from gem_train.precision import SavedActivations, apply_precision
 
 __all__ = ["Trainer", "init_distributed", "resolve_device"]
@@ -115,23 +113,21 @@ class Trainer:
             model = GemModel(self.model_config, device=torch.device("meta"))
         # FP8 / bf16 GEMMs for the dense linears (shares parameters, so order vs DMP is free).
         self.precision_converted = apply_precision(model, config.precision)
-        apply_optimizer_in_backward(
-            RowWiseAdagrad,
-            [p for name, p in model.named_parameters() if "_embeddings." in name],
-            {"lr": config.optim.sparse_lr},
-        )
         # Dense part: DDP (torchrec's default) or FSDP2, plus expert parallelism for DHEN.
         self.parallel = DenseParallel(config.parallel, self.device)
         model = self.parallel.prepare(model)
-        self.model = DistributedModelParallel(
-            model,
-            device=self.device,
-            plan=self.parallel.sharding_plan(model),
-            data_parallel_wrapper=self.parallel.data_parallel_wrapper(model),
+        # Tables (row-wise Adagrad): 1D torchrec DMP, 2D or fully sharded 2D (parallel.sparse).
+        self.sparse_parallel = SparseParallel(config.parallel, self.device)
+        self.model: DistributedModelParallel = self.sparse_parallel.shard(
+            model, self.parallel, config.optim.sparse_lr
         )
         # MXFP8 storage of the dense activations saved for backward (precision.saved_activations).
         self.saved_activations = SavedActivations(self.model, config.precision)
-        dense_parameters = dict(in_backward_optimizer_filter(self.model.named_parameters()))
+        dense_parameters = {
+            name: p
+            for name, p in in_backward_optimizer_filter(self.model.named_parameters())
+            if not self.sparse_parallel.is_table(p)
+        }
         self.dense_parameters = list(dense_parameters.values())
         self.dense_optimizer = KeyedOptimizerWrapper(
             dense_parameters,
@@ -188,6 +184,7 @@ class Trainer:
         loss.backward()  # the fused sparse optimizer updates embedding rows here
         # Expert gradients averaged over their replicas, then the global-norm clip.
         self.parallel.finish_gradients(self.dense_parameters, self.config.optim.max_grad_norm)
+        self.sparse_parallel.step()  # 2D replica sync / fully sharded 2D table update
         self.dense_optimizer.step()
         self.step += 1
         return loss.item()
@@ -271,7 +268,11 @@ class Trainer:
 
     # ------------------------------------------------------------- checkpointing
     def _app_state(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+        return {
+            "model": self.sparse_parallel.model_state_dict(self.model),
+            "optimizer": self.optimizer.state_dict(),
+            **self.sparse_parallel.extra_state(),
+        }
 
     def save(self, checkpoint_dir: str | Path) -> Path:
         """Atomically saves model, both optimizers, data position and step."""
@@ -308,6 +309,7 @@ class Trainer:
         self.model.load_state_dict(app_state["model"])
         self.optimizer.load_state_dict(app_state["optimizer"])
         self.step = int(trainer_state["step"])
+        self.sparse_parallel.finish_load(app_state, self.step)
         if saved_world == self.world_size:
             self.loader.load_state_dict(trainer_state["loader"])
         torch.set_rng_state(torch.tensor(trainer_state["torch_rng"], dtype=torch.uint8))
