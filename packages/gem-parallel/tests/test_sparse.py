@@ -7,7 +7,6 @@ and full tables against it after every step.
 
 from __future__ import annotations
 
-import multiprocessing.forkserver
 import warnings
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from gem_parallel.sparse import (
     shard_sparse,
     sparse_memory_report,
 )
+from gem_parallel.testing import fresh_forkserver
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
@@ -35,16 +35,8 @@ EPS = 1e-8
 
 @pytest.fixture(scope="module", autouse=True)
 def _fresh_forkserver():
-    """Restart the forkserver so it preloads torchrec once (the preload list is fixed when the
-    forkserver starts, and an earlier test module may have started one without torchrec);
-    importing torchrec in every child instead costs ~10 s of CPU each."""
-    server = multiprocessing.forkserver._forkserver
-    stop = getattr(server, "_stop", None)
-    if stop is not None:
-        stop()
-    yield
-    if stop is not None:
-        stop()
+    with fresh_forkserver():
+        yield
 
 
 def make_tables() -> list[EmbeddingBagConfig]:

@@ -9,7 +9,6 @@ Adagrad state) loads back exactly into a fresh one.
 
 from __future__ import annotations
 
-import multiprocessing.forkserver
 import warnings
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from gem_parallel import ParallelLayout, build_gem_mesh, run_in_processes
 from gem_parallel.sparse import shard_sparse
+from gem_parallel.testing import fresh_forkserver
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec import (
@@ -52,14 +52,8 @@ EPS = 1e-8
 
 @pytest.fixture(scope="module", autouse=True)
 def _fresh_forkserver():
-    """Restart the forkserver so that it preloads torchrec (see test_sparse.py)."""
-    server = multiprocessing.forkserver._forkserver
-    stop = getattr(server, "_stop", None)
-    if stop is not None:
-        stop()
-    yield
-    if stop is not None:
-        stop()
+    with fresh_forkserver():
+        yield
 
 
 def seq_tables() -> list[EmbeddingConfig]:

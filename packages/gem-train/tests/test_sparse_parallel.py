@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing.forkserver
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch.distributed as dist
 from gem_data import ParquetBatchLoader
 from gem_model import GemArchitecture
 from gem_parallel import run_in_processes
+from gem_parallel.testing import fresh_forkserver
 from gem_train import DataConfig, OptimConfig, TrainConfig, Trainer, apply_overrides, tiny
 from gem_train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from gem_train.cli import prepare_data
@@ -36,15 +36,8 @@ MODES = {
 
 @pytest.fixture(scope="module", autouse=True)
 def _fresh_forkserver():
-    """Restart the forkserver so that it preloads torchrec and gem_train once for all ranks
-    (an earlier test may have started one without them)."""
-    server = multiprocessing.forkserver._forkserver
-    stop = getattr(server, "_stop", None)
-    if stop is not None:
-        stop()
-    yield
-    if stop is not None:
-        stop()
+    with fresh_forkserver():
+        yield
 
 
 def _config(out: str, parallel: ParallelConfig) -> TrainConfig:

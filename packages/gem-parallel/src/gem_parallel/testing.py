@@ -17,13 +17,15 @@ single-threaded process, which plain ``fork`` of a test runner is not.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
-__all__ = ["run_in_processes"]
+__all__ = ["fresh_forkserver", "run_in_processes"]
 
 # FSDP2's first fully_shard imports torch._dynamo: ~5 s per process unless the forkserver has it.
 _PRELOAD = (
@@ -42,6 +44,26 @@ _PRELOAD = (
     "torch._dynamo",
     "gem_parallel",
 )
+
+
+@contextlib.contextmanager
+def fresh_forkserver() -> Iterator[None]:
+    """Restarts the forkserver on entry and on exit.
+
+    The forkserver's preload list is fixed when it starts, so a test module whose ranks import
+    more than torch (torchrec, gem_train) wraps itself in this: the forkserver then preloads them
+    once instead of every child paying ~10 s of imports, and an earlier module's forkserver
+    started without them is not reused.
+    """
+    server = multiprocessing.forkserver._forkserver
+    stop = getattr(server, "_stop", None)
+    if stop is not None:
+        stop()
+    try:
+        yield
+    finally:
+        if stop is not None:
+            stop()
 
 
 def _entry(
