@@ -18,9 +18,9 @@ The 2-GPU run times several layouts (``--variants``), each in its own pair of pr
 trainers in a process ran slower, 207 -> 220 -> 263 ms). Each variant is
 ``name:key=value,...`` with keys
 
-* ``ep``: ``exchange`` (the trainer's default: per-rank batch sizes all-gathered, with a host
-  sync, in every DHEN layer call) or ``uniform`` (``ExpertParallelDHENLayer.uniform_train_batch``:
-  equal per-rank training batches assumed, no exchange);
+* ``ep``: ``uniform`` (the trainer's default, ``ExpertParallelDHENLayer.uniform_train_batch``:
+  equal per-rank training batches, no exchange) or ``exchange`` (per-rank batch sizes
+  all-gathered, with a host sync, in every DHEN layer call);
 * ``plan``: ``auto`` (torchrec's planner via ``DenseParallel.sharding_plan``) or ``rw``
   (:func:`balanced_plan`: sequence tables and tables of >= 100k rows row-wise over all ranks,
   the other tables table-wise round-robin). Measured on 2 H200s in fresh processes, ``rw``
@@ -65,8 +65,8 @@ def _free_port() -> int:
 
 
 DEFAULT_VARIANTS = (
-    "gem:ep=exchange,plan=auto,ag=auto,reshard=1",
-    "ep_uniform:ep=uniform,plan=auto,ag=auto,reshard=1",
+    "gem:ep=uniform,plan=auto,ag=auto,reshard=1",
+    "ep_exchange:ep=exchange,plan=auto,ag=auto,reshard=1",
 )
 _VARIANT_KEYS = {
     "ep": ("uniform", "exchange"),
@@ -74,7 +74,7 @@ _VARIANT_KEYS = {
     "ag": ("auto", "nccl"),
     "reshard": ("1", "0"),
 }
-_VARIANT_DEFAULTS = {"ep": "exchange", "plan": "auto", "ag": "auto", "reshard": "1"}
+_VARIANT_DEFAULTS = {"ep": "uniform", "plan": "auto", "ag": "auto", "reshard": "1"}
 
 
 def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
