@@ -141,6 +141,17 @@ def check(device) -> dict:
                 deq_ok = _same_bits(dequantize_mx(ref), dequantize_mx_triton(got).cpu())
                 results[name] = bool(ok and deq_ok)
     x_fin = torch.nan_to_num(x, nan=0.0, posinf=1.0)
+    ragged = _special_input((200, 300), device)  # partial tiles: the masked kernel paths
+    for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for name, src in (("", x), ("_ragged", ragged)):
+            for tiles in (False, True):
+                ref = quantize_operand(src.cpu(), "1x128", dt, backend="torch", col_tiles=tiles)
+                got = quantize_operand(src, "1x128", dt, backend="triton", col_tiles=tiles)
+                tag = f"operand_1x128{'_coltiles' if tiles else ''}{name}_{str(dt)[-6:]}"
+                results[tag] = all(
+                    _same_bits(getattr(ref, f), getattr(got, f).cpu())
+                    for f in ("data", "scale", "data_t", "scale_t")
+                )
     for kind in ("1x128", "128x128", "tensorwise"):
         for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
             src = x if kind != "tensorwise" else x_fin
@@ -159,12 +170,17 @@ def check(device) -> dict:
     dy = torch.randn(m, n, generator=gen, device=device, dtype=DTYPE)
     for act, wk in (("1x128", "128x128"), ("tensorwise", "tensorwise")):
         xq = quantize_operand(xs, act)
+        xtq = quantize_operand(xs, act, col_tiles=act == "1x128")
         wq = quantize_operand(ws, wk)
         gq = quantize_operand(dy, act)
         for name, args in (
             ("fwd", (xq.data, xq.scale, act, wq.data, wq.scale, wk)),
             ("dgrad", (gq.data, gq.scale, act, wq.data_t, wq.scale_t, wk)),
             ("wgrad", (gq.data_t, gq.scale_t, act, xq.data_t, xq.scale_t, act)),
+            (
+                "wgrad_xtiles",
+                (gq.data_t, gq.scale_t, act, xtq.data_t, xtq.scale_t, xtq.kind_t or act),
+            ),
         ):
             emu = scaled_mm_nt(*args, out_dtype=torch.float32, native=False)
             nat = scaled_mm_nt(*args, out_dtype=torch.bfloat16, native=True).float()
@@ -198,74 +214,116 @@ def check(device) -> dict:
 # Kernel launch-option sweep.
 
 
-def _exact_operand(x_small, kind, cols=True) -> bool:
-    ref = quantize_operand(x_small, kind, backend="torch")
-    got = quantize_operand(x_small, kind, backend="triton", cols=cols, col_sum=True)
-    fields = ("data", "scale", "data_t", "scale_t") if cols else ("data", "scale")
-    sums_ok = torch.allclose(got.col_sum, x_small.float().sum(0), rtol=1e-4, atol=1e-3)
-    return sums_ok and all(_same_bits(getattr(ref, f), getattr(got, f)) for f in fields)
+def _exact_operand(inputs, kind, cols=True, col_tiles=False, col_sum=True) -> bool:
+    """Bit-exact against the PyTorch reference on every input (zeros, subnormals, NaN, Inf;
+    whole and partial tiles)."""
+    for x_small in inputs:
+        ref = quantize_operand(x_small, kind, backend="torch", col_tiles=col_tiles)
+        got = quantize_operand(
+            x_small, kind, backend="triton", cols=cols, col_sum=col_sum, col_tiles=col_tiles
+        )
+        fields = ("data", "scale", "data_t", "scale_t") if cols else ("data", "scale")
+        sums_ok = not col_sum or torch.allclose(
+            got.col_sum, x_small.float().sum(0), rtol=1e-4, atol=1e-3, equal_nan=True
+        )
+        if not (sums_ok and all(_same_bits(getattr(ref, f), getattr(got, f)) for f in fields)):
+            return False
+    return True
+
+
+def _pick(options: dict, candidates, name_of, exact, timed, timings, wrong):
+    """Time every bit-exact candidate (a dict of option overrides), keep the fastest."""
+    best = None
+    for cand in candidates:
+        options.update(cand)
+        name = name_of(cand)
+        try:
+            ok = exact()
+        except Exception as err:  # a variant that does not compile is skipped
+            ok = False
+            name += f" ({str(err).splitlines()[0][:160]})"
+        if not ok:
+            wrong.append(name)
+            continue
+        ms = _bench(timed)
+        timings[name] = ms
+        if best is None or ms < best[0]:
+            best = (ms, cand)
+    options.update(best[1])
+    return best[1]
 
 
 def sweep(device) -> dict:
     k = 4096
     x = torch.randn(M, k, device=device, dtype=DTYPE)
     w = torch.rand(k, device=device, dtype=DTYPE) + 0.5
-    x_small = torch.nan_to_num(_special_input((384, 512), device), nan=0.0, posinf=1.0)
-    chosen, timings, wrong = {}, {}, []
-    best = None
-    variants = [(trans, warps, False, 32) for trans in (0, 1, 2) for warps in (4, 8)]
-    variants += [(1, warps, True, chunk) for warps in (4, 8) for chunk in (16, 32)]
-    for trans, warps, chunked, chunk in variants:
-        gp_blockwise._DUAL_OPTIONS.update(
-            trans=trans, num_warps=warps, chunked=chunked, chunk=chunk
-        )
-        try:
-            exact = _exact_operand(x_small, "1x128") and _exact_operand(x_small, "128x128")
-        except Exception as err:  # a variant that does not compile is skipped
-            exact = False
-            wrong.append(f"dual_t{trans}_w{warps}_{chunked}: {str(err).splitlines()[0][:200]}")
-        name = f"dual_t{trans}_w{warps}" + (f"_chunk{chunk}" if chunked else "")
-        if not exact:
-            wrong.append(name)
-            continue
-        ms = _bench(lambda: quantize_operand(x, "1x128"))
-        timings[name] = ms
-        if best is None or ms < best[0]:
-            best = (ms, trans, warps, chunked, chunk)
-    gp_blockwise._DUAL_OPTIONS.update(
-        trans=best[1], num_warps=best[2], chunked=best[3], chunk=best[4]
+    x_small = [_special_input((384, 512), device), _special_input((200, 300), device)]
+    timings, wrong = {}, []
+    opts = gp_blockwise._DUAL_OPTIONS
+    # The first kernel ("dual", for reference) and the tile kernel for dy (both layouts 1x128,
+    # with the bias-gradient column sums) ...
+    tile_variants = [
+        {"early_col": early, "raw16": raw16} for early in (False, True) for raw16 in (False, True)
+    ]
+
+    def tag(c):
+        return ("_early" if c.get("early_col") else "") + ("_raw16" if c.get("raw16") else "")
+
+    _pick(
+        opts,
+        [{"variant": "dual", "trans": 1, "num_warps": 4, "early_col": False, "raw16": False}]
+        + [
+            {"variant": "tile", "tile_warps_colsum": nw, "num_warps": 4, **v}
+            for nw in (4, 8)
+            for v in tile_variants
+        ],
+        lambda c: f"dy_{c['variant']}_w{c.get('tile_warps_colsum', c['num_warps'])}{tag(c)}",
+        lambda: _exact_operand(x_small, "1x128"),
+        lambda: quantize_operand(x, "1x128", col_sum=True),
+        timings,
+        wrong,
     )
-    chosen["dual"] = dict(gp_blockwise._DUAL_OPTIONS)
-    best = None
-    for block_r in (16, 32, 64, 128):
-        gp_blockwise._DUAL_OPTIONS["rows_only_block_r"] = block_r
-        try:
-            exact = _exact_operand(x_small, "1x128", cols=False)
-        except Exception:
-            exact = False
-        if not exact:
-            wrong.append(f"rows_r{block_r}")
-            continue
-        ms = _bench(lambda: quantize_operand(x, "1x128", cols=False))
-        timings[f"rows_r{block_r}_w{gp_blockwise._DUAL_OPTIONS['num_warps']}"] = ms
-        if best is None or ms < best[0]:
-            best = (ms, block_r)
-    gp_blockwise._DUAL_OPTIONS["rows_only_block_r"] = best[1]
-    chosen["rows_only_block_r"] = best[1]
-    best = None
-    for rows, warps in ((1, 2), (1, 4), (2, 4), (4, 4), (1, 8), (2, 8)):
-        try:
-            ms = _bench(
-                lambda r=rows, nw=warps: norm_quantize(x, w, rows_per_program=r, num_warps=nw)
-            )
-        except Exception:
-            wrong.append(f"norm_r{rows}_w{warps}")
-            continue
-        timings[f"norm_r{rows}_w{warps}"] = ms
-        if best is None or ms < best[0]:
-            best = (ms, rows, warps)
-    gp_fused_norm._NORM_OPTIONS.update(rows_per_program=best[1], num_warps=best[2])
-    chosen["norm_rows_per_program"], chosen["norm_num_warps"] = best[1], best[2]
+    # ... without column sums, for x with 1x128 blocks of x.T (Fp8Recipe(wgrad_x_tiles=False)),
+    # with the dy choice of early_col / raw16,
+    _pick(
+        opts,
+        [{"tile_warps": nw} for nw in (4, 8)],
+        lambda c: f"x1x128_tile_w{c['tile_warps']}{tag(opts)}",
+        lambda: _exact_operand(x_small, "1x128", col_sum=False),
+        lambda: quantize_operand(x, "1x128"),
+        timings,
+        wrong,
+    )
+    # ... and for x with 128x128 tiles of x.T (the default recipe),
+    _pick(
+        opts,
+        [{"tile_warps_x": nw} for nw in (4, 8)],
+        lambda c: f"xtiles_tile_w{c['tile_warps_x']}{tag(opts)}",
+        lambda: _exact_operand(x_small, "1x128", col_tiles=True, col_sum=False),
+        lambda: quantize_operand(x, "1x128", col_tiles=True),
+        timings,
+        wrong,
+    )
+    # ... and the row layout alone.
+    _pick(
+        opts,
+        [{"rows_only_block_r": r} for r in (32, 64)],
+        lambda c: f"rows_r{c['rows_only_block_r']}_w{opts['num_warps']}",
+        lambda: _exact_operand(x_small, "1x128", cols=False),
+        lambda: quantize_operand(x, "1x128", cols=False),
+        timings,
+        wrong,
+    )
+    norm_opts = gp_fused_norm._NORM_OPTIONS
+    _pick(
+        norm_opts,
+        [{"rows_per_program": r, "num_warps": nw} for r, nw in ((1, 4), (2, 4), (2, 8), (4, 8))],
+        lambda c: f"norm_r{c['rows_per_program']}_w{c['num_warps']}",
+        lambda: True,  # checked against the PyTorch reference in check() and the unit tests
+        lambda: norm_quantize(x, w),
+        timings,
+        wrong,
+    )
     best = None
     for cfg in (
         MxKernelConfig(16, 512, 4),
@@ -277,7 +335,11 @@ def sweep(device) -> dict:
         timings[f"mx_{cfg.block_rows}x{cfg.block_cols}_w{cfg.num_warps}"] = ms
         if best is None or ms < best[0]:
             best = (ms, cfg)
-    chosen["mx_config"] = str(best[1])
+    chosen = {
+        "dual": dict(opts),
+        "norm": dict(norm_opts),
+        "mx_config": str(best[1]),
+    }
     result = {
         "chosen": chosen,
         "timings_ms": {n: round(v, 4) for n, v in timings.items()},
@@ -300,21 +362,26 @@ def gemm_breakdown(rows, errors, device) -> None:
             ("1x128", "128x128", "gem"),
             ("tensorwise", "tensorwise", "gem-tensorwise"),
         ):
+            tiles = act == "1x128"  # the default recipe's 128x128 tiles of x.T for wgrad
             xq, wq, gq = (
-                quantize_operand(x, act),
+                quantize_operand(x, act, col_tiles=tiles),
                 quantize_operand(w, wk),
                 quantize_operand(dy, act),
             )
             gemms = {
                 "gemm_fwd": (xq.data, xq.scale, act, wq.data, wq.scale, wk),
                 "gemm_dgrad": (gq.data, gq.scale, act, wq.data_t, wq.scale_t, wk),
-                "gemm_wgrad": (gq.data_t, gq.scale_t, act, xq.data_t, xq.scale_t, act),
+                "gemm_wgrad": (gq.data_t, gq.scale_t, act, xq.data_t, xq.scale_t, xq.kind_t or act),
             }
+            if tiles:
+                x1 = quantize_operand(x, act)
+                gemms["gemm_wgrad_1x128"] = (gq.data_t, gq.scale_t, act, x1.data_t, x1.scale_t, act)
+                del x1
             for mode, args in gemms.items():
                 ms = _bench(lambda a=args: scaled_mm_nt(*a, native=True))
                 _row(rows, case, provider, mode, "ms", ms)
                 _row(rows, case, provider, mode, "tflops", flops / ms / 1e9)
-            ms = _bench(lambda a=act: quantize_operand(x, a))
+            ms = _bench(lambda a=act, t=tiles: quantize_operand(x, a, col_tiles=t))
             _row(rows, case, provider, "quantize_x", "ms", ms)
             ms = _bench(lambda a=act: quantize_operand(dy, a, col_sum=True))
             _row(rows, case, provider, "quantize_dy", "ms", ms)
@@ -354,6 +421,7 @@ def _linear_case(rows, errors, k, n, device, providers) -> None:
             "gem-fp8": Fp8Recipe(),
             "gem-fp8-tensorwise": Fp8Recipe(tensorwise=True),
             "gem-fp8-wgrad_bf16": Fp8Recipe(wgrad_in_bf16=True),
+            "gem-fp8-wgrad_1x128": Fp8Recipe(wgrad_x_tiles=False),
         }[provider]
         layer = Fp8Linear(k, n, device=device, dtype=DTYPE, recipe=recipe)
         layer.load_state_dict(base.state_dict())
@@ -427,6 +495,7 @@ def _kernel_rows(rows, errors, device, mx_config) -> None:
     w = torch.rand(k, generator=gen, device=device, dtype=DTYPE) + 0.5
     elems = M * k
     mx = quantize_mx_triton(x, config=mx_config)
+    rstd = norm_quantize(x, w)[2]
     kernels = {
         "torch_copy": (lambda: x.clone(), 4 * elems),
         "mx_1x32": (lambda: quantize_mx_triton(x, config=mx_config), 3 * elems + elems // 32),
@@ -451,6 +520,20 @@ def _kernel_rows(rows, errors, device, mx_config) -> None:
         "blockwise_1x128_rows_and_cols": (
             lambda: quantize_operand(x, "1x128"),
             4 * elems + 8 * elems // 128,
+        ),
+        "blockwise_1x128_rows_and_cols_colsum": (  # dy: bias gradient in the same pass
+            lambda: quantize_operand(x, "1x128", col_sum=True),
+            4 * elems + 8 * elems // 128 + 4 * elems // 128,
+        ),
+        "blockwise_1x128_rows_and_tiles": (  # x: 128x128 tiles of x.T (default recipe)
+            lambda: quantize_operand(x, "1x128", col_tiles=True),
+            4 * elems + 4 * elems // 128,
+        ),
+        "rmsnorm_transposed_tiles": (  # the norm backward's wgrad operand, from x and rstd
+            lambda: gp_fused_norm._normed_transposed_operand(
+                x, w, None, None, rstd, torch.float8_e4m3fn, True
+            ),
+            3 * elems + 4 * M,
         ),
         "rmsnorm_quant_1x128": (lambda: norm_quantize(x, w), 3 * elems + 4 * elems // 128),
         "torch_eager_mx_1x32": (lambda: quantize_mx(x), 3 * elems + elems // 32),
@@ -477,7 +560,13 @@ def _summary(rows) -> list[str]:
     for k, n in SHAPES:
         case = f"M{M}xK{k}xN{n}"
         bf16 = table.get((case, "bf16_linear", "fwd_bwd", "ms"))
-        for provider in ("gem", "gem-fp8", "gem-fp8-tensorwise", "gem-fp8-wgrad_bf16"):
+        for provider in (
+            "gem",
+            "gem-fp8",
+            "gem-fp8-tensorwise",
+            "gem-fp8-wgrad_bf16",
+            "gem-fp8-wgrad_1x128",
+        ):
             ms = table.get((case, provider, "fwd_bwd", "ms"))
             if ms and bf16:
                 tflops = table[(case, provider, "fwd_bwd", "tflops")]
@@ -506,7 +595,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="all", help="'all' or e.g. 4096x4096,512x512")
     parser.add_argument(
         "--providers",
-        default="bf16_linear,gem,gem-fp8,gem-fp8-tensorwise,gem-fp8-wgrad_bf16",
+        default="bf16_linear,gem,gem-fp8,gem-fp8-tensorwise,gem-fp8-wgrad_bf16,gem-fp8-wgrad_1x128",
     )
     parser.add_argument("--no-kernels", action="store_true", help="skip the bandwidth rows")
     parser.add_argument("--no-norm", action="store_true", help="skip the rmsnorm cases")
@@ -536,7 +625,8 @@ def main() -> None:
     providers = [p for p in args.providers.split(",") if p]
     for k, n in shapes:
         small = min(k, n) < 1024
-        chosen = [p for p in providers if not (small and p in ("gem-fp8-tensorwise",))]
+        skip_small = ("gem-fp8-tensorwise", "gem-fp8-wgrad_1x128")
+        chosen = [p for p in providers if not (small and p in skip_small)]
         _linear_case(rows, errors, k, n, device, chosen)
         print("\n".join(_summary(rows)[-6:]), flush=True)
     if not args.no_norm:

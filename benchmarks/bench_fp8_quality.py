@@ -23,6 +23,10 @@ Usage (from the workspace root; the FP8 emulation is slow: 150 steps of all prov
 minutes on a loaded 2-core CPU, 600 steps of bf16 + gem + fp32 about 5 minutes on an idle one):
     .venv/bin/python benchmarks/bench_fp8_quality.py          # writes benchmarks/results/cpu/fp8_quality.json
     .venv/bin/python benchmarks/bench_fp8_quality.py --steps 20 --providers bf16,gem   # quick look
+    .venv/bin/python benchmarks/bench_fp8_quality.py --seed 2 --out s2.json   # one seed per run,
+    .venv/bin/python benchmarks/bench_fp8_quality.py --merge s0.json s1.json s2.json --out all.json
+``--device cuda`` trains on the GPU (native FP8 GEMMs on Hopper; needs torchrec + fbgemm-gpu
+there).
 """
 
 from __future__ import annotations
@@ -64,7 +68,20 @@ def main() -> None:
     parser.add_argument("--providers", default=",".join(PROVIDERS))
     parser.add_argument("--data-dir", default=str(ROOT / "data" / "fp8_quality"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/cpu/fp8_quality.json"))
+    parser.add_argument(
+        "--device", default="cpu", help="cpu (emulated GEMMs) or cuda (native FP8 on Hopper)"
+    )
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="instead of training: merge per-seed result files of this script into --out "
+        "(per-seed rows plus mean and std of each provider's NE difference vs bf16)",
+    )
     args = parser.parse_args()
+    if args.merge:
+        merge_seeds([Path(p) for p in args.merge], Path(args.out))
+        return
     providers = [p for p in args.providers.split(",") if p]
     unknown = [p for p in providers if p not in PROVIDERS]
     if unknown:
@@ -83,7 +100,7 @@ def main() -> None:
         f"precision.min_features={args.min_features}",
         "checkpoint_every=0",
         "compare_no_sequence=false",
-        "device=cpu",
+        f"device={args.device}",
         f"seed={args.seed}",
     ]
     train_data, eval_data = prepare_data(apply_overrides(tiny(), base).data, progress=False)
@@ -177,6 +194,65 @@ def main() -> None:
     )
     write_results(Path(args.out), block, rows)
     print(f"wrote {args.out}")
+
+
+def merge_seeds(paths: list[Path], out: Path) -> None:
+    """One file from several single-seed runs: each run's rows with ``/seed<k>`` appended to the
+    case, and per provider and task the mean and sample std over seeds of NE and of the relative
+    NE difference vs bf16 (case ``<task>``, metrics ``ne_mean``, ``ne_rel_diff_vs_bf16_mean``,
+    ``..._std``, ``seeds``)."""
+    import json
+    import statistics
+
+    rows: list[dict] = []
+    per: dict[tuple[str, str, str], list[float]] = {}
+    runs = []
+    seen: set[tuple] = set()
+    for path in paths:
+        data = json.loads(path.read_text())
+        seed = data["meta"].get("seed")
+        runs.append({"file": path.name, "seed": seed, "steps": data["meta"].get("steps")})
+        for row in data["rows"]:
+            key = (row["case"], row["provider"], row["mode"], row["metric"], seed)
+            if key in seen:  # the same provider and seed in two files (e.g. bf16 rerun)
+                continue
+            seen.add(key)
+            rows.append({**row, "case": f"{row['case']}/seed{seed}"})
+            if row["mode"] == "eval" and row["metric"] in ("ne", "ne_rel_diff_vs_bf16"):
+                per.setdefault((row["case"], row["provider"], row["metric"]), []).append(
+                    row["value"]
+                )
+    print(f"{'provider':>14} {'task':>4} {'seeds':>5}  NE diff vs bf16 (mean +- std)")
+    for (task, provider, metric), values in sorted(per.items()):
+        mean = statistics.fmean(values)
+        std = statistics.stdev(values) if len(values) > 1 else float("nan")
+        for name, value in (("mean", mean), ("std", std)):
+            rows.append(
+                {
+                    "case": task,
+                    "provider": provider,
+                    "mode": "eval",
+                    "metric": f"{metric}_{name}",
+                    "value": value,
+                }
+            )
+        if metric == "ne":
+            rows.append(
+                {
+                    "case": task,
+                    "provider": provider,
+                    "mode": "eval",
+                    "metric": "seeds",
+                    "value": float(len(values)),
+                }
+            )
+        else:
+            print(
+                f"{provider:>14} {task:>4} {len(values):5d}  {100 * mean:+.3f}% +- {100 * std:.3f}%"
+            )
+    command = "python benchmarks/bench_fp8_quality.py " + " ".join(sys.argv[1:])
+    write_results(out, meta("fp8_quality", command.strip(), runs=runs), rows)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

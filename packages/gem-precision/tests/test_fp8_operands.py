@@ -63,10 +63,15 @@ def test_triton_bit_exact_with_torch(kind, elem, in_dtype):
 @pytest.mark.parametrize(
     "options",
     [
-        {"trans": 0, "num_warps": 4},
-        {"trans": 2, "num_warps": 2},
-        {"chunked": True, "chunk": 16},
-        {"chunked": True, "chunk": 32, "rows_only_block_r": 16},
+        {"variant": "dual", "trans": 0, "num_warps": 4},
+        {"variant": "dual", "trans": 2, "num_warps": 2},
+        {"variant": "dual", "trans": 1, "rows_only_block_r": 16},
+        {"variant": "chunked", "chunk": 16},
+        {"variant": "chunked", "chunk": 32, "rows_only_block_r": 16},
+        {"variant": "tile", "tile_warps": 4, "rows_only_block_r": 16},
+        {"variant": "tile", "early_col": True},
+        {"variant": "tile", "raw16": True},
+        {"variant": "tile", "raw16": True, "early_col": True},
     ],
 )
 def test_kernel_variants_agree(monkeypatch, options):
@@ -79,6 +84,49 @@ def test_kernel_variants_agree(monkeypatch, options):
         assert same(ref.scale if rows else None, got.scale)
         assert same(ref.data_t if cols else None, got.data_t)
         assert same(ref.scale_t if cols else None, got.scale_t)
+
+
+@pytest.mark.parametrize("variant", ["tile", "tile-early", "tile-raw16", "chunked", "dual"])
+@pytest.mark.parametrize("elem", ELEM)
+def test_even_shapes_without_masks(monkeypatch, variant, elem):
+    # 256 x 256 divides into whole tiles: the tile kernel's unmasked (EVEN) path.
+    options = {
+        "variant": variant.split("-")[0],
+        "early_col": variant.endswith("early"),
+        "raw16": variant.endswith("raw16"),
+    }
+    monkeypatch.setattr(blockwise, "_DUAL_OPTIONS", {**blockwise._DUAL_OPTIONS, **options})
+    for kind in ("1x128", "tensorwise"):
+        x = special_input(rows=256, cols=256, seed=3, finite=kind == "tensorwise")
+        ref = quantize_operand(x, kind, elem, backend="torch")
+        for rows, cols in ((True, True), (True, False), (False, True)):
+            got = quantize_operand(x, kind, elem, rows=rows, cols=cols, backend="triton")
+            assert same(ref.data if rows else None, got.data)
+            assert same(ref.scale if rows else None, got.scale)
+            assert same(ref.data_t if cols else None, got.data_t)
+            assert same(ref.scale_t if cols else None, got.scale_t)
+
+
+@pytest.mark.parametrize("shape", [(200, 300), (256, 256)])
+@pytest.mark.parametrize("elem", ELEM)
+def test_col_tiles_layout(shape, elem):
+    # x.T with one scale per 128x128 tile: the same bits as quantize_blockwise on x.T, from the
+    # Triton kernel (masked and unmasked shapes) and the PyTorch path alike.
+    x = special_input(*shape, seed=5)
+    want_t, want_st = quantize_blockwise(x.t().contiguous(), (128, 128), elem)
+    want_rows = quantize_operand(x, "1x128", elem, backend="torch", cols=False)
+    for backend in ("torch", "triton"):
+        got = quantize_operand(x, "1x128", elem, backend=backend, col_tiles=True, col_sum=True)
+        assert got.kind_t == "128x128"
+        assert same(got.data_t, want_t) and same(got.scale_t, want_st)
+        assert same(got.data, want_rows.data) and same(got.scale, want_rows.scale)
+        torch.testing.assert_close(
+            got.col_sum, x.float().sum(0), rtol=1e-4, atol=1e-3, equal_nan=True
+        )
+    only_t = quantize_operand(x, "1x128", elem, backend="triton", rows=False, col_tiles=True)
+    assert only_t.data is None and same(only_t.data_t, want_t)
+    with pytest.raises(ValueError, match="col_tiles"):
+        quantize_operand(x, "128x128", col_tiles=True)
 
 
 def test_values_and_layouts_match_quantize_blockwise():

@@ -64,13 +64,20 @@ def test_forward_equals_independent_emulation():
     torch.testing.assert_close(fp8(x), want + ref.bias, rtol=1e-5, atol=1e-5)
 
 
-def test_wgrad_uses_token_dim_blocks():
-    ref, fp8 = pair(in_f=128, out_f=128)
-    x = torch.randn(256, 128)
-    grad = torch.randn(256, 128)
+@pytest.mark.parametrize("x_tiles", [True, False])
+def test_wgrad_uses_token_dim_blocks(x_tiles):
+    ref, fp8 = pair(in_f=128, out_f=128, recipe=Fp8Recipe(wgrad_x_tiles=x_tiles))
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(256, 128, generator=gen)
+    x[0, 0] = 1e6  # in a 128x128 tile of x.T, the other values of that tile become subnormal
+    grad = torch.randn(256, 128, generator=gen)
     fp8(x).backward(grad)
-    want = fake_quantize_blockwise(grad.T, (1, 128)) @ fake_quantize_blockwise(x.T, (1, 128)).T
+    x_block = (128, 128) if x_tiles else (1, 128)
+    want = fake_quantize_blockwise(grad.T, (1, 128)) @ fake_quantize_blockwise(x.T, x_block).T
     torch.testing.assert_close(fp8.weight.grad, want, rtol=1e-5, atol=1e-4)
+    other = (128, 128) if not x_tiles else (1, 128)
+    differs = fake_quantize_blockwise(grad.T, (1, 128)) @ fake_quantize_blockwise(x.T, other).T
+    assert not torch.allclose(fp8.weight.grad, differs, rtol=1e-5, atol=1e-4)
 
 
 def test_stochastic_rounding_changes_between_steps_but_is_reproducible():

@@ -130,10 +130,12 @@ def _run(layer, x, grad):
     return out.detach(), x.grad, layer.weight.grad, layer.bias.grad
 
 
-@pytest.mark.parametrize("tensorwise", [False, True])
-def test_sm90_native_path_matches_emulation(monkeypatch, fake_native, tensorwise):
+@pytest.mark.parametrize(
+    "tensorwise,x_tiles", [(False, True), (False, False), (True, True)], ids=str
+)
+def test_sm90_native_path_matches_emulation(monkeypatch, fake_native, tensorwise, x_tiles):
     torch.manual_seed(0)
-    recipe = Fp8Recipe(tensorwise=tensorwise)
+    recipe = Fp8Recipe(tensorwise=tensorwise, wgrad_x_tiles=x_tiles)
     emulated = Fp8Linear(256, 384, recipe=recipe)
     native = Fp8Linear(256, 384, recipe=recipe)
     native.load_state_dict(emulated.state_dict())
@@ -144,7 +146,10 @@ def test_sm90_native_path_matches_emulation(monkeypatch, fake_native, tensorwise
     assert len(fake_native.calls) == 3  # forward, dgrad, wgrad all went to _scaled_mm
     if not tensorwise:
         assert fake_native.calls[0] == ((160, 2), (2, 3))  # 1x128 x 128x128
-        assert fake_native.calls[2] == ((384, 2), (2, 256))  # 1x128 x 1x128 along tokens
+        if x_tiles:  # dy.T 1x128 along tokens x x.T in 128x128 tiles
+            assert fake_native.calls[2] == ((384, 2), (2, 2))
+        else:  # 1x128 x 1x128 along tokens
+            assert fake_native.calls[2] == ((384, 2), (2, 256))
     for g, w in zip(got, want, strict=True):
         # native results come back in bf16: equal up to its rounding
         assert float((g.float() - w).norm() / w.norm()) < 4e-3

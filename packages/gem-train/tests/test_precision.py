@@ -23,11 +23,15 @@ def test_overrides_reach_the_recipe():
             "precision.min_features=16",
             "precision.hadamard=true",
             "precision.exclude=heads.*,out",
+            "precision.wgrad_x_tiles=false",
         ],
     )
     assert config.precision.mode == "fp8" and config.precision.min_features == 16
     policy = precision_policy(config.precision)
     assert policy.recipe.hadamard and not policy.recipe.stochastic_rounding_grads
+    assert (
+        not policy.recipe.wgrad_x_tiles and precision_policy(PrecisionConfig()).recipe.wgrad_x_tiles
+    )
     assert policy.exclude == ("heads.*", "out")
     with pytest.raises(ValueError, match="precision.mode"):
         apply_overrides(TrainConfig(), ["precision.mode=fp4"])

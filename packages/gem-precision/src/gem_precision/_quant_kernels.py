@@ -233,33 +233,35 @@ def mx_quantize_kernel(
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     offs = rows[:, None].to(tl.int64) * C + cols[None, :]
     x = _load_f32(x_ptr + offs, mask, BF16_BITS)
-    fin = _finite(x)
-    ax = tl.where(fin, tl.abs(x), 0.0)
-    nonfin = (fin == 0).to(tl.int32)
+    # One integer max of |x|'s bits gives the block maximum and the non-finite flag.
+    ab = _abs_bits(x)
     if SQUARE:
         RB: tl.constexpr = BLOCK_R // BS
-        amax = _rmax(_rmax(tl.reshape(ax, (RB, BS, NB, BS)), axis=3), axis=1)
-        bad = _rmax(_rmax(tl.reshape(nonfin, (RB, BS, NB, BS)), axis=3), axis=1)
+        bits = _rmax(_rmax(tl.reshape(ab, (RB, BS, NB, BS)), axis=3), axis=1)
     else:
-        amax = _rmax(tl.reshape(ax, (BLOCK_R, NB, BS)), axis=2)
-        bad = _rmax(tl.reshape(nonfin, (BLOCK_R, NB, BS)), axis=2)
-    bits = amax.to(tl.int32, bitcast=True)
+        bits = _rmax(tl.reshape(ab, (BLOCK_R, NB, BS)), axis=2)
+    bad = (bits >= 0x7F800000).to(tl.int32)
     e = ((bits >> 23) & 0xFF) - 127 - EMAX
     if CEIL:
         e += ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
     e = tl.minimum(tl.maximum(e, -127), 127)
     inv = _pow2(-e)
+    # The GPU's FP8 conversion saturates by itself (cvt.rn.satfinite); the integer path does not.
     if SQUARE:
         scaled = tl.reshape(x, (RB, BS, NB, BS)) * inv[:, None, :, None]
+        if SOFT:
+            scaled = _saturate(scaled, MAX_NORMAL)
         zero = tl.broadcast_to(bad[:, None, :, None], (RB, BS, NB, BS)) != 0
-        scaled = tl.where(zero, 0.0, _saturate(scaled, MAX_NORMAL))
+        scaled = tl.where(zero, 0.0, scaled)
         scaled = tl.reshape(scaled, (BLOCK_R, BLOCK_C))
         srows = pid_r * RB + tl.arange(0, RB)
         s_mask = (srows[:, None] < R // BS) & (pid_c * NB + tl.arange(0, NB)[None, :] < C // BS)
     else:
         scaled = tl.reshape(x, (BLOCK_R, NB, BS)) * inv[:, :, None]
+        if SOFT:
+            scaled = _saturate(scaled, MAX_NORMAL)
         zero = tl.broadcast_to(bad[:, :, None], (BLOCK_R, NB, BS)) != 0
-        scaled = tl.where(zero, 0.0, _saturate(scaled, MAX_NORMAL))
+        scaled = tl.where(zero, 0.0, scaled)
         scaled = tl.reshape(scaled, (BLOCK_R, BLOCK_C))
         srows = rows
         s_mask = (srows[:, None] < R) & (pid_c * NB + tl.arange(0, NB)[None, :] < C // BS)
@@ -497,6 +499,209 @@ def blockwise_dual_chunked_kernel(
         tl.store(st_ptr + pid_r.to(tl.int64) * C + cols, _pow2(e_c), mask=cmask)
 
 
+@triton.jit
+def _abs_bits(x):
+    """The float32 bits of ``|x|`` as int32: ordered like ``|x|`` for finite values, and
+    ``>= 0x7F800000`` exactly for Inf / NaN, so one integer max gives both the block maximum
+    and whether the block holds a non-finite value."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _exponent_from_bits(m, EMAX: tl.constexpr, MIN_EXP: tl.constexpr, MAX_EXP: tl.constexpr):
+    """:func:`_blockwise_exponent` from the max of :func:`_abs_bits` over a block."""
+    e = ((m >> 23) & 0xFF) - 127 - EMAX + ((m & 0x7FFFFF) > 0x600000).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, MIN_EXP), MAX_EXP)
+    return tl.where((m > 0) & (m < 0x7F800000), e, 0)
+
+
+@triton.jit
+def _to_fp8(
+    ptr,
+    v,
+    mask,
+    SOFT: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MAX_NORMAL: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """Saturate ``v`` and store it as FP8. On the GPU the conversion itself saturates
+    (``cvt.rn.satfinite``: NaN stays NaN, everything else clamps to +-max_normal), so the
+    explicit clamp is only done for the integer (interpreter) path."""
+    if SOFT:
+        v = _saturate(v, MAX_NORMAL)
+    if EVEN:
+        if SOFT:
+            tl.store(ptr, _fp8_bits(v, MBITS, BIAS))
+        else:
+            tl.store(ptr, v.to(ptr.dtype.element_ty))
+    else:
+        _store_fp8(ptr, v, mask, SOFT, MBITS, BIAS)
+
+
+@triton.jit
+def _widen_bf16(raw, OTHER: tl.constexpr, SOFT: tl.constexpr):
+    """float32 of bfloat16 bits ``raw`` (int16), exact: a shift, or (``OTHER`` on the GPU) the
+    hardware bfloat16 conversion, so the two uses of a tile are separate values the compiler
+    does not merge into one long-lived float32 tile."""
+    if OTHER and not SOFT:
+        return raw.to(tl.bfloat16, bitcast=True).to(tl.float32)
+    else:
+        return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def blockwise_tile_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    qt_ptr,
+    st_ptr,
+    exp_ptr,
+    mean_ptr,
+    rstd_ptr,
+    w_ptr,
+    b_ptr,
+    cs_ptr,
+    R,
+    C,
+    stride_xr,
+    EMAX: tl.constexpr,
+    MAX_NORMAL: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    SOFT: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    MAX_EXP: tl.constexpr,
+    ROW: tl.constexpr,
+    COL: tl.constexpr,
+    FIXED: tl.constexpr,
+    COL_TILE: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_MEAN: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    COLSUM: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EARLY_COL: tl.constexpr = False,
+    RAW16: tl.constexpr = False,
+):
+    """The 1xBLOCK (or ``FIXED``, tensorwise) layouts of :func:`blockwise_dual_kernel` (same
+    bits) with fewer instructions per element: one integer max per direction gives the block maximum and
+    the non-finite flag (:func:`_abs_bits`), the FP8 conversion saturates on its own, and
+    ``EVEN`` (R % BLOCK_R == 0 and C % BLOCK == 0) drops the masks. ``EARLY_COL``: both block
+    maxima are reduced before the row layout is written (the bits die sooner; same results).
+    ``RAW16``: ``x`` is bfloat16 passed as int16 bits (not with ``NORM``): the block maxima are
+    taken on the 16-bit magnitudes and each layout widens the tile again, so no float32 copy
+    of the tile has to stay in registers (same results).
+    ``COL_TILE``: ``qt`` gets one
+    scale per BLOCK_R x BLOCK tile, ``st`` stored (C/BLOCK, R/BLOCK_R). The transposed tile is
+    converted to FP8 first and transposed in registers (``tl.trans``), then stored: one
+    BLOCK-byte run of ``qt`` per column of ``x``.
+    """
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK + tl.arange(0, BLOCK)
+    rmask = rows < R
+    cmask = cols < C
+    mask = rmask[:, None] & cmask[None, :]
+    x_offs = rows[:, None].to(tl.int64) * stride_xr + cols[None, :]
+    if RAW16:
+        if EVEN:  # noqa: SIM108 (constexpr branches, not a runtime select)
+            raw = tl.load(x_ptr + x_offs)
+        else:
+            raw = tl.load(x_ptr + x_offs, mask=mask, other=0)
+        x = _widen_bf16(raw, False, SOFT)
+    elif EVEN:
+        if BF16_BITS:
+            x = (tl.load(x_ptr + x_offs).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            x = tl.load(x_ptr + x_offs).to(tl.float32)
+    else:
+        x = _load_f32(x_ptr + x_offs, mask, BF16_BITS)
+    if NORM:
+        rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
+        if HAS_MEAN:
+            x = x - tl.load(mean_ptr + rows, mask=rmask, other=0.0)[:, None]
+        x = x * rstd[:, None]
+        if HAS_W:
+            x = x * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if HAS_B:
+            x = x + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if not EVEN:
+            x = tl.where(mask, x, 0.0)
+    if COLSUM:
+        tl.store(cs_ptr + pid_r.to(tl.int64) * C + cols, _rsum(x, axis=0), mask=cmask)
+    if FIXED:
+        e_fixed = tl.load(exp_ptr)
+    elif RAW16:
+        bits = (raw & 0x7FFF).to(tl.int16)  # |x| as bfloat16 bits: same order as |x|
+    else:
+        bits = _abs_bits(x)
+    if not FIXED and (ROW or COL_TILE):
+        row_bits = _rmax(bits, axis=1)
+        if RAW16:
+            row_bits = row_bits.to(tl.int32) << 16
+    if EARLY_COL and COL and not FIXED and not COL_TILE:
+        col_bits = _rmax(bits, axis=0)
+        if RAW16:
+            col_bits = col_bits.to(tl.int32) << 16
+    if ROW:
+        if FIXED:
+            e_r = tl.full((BLOCK_R,), 0, tl.int32) + e_fixed
+        else:
+            e_r = _exponent_from_bits(row_bits, EMAX, MIN_EXP, MAX_EXP)
+        q = x * _pow2(-e_r)[:, None]
+        offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+        _to_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS, MAX_NORMAL, EVEN)
+        if not FIXED:
+            if EVEN:
+                tl.store(s_ptr + pid_c.to(tl.int64) * R + rows, _pow2(e_r))
+            else:
+                tl.store(s_ptr + pid_c.to(tl.int64) * R + rows, _pow2(e_r), mask=rmask)
+    if COL:
+        if RAW16:  # noqa: SIM108 (constexpr branches)
+            xc = _widen_bf16(raw, True, SOFT)
+        else:
+            xc = x
+        if FIXED:
+            qt = xc * _pow2(-(tl.full((BLOCK,), 0, tl.int32) + e_fixed))[None, :]
+        elif COL_TILE:
+            # One scale for the whole BLOCK_R x BLOCK tile (the max of the row maxima).
+            e_t = _exponent_from_bits(_rmax(row_bits, axis=0), EMAX, MIN_EXP, MAX_EXP)
+            qt = xc * _pow2(-e_t)
+        else:
+            if not EARLY_COL:
+                col_bits = _rmax(bits, axis=0)
+                if RAW16:
+                    col_bits = col_bits.to(tl.int32) << 16
+            e_c = _exponent_from_bits(col_bits, EMAX, MIN_EXP, MAX_EXP)
+            qt = xc * _pow2(-e_c)[None, :]
+        t_offs = cols[:, None].to(tl.int64) * R + rows[None, :]
+        t_mask = cmask[:, None] & rmask[None, :]
+        if SOFT:
+            qt = _fp8_bits(_saturate(qt, MAX_NORMAL), MBITS, BIAS)
+        else:
+            qt = qt.to(qt_ptr.dtype.element_ty)
+        if EVEN:
+            tl.store(qt_ptr + t_offs, tl.trans(qt))
+        else:
+            tl.store(qt_ptr + t_offs, tl.trans(qt), mask=t_mask)
+        if COL_TILE:
+            # (C/BLOCK, R/BLOCK_R) contiguous: the layout of a 128x128 operand's scale_t.
+            tl.store(st_ptr + pid_c.to(tl.int64) * tl.num_programs(0) + pid_r, _pow2(e_t))
+        elif not FIXED:
+            if EVEN:
+                tl.store(st_ptr + pid_r.to(tl.int64) * C + cols, _pow2(e_c))
+            else:
+                tl.store(st_ptr + pid_r.to(tl.int64) * C + cols, _pow2(e_c), mask=cmask)
+
+
 # ---------------------------------------------------------------------------------------------
 # Fused RMSNorm / LayerNorm -> 1x128 blockwise FP8.
 
@@ -528,10 +733,12 @@ def norm_quantize_kernel(
     ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
     GROUP: tl.constexpr,
+    EVEN: tl.constexpr = False,
 ):
     """Normalise ``ROWS`` full rows and write them as FP8 with one scale per 1xGROUP block.
 
     Scales go to ``s`` stored (C/GROUP, R); ``mean`` (LayerNorm only) and ``rstd`` per row.
+    ``EVEN`` (C == BLOCK_C and R % ROWS == 0) drops the masks.
     """
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
@@ -539,10 +746,19 @@ def norm_quantize_kernel(
     rmask = rows < R
     cmask = cols < C
     mask = rmask[:, None] & cmask[None, :]
-    x = _load_f32(x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask, BF16_BITS)
+    x_offs = rows[:, None].to(tl.int64) * stride_xr + cols[None, :]
+    if EVEN:
+        if BF16_BITS:
+            x = (tl.load(x_ptr + x_offs).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            x = tl.load(x_ptr + x_offs).to(tl.float32)
+    else:
+        x = _load_f32(x_ptr + x_offs, mask, BF16_BITS)
     if LAYERNORM:
         mean = _rsum(x, axis=1) / C
-        x = tl.where(mask, x - mean[:, None], 0.0)
+        x = x - mean[:, None]
+        if not EVEN:
+            x = tl.where(mask, x, 0.0)
         tl.store(mean_ptr + rows, mean, mask=rmask)
     var = _rsum(x * x, axis=1) / C
     rstd = 1.0 / tl.sqrt_rn(var + eps)
@@ -552,16 +768,14 @@ def norm_quantize_kernel(
         y = y * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     if HAS_B:
         y = y + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    y = tl.where(mask, y, 0.0)
+    if not EVEN:
+        y = tl.where(mask, y, 0.0)
     NG: tl.constexpr = BLOCK_C // GROUP
     y3 = tl.reshape(y, (ROWS, NG, GROUP))
-    fin = _finite(y3)
-    amax = _rmax(tl.where(fin, tl.abs(y3), 0.0), axis=2)
-    bad = _rmax((fin == 0).to(tl.int32), axis=2)
-    e = _blockwise_exponent(amax, bad, EMAX, MIN_EXP, MAX_EXP)
-    q = tl.reshape(_saturate(y3 * _pow2(-e)[:, :, None], MAX_NORMAL), (ROWS, BLOCK_C))
+    e = _exponent_from_bits(_rmax(_abs_bits(y3), axis=2), EMAX, MIN_EXP, MAX_EXP)
+    q = tl.reshape(y3 * _pow2(-e)[:, :, None], (ROWS, BLOCK_C))
     offs = rows[:, None].to(tl.int64) * C + cols[None, :]
-    _store_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS)
+    _to_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS, MAX_NORMAL, EVEN)
     groups = tl.arange(0, NG)
     s_offs = groups[None, :].to(tl.int64) * R + rows[:, None]
     s_mask = rmask[:, None] & (groups[None, :] * GROUP < C)

@@ -149,20 +149,33 @@ def fake_quantize_blockwise(
 BLOCK = 128
 """Block length of the Hopper recipe (1x128 activations / gradients, 128x128 weights)."""
 
-# Launch options of the one-pass operand kernel, the fastest in the H200 sweep of
-# benchmarks/bench_fp8_linear.py: 4 warps, transpose of the FP8 bytes (all three transpose
-# variants ran within 1%), 32-row tiles when only the row layout is written (81% of HBM).
-# "chunked" walks each 128x128 tile in "chunk"-row slices. It is not timed on the GPU yet, so
-# it is off; but ptxas (sm_90a, from this Triton) reports the unchunked two-layout kernel at
-# 32 registers with a 5.8 KB spill stack (4 warps), the chunked one at 128-202 registers and
-# no spills (chunk 32, 8 or 4 warps): the likely fix for its 31% of HBM bandwidth. The
-# benchmark's --sweep times and bit-checks both.
+# Launch options of the one-pass operand kernels. ``variant`` picks the kernel of the 1x128 and
+# tensorwise kinds: "tile" (blockwise_tile_kernel, one program per 128x128 tile with the integer
+# block maximum and no explicit saturation), "dual" (blockwise_dual_kernel, the first version;
+# 31% of HBM for both layouts on the H200) or "chunked" (blockwise_dual_chunked_kernel, 128x128
+# tiles walked in "chunk"-row slices). "tile_warps" (with "tile_warps_colsum" when column sums
+# are also written, "tile_warps_x" for col_tiles) / "num_warps" are the warps of the tile / the
+# other kernels, "trans" the transpose variant of the "dual" kernel, "rows_only_block_r"
+# the rows per program when only the row layout is written. Defaults: the fastest bit-exact
+# options on an H200 (65536 x 4096 bf16, both layouts): "tile" 0.390 ms with 8 warps (0.405 with
+# 4, 0.618 with 16), but with the column sums 0.424 ms with 4 warps against 0.697 with 8; rows
+# and 128x128 tiles of x.T 0.295 ms (4 or 8 warps); "dual" 0.834 ms; "chunked" 1.57-1.67 ms (it
+# re-reads the tile). Rows only: 0.217 ms (32 or 64 rows per program). "early_col": the tile
+# kernel reduces the column maxima before writing the row layout (dy 0.413 against 0.424 ms,
+# x with 1x128 blocks of x.T 0.346 ms with 8 warps); "raw16": it reads bfloat16 x as 16-bit
+# integers, takes the block maxima on them and widens the tile once per layout (slower on the
+# H200: dy 0.47-0.51 ms).
 _DUAL_OPTIONS = {
+    "variant": "tile",
+    "tile_warps": 8,
+    "tile_warps_colsum": 4,
+    "tile_warps_x": 4,
     "num_warps": 4,
     "trans": 1,
-    "rows_only_block_r": 32,
-    "chunked": False,
+    "rows_only_block_r": 64,
     "chunk": 32,
+    "early_col": True,
+    "raw16": False,
 }
 
 
@@ -190,6 +203,9 @@ class Fp8Operand:
     col_sum: torch.Tensor | None = None
     """float32 (C,) sums of ``x`` over its rows, when asked for (the bias gradient when ``x``
     is the output gradient), computed in the same pass."""
+    kind_t: str | None = None
+    """Scaling of ``data_t`` when it differs from ``kind``: ``"128x128"`` for a ``"1x128"``
+    operand quantised with ``col_tiles=True``."""
 
 
 def _outer_dim_major(scale: torch.Tensor) -> torch.Tensor:
@@ -211,6 +227,7 @@ def quantize_operand(
     offset: int = 0,
     backend: str = "auto",
     col_sum: bool = False,
+    col_tiles: bool = False,
 ) -> Fp8Operand:
     """Quantise a 2-D tensor into :class:`Fp8Operand` layouts in one pass over memory.
 
@@ -226,6 +243,12 @@ def quantize_operand(
         backend: ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``"torch"`` or
             ``"auto"`` (Triton where it can run and no stochastic rounding is asked for).
         col_sum: also return ``x.sum(0)`` in float32 (``col_sum`` field).
+        col_tiles: with ``kind="1x128"``, quantise ``data_t`` with one scale per 128x128 tile
+            (``kind_t="128x128"``, ``scale_t`` (ceil(C/128), ceil(R/128)) contiguous, the
+            layout of a 128x128 operand) instead of 1x128 blocks along R. With power-of-two
+            scales the FP8 values only differ from the 1x128 ones for elements more than
+            ~2**14 below their tile's maximum (they fall into the subnormals), and Hopper's
+            ``scaled_mm`` runs 1x128 x 128x128 about 1.4x faster than 1x128 x 1x128.
 
     The values equal :func:`quantize_blockwise` (``block_shape`` (1, 128) on ``x`` / ``x.T``,
     (128, 128), or ``None``) bit for bit on either backend.
@@ -242,19 +265,37 @@ def quantize_operand(
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     if backend == "triton" and stochastic_seed is not None:
         raise ValueError("stochastic rounding is only available with backend='torch'")
+    if col_tiles and kind != "1x128":
+        raise ValueError(f"col_tiles=True needs kind='1x128', got kind={kind!r}")
     use_triton = backend == "triton" or (
         backend == "auto" and stochastic_seed is None and _triton.can_run(x)
     )
     if use_triton:
-        return _quantize_operand_triton(x, kind, dtype, rows, cols, col_sum)
-    out = _quantize_operand_torch(x, kind, dtype, rows, cols, stochastic_seed, offset)
+        return _quantize_operand_triton(x, kind, dtype, rows, cols, col_sum, col_tiles)
+    out = _quantize_operand_torch(x, kind, dtype, rows, cols, stochastic_seed, offset, col_tiles)
     if col_sum:
         out.col_sum = x.sum(0, dtype=torch.float32)
     return out
 
 
-def _quantize_operand_torch(x, kind, dtype, rows, cols, seed, offset) -> Fp8Operand:
+def _quantize_operand_torch(x, kind, dtype, rows, cols, seed, offset, col_tiles) -> Fp8Operand:
     out = Fp8Operand(kind=kind)
+    if kind == "1x128" and col_tiles:
+        if rows:
+            out.data, s = quantize_blockwise(
+                x, (1, BLOCK), dtype, stochastic_seed=seed, offset=offset
+            )
+            out.scale = _outer_dim_major(s)
+        if cols:
+            out.data_t, out.scale_t = quantize_blockwise(
+                x.t().contiguous(),
+                (BLOCK, BLOCK),
+                dtype,
+                stochastic_seed=seed,
+                offset=offset + x.numel(),
+            )
+            out.kind_t = "128x128"
+        return out
     if kind == "1x128":
         if rows:
             out.data, s = quantize_blockwise(
@@ -283,13 +324,23 @@ def _quantize_operand_torch(x, kind, dtype, rows, cols, seed, offset) -> Fp8Oper
     return out
 
 
-def _quantize_operand_triton(x, kind, dtype, rows, cols, col_sum=False) -> Fp8Operand:
+def _tile_warps(cols: bool, col_tiles: bool, col_sum: bool) -> int:
+    if not cols:
+        return _DUAL_OPTIONS["num_warps"]
+    if col_tiles:
+        return _DUAL_OPTIONS["tile_warps_x"]
+    return _DUAL_OPTIONS["tile_warps_colsum" if col_sum else "tile_warps"]
+
+
+def _quantize_operand_triton(
+    x, kind, dtype, rows, cols, col_sum=False, col_tiles=False
+) -> Fp8Operand:
     from gem_precision import _triton
 
     x = x if x.stride(1) == 1 else x.contiguous()
     r, c = x.shape
     block_r = BLOCK
-    if kind == "1x128" and not cols:
+    if kind != "128x128" and not cols:
         block_r = _DUAL_OPTIONS["rows_only_block_r"]
     nr, nc = -(-r // block_r), -(-c // BLOCK)
     dev = x.device
@@ -299,17 +350,68 @@ def _quantize_operand_triton(x, kind, dtype, rows, cols, col_sum=False) -> Fp8Op
     qt = torch.empty((c, r), dtype=dtype, device=dev) if cols else None
     dummy = torch.empty(1, dtype=torch.float32, device=dev)
     s = st = exp = dummy
+    col_tiles = col_tiles and cols
     if kind == "1x128":
         s = torch.empty((nc, r), dtype=torch.float32, device=dev) if rows else dummy
         st = torch.empty((nr, c), dtype=torch.float32, device=dev) if cols else dummy
+        if col_tiles:
+            st = torch.empty((nc, nr), dtype=torch.float32, device=dev)
     elif kind == "128x128":
         s = torch.empty((nr, nc), dtype=torch.float32, device=dev)
     else:
-        amax = x.abs().amax().to(torch.float32) if x.numel() else torch.zeros((), device=dev)
+        if x.numel():  # one read of x (x.abs().amax() would write |x| first)
+            lo, hi = torch.aminmax(x)
+            amax = torch.maximum(lo.abs(), hi.abs()).to(torch.float32)
+        else:
+            amax = torch.zeros((), device=dev)
         exp = _pow2_exponent_tensor(amax.reshape(1), dtype).to(torch.int32)
     sums = torch.empty((nr, c), dtype=torch.float32, device=dev) if col_sum else dummy
-    chunked = _DUAL_OPTIONS["chunked"] and kind == "1x128" and cols
-    if x.numel() and chunked:
+    variant = _DUAL_OPTIONS["variant"] if kind != "128x128" else "dual"
+    if col_tiles:
+        variant = "tile"  # the only kernel that writes tile scales for one layout
+    if variant == "chunked" and not (kind == "1x128" and cols):
+        variant = "dual"
+    if x.numel() and variant == "tile":
+        x_arg, bf16_bits = _triton.float_arg(x, soft)
+        raw16 = _DUAL_OPTIONS["raw16"] and x.dtype == torch.bfloat16
+        if raw16:
+            x_arg, bf16_bits = x.view(torch.int16), False
+        _triton.kernels(x).blockwise_tile_kernel[(nr, nc)](
+            x_arg,
+            _triton.fp8_arg(q, soft) if rows else dummy,
+            s,
+            _triton.fp8_arg(qt, soft) if cols else dummy,
+            st,
+            exp,
+            dummy,
+            dummy,
+            dummy,
+            dummy,
+            sums,
+            r,
+            c,
+            x.stride(0),
+            **_triton.fp8_constexprs(dtype, soft),
+            MIN_EXP=_MIN_SCALE_EXP,
+            MAX_EXP=_MAX_SCALE_EXP,
+            ROW=rows,
+            COL=cols,
+            FIXED=kind == "tensorwise",
+            COL_TILE=col_tiles,
+            NORM=False,
+            HAS_MEAN=False,
+            HAS_W=False,
+            HAS_B=False,
+            BF16_BITS=bf16_bits,
+            COLSUM=col_sum,
+            EVEN=r % block_r == 0 and c % BLOCK == 0,
+            BLOCK_R=block_r,
+            BLOCK=BLOCK,
+            EARLY_COL=_DUAL_OPTIONS["early_col"],
+            RAW16=raw16,
+            num_warps=_tile_warps(cols, col_tiles, col_sum),
+        )
+    elif x.numel() and variant == "chunked":
         x_arg, bf16_bits = _triton.float_arg(x, soft)
         _triton.kernels(x).blockwise_dual_chunked_kernel[(nr, nc)](
             x_arg,
@@ -370,7 +472,9 @@ def _quantize_operand_triton(x, kind, dtype, rows, cols, col_sum=False) -> Fp8Op
     if kind == "1x128":
         if rows:
             out.data, out.scale = q, s.t()
-        if cols:
+        if cols and col_tiles:
+            out.data_t, out.scale_t, out.kind_t = qt, st, "128x128"
+        elif cols:
             out.data_t, out.scale_t = qt, st.t()
     elif kind == "128x128":
         out.data, out.data_t = q, qt

@@ -30,6 +30,7 @@ def precision_policy(config: PrecisionConfig) -> PrecisionPolicy:
         min_features=config.min_features,
         recipe=Fp8Recipe(
             wgrad_in_bf16=config.wgrad_in_bf16,
+            wgrad_x_tiles=config.wgrad_x_tiles,
             tensorwise=config.tensorwise,
             stochastic_rounding_grads=config.stochastic_rounding_grads,
             hadamard=config.hadamard,
