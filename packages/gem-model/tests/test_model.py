@@ -115,7 +115,7 @@ def test_bf16_attention_matches_fp32_and_keeps_the_residual_dtype(self_attention
     generator = torch.Generator().manual_seed(1)
     sequence, sparse, dense = make_inputs([0, 1, 70, 5, 33], generator)
     outputs, grads = [], []
-    for dtype in ("float32", "bfloat16"):
+    for dtype in ("float32", "bfloat16", "auto"):
         torch.manual_seed(0)
         model = GemModel(make_config(self_attention=self_attention, attention_dtype=dtype))
         logits = model(sequence, sparse, dense)
@@ -124,6 +124,7 @@ def test_bf16_attention_matches_fp32_and_keeps_the_residual_dtype(self_attention
         outputs.append(logits.detach())
         grads.append(model.sequence_layers[0].qkv.weight.grad.clone())
     torch.testing.assert_close(outputs[1], outputs[0], atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(outputs[2], outputs[0], atol=0, rtol=0)  # auto on CPU: float32
     scale = grads[0].abs().max()
     assert (grads[1] - grads[0]).abs().max() <= 5e-2 * scale
     assert (grads[1] != grads[0]).any(), "bfloat16 attention should round q/k/v"

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 __all__ = ["GemArchitecture", "GemModelConfig"]
 
 _SELF_ATTENTION_KINDS = ("jagged_flash", "block")
-ATTENTION_DTYPES = ("float32", "bfloat16", "float16")
-"""Values of ``GemArchitecture.attention_dtype`` (names of torch dtypes)."""
+ATTENTION_DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""Values of ``GemArchitecture.attention_dtype`` ("auto" or names of torch dtypes)."""
 _EXPERT_KINDS = ("attention", "mlp", "cross")
 
 
@@ -36,11 +36,13 @@ class GemArchitecture:
     """Hidden width of the MLP expert and of the task heads."""
     dropout: float = 0.0
     """Dropout in the DHEN layers and heads."""
-    attention_dtype: str = "float32"
+    attention_dtype: str = "auto"
     """Dtype of q, k and v handed to the attention kernels (self-attention, PMA, cross):
-    'float32' runs gem-kernels' PyTorch reference; 'bfloat16' (or 'float16') selects the
-    Triton kernels on CUDA (fp32 accumulation inside). Outputs are cast back to the
-    residual stream's dtype, so the rest of the model keeps its precision."""
+    'bfloat16' (or 'float16') selects gem-kernels' Triton kernels on CUDA (fp32 accumulation
+    inside); 'float32' runs their PyTorch reference, which reads lengths back to the host and
+    pads, so a GPU step becomes host-bound; 'auto' is bfloat16 for CUDA tensors and the
+    residual stream's own dtype elsewhere. Outputs are cast back to the residual stream's
+    dtype, so the rest of the model keeps its precision."""
 
     def __post_init__(self) -> None:
         if self.embedding_dim <= 0 or self.num_heads <= 0 or self.embedding_dim % self.num_heads:

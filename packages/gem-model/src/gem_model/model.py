@@ -114,7 +114,9 @@ class GemModel(nn.Module):
             # Unit-scale tokens: raw id embeddings are tiny next to freshly initialised
             # sublayer outputs, which would otherwise drown the history signal.
             self.token_norm = nn.LayerNorm(dim)
-            attention_dtype = getattr(torch, arch.attention_dtype)
+            attention_dtype = (
+                None if arch.attention_dtype == "auto" else getattr(torch, arch.attention_dtype)
+            )
             self.sequence_layers = nn.ModuleList(
                 JaggedSelfAttentionLayer(
                     dim, arch.num_heads, arch.self_attention, arch.dropout, attention_dtype

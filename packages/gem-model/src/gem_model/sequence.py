@@ -13,8 +13,11 @@ from torch import nn
 __all__ = ["JaggedSelfAttentionLayer", "PoolingByMultiheadAttention", "CandidateCrossAttention"]
 
 
-def _cast(dtype: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """q, k, v in the attention dtype (a no-op when they already have it)."""
+def _cast(dtype: torch.dtype | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v in the attention dtype (a no-op when they already have it). ``None`` ('auto'):
+    bfloat16 on CUDA, where it selects the Triton kernels, and unchanged elsewhere."""
+    if dtype is None:
+        dtype = torch.bfloat16 if tensors[0].is_cuda else tensors[0].dtype
     return tuple(t.to(dtype) for t in tensors)
 
 
@@ -27,7 +30,7 @@ class JaggedSelfAttentionLayer(nn.Module):
         num_heads: int,
         kind: str,
         dropout: float = 0.0,
-        attention_dtype: torch.dtype = torch.float32,
+        attention_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -70,7 +73,7 @@ class PoolingByMultiheadAttention(nn.Module):
         num_heads: int,
         num_queries: int,
         activation: str,
-        attention_dtype: torch.dtype = torch.float32,
+        attention_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -121,7 +124,7 @@ class CandidateCrossAttention(nn.Module):
         dim: int,
         num_heads: int,
         activation: str,
-        attention_dtype: torch.dtype = torch.float32,
+        attention_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
