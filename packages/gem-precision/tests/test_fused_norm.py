@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gem_precision import fused_norm
 from gem_precision.blockwise import dequantize_operand, quantize_blockwise
 from gem_precision.fused_norm import Fp8NormLinear, norm_forward_reference, norm_quantize
 from torch import nn
@@ -117,9 +118,7 @@ def test_bad_arguments():
         norm_quantize(torch.randn(4, 96), backend="triton")
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_fused_module_matches_cpu():
+def _cuda_module_input_grad_error() -> float:
     torch.manual_seed(2)
     m = Fp8NormLinear(512, 256)
     x, grad = torch.randn(256, 512), torch.randn(256, 256)
@@ -129,4 +128,21 @@ def test_cuda_fused_module_matches_cpu():
     g.load_state_dict(m.state_dict())
     xg = x.cuda().requires_grad_(True)
     g(xg).backward(grad.cuda())
-    assert float((xg.grad.cpu() - xc.grad).norm() / xc.grad.norm()) < 5e-3
+    return float((xg.grad.cpu() - xc.grad).norm() / xc.grad.norm())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_module_matches_cpu():
+    """The module as shipped on CUDA (norm in PyTorch + Fp8Linear, see FUSED_ON_CUDA)."""
+    assert _cuda_module_input_grad_error() < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.xfail(
+    strict=True, reason="fused backward on CUDA: dx rel. error 0.71 on the H200 at cacefdc"
+)
+def test_cuda_fused_path_matches_cpu(monkeypatch):
+    monkeypatch.setattr(fused_norm, "FUSED_ON_CUDA", True)
+    assert _cuda_module_input_grad_error() < 5e-3

@@ -37,6 +37,14 @@ __all__ = ["Fp8NormLinear", "norm_forward_reference", "norm_quantize"]
 
 _KINDS = ("rms", "layer")
 
+# The fused autograd function on CUDA (native scaled_mm). Off: on the H200 at commit cacefdc its
+# input gradient disagreed with the CPU emulation (relative error 0.71 in
+# test_fused_norm.py::test_cuda_fused_path_matches_cpu, which stays as a strict xfail until the
+# cause is found), while Fp8Linear alone matched. Until then CUDA runs the norm in PyTorch and
+# Fp8Linear; norm_quantize (the fused forward kernel) itself is unaffected and checked on the GPU
+# by the benchmark. CPU runs under TRITON_INTERPRET still take the fused path.
+FUSED_ON_CUDA = False
+
 # Launch options of the norm kernels (tuned on an H200; the benchmark sweeps them): two rows of
 # 4096 per program with 4 warps ran the fused RMSNorm -> quantise at 0.196 ms for 65536 x 4096
 # bf16 (97% of the copy rate), one row at 0.210 ms.
@@ -401,6 +409,7 @@ class Fp8NormLinear(nn.Module):
             and not recipe.stochastic_rounding_grads
             and self.linear.in_features % BLOCK == 0
             and _triton.can_run(x)
+            and (FUSED_ON_CUDA or x.device.type != "cuda")
         )
         return fusable, native
 
