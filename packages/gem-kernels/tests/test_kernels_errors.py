@@ -122,3 +122,27 @@ def test_valid_baseline_calls_succeed():
     assert gdpa(Q, K, V, OFF, max_q=3).shape == (5, H, D)
     assert gdpa(_t(3), K, V, None, OFF, max_q=3).shape == (6, H, D)
     assert block_attention(Q, K, V, OFF, max_len=3).shape == (5, H, D)
+
+
+def test_interpreter_after_compiled_triton_import_gets_a_clear_error():
+    """Triton decorates its own library once, at first import; the interpreter cannot run it
+    if that happened without TRITON_INTERPRET=1 (as after importing torch._dynamo)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import os, torch, triton.language\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "from gem_kernels import block_attention, lengths_to_offsets\n"
+        "q = torch.randn(5, 1, 4, dtype=torch.bfloat16)\n"
+        "try:\n"
+        "    block_attention(q, q, q, lengths_to_offsets(torch.tensor([5])), 5, backend='triton')\n"
+        "except RuntimeError as e:\n"
+        "    print('ERROR', e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert "ERROR the Triton interpreter needs TRITON_INTERPRET=1" in out.stdout, out.stderr

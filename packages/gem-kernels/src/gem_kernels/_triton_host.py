@@ -91,6 +91,8 @@ def interpret_for(q: torch.Tensor) -> bool:
 
     Raises:
         ValueError: ``q`` is not on CUDA and the interpreter was not requested.
+        RuntimeError: the interpreter was requested after ``triton.language`` had been imported
+            without it (see :func:`_check_triton_library_interpreted`).
     """
     interpret = interpret_requested()
     if not interpret and q.device.type != "cuda":
@@ -98,7 +100,26 @@ def interpret_for(q: torch.Tensor) -> bool:
             f"the Triton path needs CUDA tensors, got {q.device} (set TRITON_INTERPRET=1 to run "
             "CPU tensors under the Triton interpreter)"
         )
+    if interpret:
+        _check_triton_library_interpreted()
     return interpret
+
+
+def _check_triton_library_interpreted() -> None:
+    """Our attention kernels call Triton's own ``@triton.jit`` library (``tl.max``, ``tl.sum``),
+    which Triton decorates once, when ``triton.language`` is first imported. Decorated for
+    compilation (``torch._dynamo`` and FSDP2 import it), the interpreter cannot call it and
+    fails deep inside a kernel; say what to do instead."""
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(tl.max, JITFunction):
+        raise RuntimeError(
+            "the Triton interpreter needs TRITON_INTERPRET=1 set before triton is first "
+            "imported: triton.language was already imported in compiled mode (torch._dynamo, "
+            "FSDP2 and torch.compile import it), so its reductions cannot run interpreted; set "
+            "TRITON_INTERPRET=1 in the process environment from the start"
+        )
 
 
 def host_lengths(offsets: torch.Tensor) -> torch.Tensor:
