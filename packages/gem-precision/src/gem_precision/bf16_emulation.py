@@ -12,7 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gem_precision.linear import Fp8Linear, PrecisionPolicy, _swap_linears
+from gem_precision.linear import (
+    Fp8Linear,
+    PrecisionPolicy,
+    _sharing_parameters_of,
+    _swap_linears,
+)
 
 __all__ = ["Bf16GemmLinear", "convert_to_bf16_gemms"]
 
@@ -47,14 +52,7 @@ class Bf16GemmLinear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Bf16GemmLinear:
         """Wrap an existing ``nn.Linear``, sharing (not copying) its parameters."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight = linear.weight
-        new.register_parameter("bias", linear.bias)
-        return new
+        return _sharing_parameters_of(cls, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T + b`` with bf16-rounded GEMM operands; leading dims are kept."""

@@ -408,13 +408,7 @@ class Fp8Linear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe | None = None) -> Fp8Linear:
         """Wrap an existing ``nn.Linear``, sharing (not copying) its parameters."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight = linear.weight
-        new.register_parameter("bias", linear.bias)
+        new = _sharing_parameters_of(cls, linear)
         new.recipe = recipe or Fp8Recipe()
         new._sr_offset = 0
         return new
@@ -533,6 +527,19 @@ def convert_to_fp8(module: nn.Module, policy: PrecisionPolicy | None = None) -> 
         hint="wrap it with Fp8Linear.from_linear",
     )
     return report
+
+
+def _sharing_parameters_of(cls: type[nn.Module], linear: nn.Linear) -> nn.Module:
+    """A ``cls`` instance, not ``__init__``-ed, holding ``linear``'s own weight and bias
+    (shared, not copied, so optimizers and state dicts keep working)."""
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    new.in_features, new.out_features = linear.in_features, linear.out_features
+    new.weight = linear.weight
+    new.register_parameter("bias", linear.bias)
+    return new
 
 
 def _swap_linears(

@@ -181,6 +181,20 @@ def _pow2_fp32(exponent: torch.Tensor) -> torch.Tensor:
     return torch.where(exponent <= -127, smallest, normal)
 
 
+def _check_quantize_args(x: object, elem_dtype: object, scale_rounding: object) -> None:
+    """The argument checks shared by :func:`quantize_mx` and its Triton twin."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"x must have dtype float32, bfloat16 or float16, got {x.dtype}")
+    if elem_dtype not in MX_ELEMENT_DTYPES:
+        raise TypeError(
+            f"elem_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {elem_dtype}"
+        )
+    if scale_rounding not in ("floor", "ceil"):
+        raise ValueError(f"scale_rounding must be 'floor' or 'ceil', got {scale_rounding!r}")
+
+
 def quantize_mx(
     x: torch.Tensor,
     *,
@@ -210,16 +224,7 @@ def quantize_mx(
         ``x.shape[:-1] + (x.shape[-1] // block_size,)`` (square: ``x.shape[:-2] +
         (x.shape[-2] // block_size, x.shape[-1] // block_size)``).
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _INPUT_DTYPES:
-        raise TypeError(f"x must have dtype float32, bfloat16 or float16, got {x.dtype}")
-    if elem_dtype not in MX_ELEMENT_DTYPES:
-        raise TypeError(
-            f"elem_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {elem_dtype}"
-        )
-    if scale_rounding not in ("floor", "ceil"):
-        raise ValueError(f"scale_rounding must be 'floor' or 'ceil', got {scale_rounding!r}")
+    _check_quantize_args(x, elem_dtype, scale_rounding)
     _scale_shape(x.shape, block_size, "x", square)
     if _use_triton(x, block_size, backend):
         from gem_precision.mx_triton import quantize_mx_triton

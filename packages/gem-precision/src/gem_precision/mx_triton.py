@@ -15,10 +15,9 @@ import torch
 
 from gem_precision import _triton
 from gem_precision.mx import (
-    _INPUT_DTYPES,
-    MX_ELEMENT_DTYPES,
     MXTensor,
     ScaleRounding,
+    _check_quantize_args,
     _scale_shape,
 )
 
@@ -79,16 +78,7 @@ def quantize_mx_triton(
 
     ``block_size`` must be a power of two in [2, 256]. ``config`` overrides the tile shape.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _INPUT_DTYPES:
-        raise TypeError(f"x must have dtype float32, bfloat16 or float16, got {x.dtype}")
-    if elem_dtype not in MX_ELEMENT_DTYPES:
-        raise TypeError(
-            f"elem_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {elem_dtype}"
-        )
-    if scale_rounding not in ("floor", "ceil"):
-        raise ValueError(f"scale_rounding must be 'floor' or 'ceil', got {scale_rounding!r}")
+    _check_quantize_args(x, elem_dtype, scale_rounding)
     _check_block_size(block_size)
     scale_shape = _scale_shape(x.shape, block_size, "x", square)
     config = config or MxKernelConfig()
