@@ -26,16 +26,23 @@ minutes on a loaded 2-core CPU, 600 steps of bf16 + gem + fp32 about 5 minutes o
     .venv/bin/python benchmarks/bench_fp8_quality.py --seed 2 --out s2.json   # one seed per run,
     .venv/bin/python benchmarks/bench_fp8_quality.py --merge s0.json s1.json s2.json --out all.json
 ``--device cuda`` trains on the GPU (native FP8 GEMMs on Hopper; needs torchrec + fbgemm-gpu
-there).
+there). ``--seeds 0,1,2 --jobs 12`` runs every (seed, provider) pair in its own process, up to
+``--jobs`` at once, dealt over the visible GPUs, then merges them into ``--out``:
+    python benchmarks/bench_fp8_quality.py --device cuda --steps 2000 --num-train 520000 \
+        --num-eval 50000 --seeds 0,1,2,3,4 --jobs 12 --out benchmarks/results/h200/fp8_quality.json
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -64,6 +71,11 @@ def main() -> None:
     parser.add_argument("--num-eval", type=int, default=10_000)
     parser.add_argument("--min-features", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0, help="parameter init and data order")
+    parser.add_argument(
+        "--seeds",
+        help="comma-separated seeds: one process per (seed, provider), then --merge into --out",
+    )
+    parser.add_argument("--jobs", type=int, default=1, help="processes at once with --seeds")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--providers", default=",".join(PROVIDERS))
     parser.add_argument("--data-dir", default=str(ROOT / "data" / "fp8_quality"))
@@ -86,6 +98,15 @@ def main() -> None:
     unknown = [p for p in providers if p not in PROVIDERS]
     if unknown:
         parser.error(f"unknown providers {unknown}; known: {sorted(PROVIDERS)}")
+    if args.seeds:
+        if args.jobs < 1:
+            parser.error(f"--jobs must be >= 1, got {args.jobs}")
+        try:
+            seeds = [int(seed) for seed in args.seeds.split(",") if seed]
+        except ValueError:
+            parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+        run_seeds(args, seeds, providers)
+        return
 
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
@@ -104,12 +125,19 @@ def main() -> None:
         f"seed={args.seed}",
     ]
     train_data, eval_data = prepare_data(apply_overrides(tiny(), base).data, progress=False)
+    if not providers:  # --providers "": only generate the data (before parallel runs)
+        return
     rows: list[dict] = []
     results: dict[str, dict[str, float]] = {}
     converted: dict[str, int] = {}
     for provider in providers:
         config = apply_overrides(
-            tiny(), [*base, f"output_dir=runs/fp8_quality/{provider}", *PROVIDERS[provider]]
+            tiny(),
+            [
+                *base,
+                f"output_dir=runs/fp8_quality/seed{args.seed}/{provider}",
+                *PROVIDERS[provider],
+            ],
         )
         started = time.perf_counter()
         trainer = Trainer(config, train_data, output_dir=Path(config.output_dir))
@@ -196,6 +224,59 @@ def main() -> None:
     print(f"wrote {args.out}")
 
 
+def run_seeds(args: argparse.Namespace, seeds: list[int], providers: list[str]) -> None:
+    """Every (seed, provider) in its own process, ``--jobs`` at once, round-robin over the GPUs;
+    then one merged file. The data is generated once, before the runs start."""
+    script = str(Path(__file__).resolve())
+    common = [
+        f"--steps={args.steps}",
+        f"--batch-size={args.batch_size}",
+        f"--num-train={args.num_train}",
+        f"--num-eval={args.num_eval}",
+        f"--min-features={args.min_features}",
+        f"--threads={args.threads}",
+        f"--data-dir={args.data_dir}",
+        f"--device={args.device}",
+    ]
+    subprocess.run([sys.executable, script, *common, "--providers="], check=True)
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    work = Path(tempfile.mkdtemp(prefix="fp8_quality_"))
+    jobs = [(seed, provider) for seed in seeds for provider in providers]
+
+    def run(index: int) -> Path:
+        seed, provider = jobs[index]
+        out = work / f"seed{seed}_{provider}.json"
+        env = dict(os.environ)
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = str(index % gpus)
+        log = work / f"seed{seed}_{provider}.log"
+        with open(log, "w") as f:
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    script,
+                    *common,
+                    f"--seed={seed}",
+                    f"--providers={provider}",
+                    f"--out={out}",
+                ],
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                check=False,
+            )
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"seed {seed} {provider} failed; see {log}:\n{log.read_text()[-3000:]}"
+            )
+        print(f"  done: seed {seed} {provider}", flush=True)
+        return out
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        outputs = list(pool.map(run, range(len(jobs))))
+    merge_seeds(outputs, Path(args.out))
+
+
 def merge_seeds(paths: list[Path], out: Path) -> None:
     """One file from several single-seed runs: each run's rows with ``/seed<k>`` appended to the
     case, and per provider and task the mean and sample std over seeds of NE and of the relative
@@ -205,23 +286,40 @@ def merge_seeds(paths: list[Path], out: Path) -> None:
     import statistics
 
     rows: list[dict] = []
-    per: dict[tuple[str, str, str], list[float]] = {}
     runs = []
     seen: set[tuple] = set()
+    ne: dict[tuple[str, str, object], float] = {}  # (task, provider, seed) -> eval NE
     for path in paths:
         data = json.loads(path.read_text())
         seed = data["meta"].get("seed")
         runs.append({"file": path.name, "seed": seed, "steps": data["meta"].get("steps")})
         for row in data["rows"]:
+            if row["metric"] == "ne_rel_diff_vs_bf16":
+                continue  # recomputed below, also across files of the same seed
             key = (row["case"], row["provider"], row["mode"], row["metric"], seed)
             if key in seen:  # the same provider and seed in two files (e.g. bf16 rerun)
                 continue
             seen.add(key)
             rows.append({**row, "case": f"{row['case']}/seed{seed}"})
-            if row["mode"] == "eval" and row["metric"] in ("ne", "ne_rel_diff_vs_bf16"):
-                per.setdefault((row["case"], row["provider"], row["metric"]), []).append(
-                    row["value"]
-                )
+            if row["mode"] == "eval" and row["metric"] == "ne":
+                ne[(row["case"], row["provider"], seed)] = row["value"]
+    per: dict[tuple[str, str, str], list[float]] = {}
+    for (task, provider, seed), value in sorted(ne.items(), key=str):
+        per.setdefault((task, provider, "ne"), []).append(value)
+        reference = ne.get((task, "bf16", seed))
+        if reference is None:
+            continue
+        diff = (value - reference) / reference
+        per.setdefault((task, provider, "ne_rel_diff_vs_bf16"), []).append(diff)
+        rows.append(
+            {
+                "case": f"{task}/seed{seed}",
+                "provider": provider,
+                "mode": "eval",
+                "metric": "ne_rel_diff_vs_bf16",
+                "value": diff,
+            }
+        )
     print(f"{'provider':>14} {'task':>4} {'seeds':>5}  NE diff vs bf16 (mean +- std)")
     for (task, provider, metric), values in sorted(per.items()):
         mean = statistics.fmean(values)

@@ -236,6 +236,24 @@ def _trace_summary(trace_path: Path, device_index: int, steps: int) -> tuple[str
     return "\n".join(lines) + "\n", stats
 
 
+def _sync_sites(prof, steps: int, limit: int = 25) -> str:
+    """Where the host waits for the GPU: scalar reads and stream syncs grouped by Python stack."""
+    names = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaMemcpyAsync")
+    rows = [
+        e
+        for e in prof.key_averages(group_by_stack_n=8)
+        if e.key in names and (e.key != "cudaMemcpyAsync" or e.cpu_time_total > 50 * e.count)
+    ]
+    rows.sort(key=lambda e: -e.count)
+    lines = []
+    for e in rows[:limit]:
+        stack = " <- ".join(
+            frame.split("/")[-1] for frame in e.stack if "torch/" not in frame
+        ) or " <- ".join(frame.split("/")[-1] for frame in e.stack[:3])
+        lines.append(f"  {e.count / steps:6.1f}x {e.key:28s} {stack[:300]}")
+    return "\n".join(lines)
+
+
 def _profile(trainer, batches, steps: int, out_dir: Path, tag: str, rank: int, device) -> dict:
     """Profiles ``steps`` training steps; writes the summary (and rank 0's trace)."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -243,7 +261,11 @@ def _profile(trainer, batches, steps: int, out_dir: Path, tag: str, rank: int, d
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
+    from torch._C._profiler import _ExperimentalConfig
+
+    # verbose: Python stacks on the ops, to find the call sites of host syncs
+    stacks = _ExperimentalConfig(verbose=True)
+    with profile(activities=activities, with_stack=True, experimental_config=stacks) as prof:
         for step in range(steps):
             with record_function("bench_step"):
                 trainer.train_step(batches[step % len(batches)])
@@ -271,9 +293,47 @@ def _profile(trainer, batches, steps: int, out_dir: Path, tag: str, rank: int, d
     )
     with open(out_dir / f"profile_w{trainer.world_size}_r{rank}.txt", "a") as f:
         f.write(f"===== {tag} rank {rank}: {steps} profiled steps =====\n{summary}\n")
+        f.write(f"--- host syncs by call site (count per step) ---\n{_sync_sites(prof, steps)}\n")
         f.write(f"--- key_averages by self CUDA time ---\n{table}\n")
         f.write(f"--- key_averages by self CPU time ---\n{cpu_table}\n\n")
     return stats
+
+
+def _time_phases(trainer):
+    """Host seconds spent launching each phase of ``train_step``, accumulated in the returned
+    dict (no syncs are added), and a function that undoes the instrumentation. ``wait`` is what is left of the step: the final ``loss.item()``
+    waiting for the GPU, so a step with ``wait`` near 0 is bound by the host."""
+    seconds = {"forward": 0.0, "backward": 0.0, "grads": 0.0, "optimizer": 0.0}
+
+    def timed(owner, attribute: str, phase: str) -> None:
+        original = getattr(owner, attribute)
+
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                seconds[phase] += time.perf_counter() - started
+
+        setattr(owner, attribute, wrapper)
+
+    timed(trainer, "_forward", "forward")
+    timed(trainer.parallel, "finish_gradients", "grads")
+    timed(trainer.dense_optimizer, "step", "optimizer")
+    original_backward = torch.Tensor.backward
+
+    def backward(tensor, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return original_backward(tensor, *args, **kwargs)
+        finally:
+            seconds["backward"] += time.perf_counter() - started
+
+    def restore() -> None:
+        torch.Tensor.backward = original_backward
+
+    torch.Tensor.backward = backward
+    return seconds, restore
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -339,10 +399,18 @@ def _worker(args: argparse.Namespace) -> None:
             trainer.train_step(batches[step % len(batches)])
         sync()
         step_seconds = []
-        for step in range(args.steps):
-            started = time.perf_counter()
-            trainer.train_step(batches[step % len(batches)])  # ends with loss.item(): synchronous
-            step_seconds.append(time.perf_counter() - started)
+        phases, restore = _time_phases(trainer)
+        try:
+            for step in range(args.steps):
+                started = time.perf_counter()
+                trainer.train_step(batches[step % len(batches)])  # ends with loss.item(): synced
+                step_seconds.append(time.perf_counter() - started)
+        finally:
+            restore()
+        phase_ms = {k: 1e3 * v / args.steps for k, v in phases.items()}
+        phase_ms["wait_and_rest"] = 1e3 * sum(step_seconds) / args.steps - sum(phase_ms.values())
+        all_phase_ms = [None] * world
+        dist.all_gather_object(all_phase_ms, phase_ms)
         sync()
         mine = torch.tensor([sum(step_seconds)], dtype=torch.float64, device=device)
         per_rank = [torch.zeros_like(mine) for _ in range(world)]
@@ -374,6 +442,7 @@ def _worker(args: argparse.Namespace) -> None:
             "tokens_per_batch": sum(tokens) / len(tokens),
             "rank_tokens": all_tokens,
             "peak_gib_rank0": peak,
+            "host_phase_ms": all_phase_ms,
             "layout": trainer.parallel.describe(),
             "plan": str(trainer.model.plan),
             "profile": stats,
@@ -385,6 +454,8 @@ def _worker(args: argparse.Namespace) -> None:
                 f" (ranks {', '.join(f'{t:.1f}' for t in rank_ms)})",
                 flush=True,
             )
+            for r, ms in enumerate(all_phase_ms):
+                print(f"    rank {r} host ms: " + ", ".join(f"{k} {v:.1f}" for k, v in ms.items()))
         del trainer
         gc.collect()
         if device.type == "cuda":
@@ -593,6 +664,8 @@ def main() -> None:
         tokens_per_batch=single["tokens_per_batch"],
         rank_tokens_2gpu=main_2gpu["rank_tokens"],
         rank_ms_2gpu={name: r["rank_ms_per_step"] for name, r in results[2].items()},
+        host_phase_ms={"1": single["host_phase_ms"]}
+        | {f"2/{name}": r["host_phase_ms"] for name, r in results[2].items()},
         peak_gib_rank0={"1": single["peak_gib_rank0"]}
         | {f"2/{name}": r["peak_gib_rank0"] for name, r in results[2].items()},
         profile={"1": single["profile"]}

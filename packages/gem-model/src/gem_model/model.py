@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from gem_kernels import host_offsets
 from torch import nn
 from torchrec import (
     EmbeddingBagCollection,
@@ -200,16 +201,21 @@ class GemModel(nn.Module):
         embedded = self.sequence_embeddings(lookup)
         history = embedded[self.sequence_keys[0]]
         lengths = history.lengths()
-        if lengths.numel() and int(lengths.max()) > config.max_seq_len:
+        offsets = history.offsets()
+        # One device-to-host copy of the offsets per step: the attention layers get this same
+        # tensor and reuse the host copy (gem_kernels.host_offsets caches it).
+        host_lengths = host_offsets(offsets).diff()
+        if host_lengths.numel() and int(host_lengths.max()) > config.max_seq_len:
             raise ValueError(
-                f"sequence_features has a history of {int(lengths.max())} tokens, "
+                f"sequence_features has a history of {int(host_lengths.max())} tokens, "
                 f"more than max_seq_len={config.max_seq_len}"
             )
-        offsets = history.offsets()
         tokens = sum(embedded[key].values() for key in self.sequence_keys)
         # Recency: distance of each event from the end of its own history.
         sample_of_token = torch.repeat_interleave(
-            torch.arange(lengths.numel(), device=lengths.device), lengths
+            torch.arange(lengths.numel(), device=lengths.device),
+            lengths,
+            output_size=tokens.shape[0],  # known: no host sync
         )
         from_end = (
             offsets[1:][sample_of_token] - 1 - torch.arange(tokens.shape[0], device=tokens.device)

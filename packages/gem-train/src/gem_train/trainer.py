@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -135,6 +136,9 @@ class Trainer:
                 self.parallel.param_groups(params),
                 lr=config.optim.dense_lr,
                 weight_decay=config.optim.weight_decay,
+                # One fused kernel per group on CUDA: the foreach path dispatches a dozen ops
+                # per step, each through DTensor for the FSDP-sharded parameters.
+                fused=self.device.type == "cuda",
             ),
         )
         self.optimizer = CombinedOptimizer(
@@ -178,16 +182,23 @@ class Trainer:
                 .mean(0)
                 .sum()
             )
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"loss became {loss.item()} at step {self.step}")
         self.optimizer.zero_grad()
         loss.backward()  # the fused sparse optimizer updates embedding rows here
         # Expert gradients averaged over their replicas, then the global-norm clip.
         self.parallel.finish_gradients(self.dense_parameters, self.config.optim.max_grad_norm)
         self.sparse_parallel.step()  # 2D replica sync / fully sharded 2D table update
         self.dense_optimizer.step()
+        # The step's only host sync: checking the loss before backward would stall the CPU
+        # until the forward finished and leave the GPU idle while backward is launched. A
+        # non-finite loss has updated the weights by now, so training stops here and resumes
+        # from the last (atomic) checkpoint.
+        value = loss.item()
+        if not math.isfinite(value):
+            raise FloatingPointError(
+                f"loss became {value} at step {self.step}; resume from the last checkpoint"
+            )
         self.step += 1
-        return loss.item()
+        return value
 
     def fit(
         self, *, checkpoint_dir: str | Path | None = None, progress: bool | None = None
