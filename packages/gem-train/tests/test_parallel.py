@@ -21,11 +21,11 @@ def test_parallel_overrides_parse_and_default_to_ddp():
             "parallel.dense=fsdp",
             "parallel.shard=2",
             "parallel.expert_parallel=2",
-            "parallel.reshard_after_forward=false",
+            "parallel.reshard_after_forward=true",
         ],
     )
     assert config.parallel == ParallelConfig(
-        dense="fsdp", shard=2, expert_parallel=2, reshard_after_forward=False
+        dense="fsdp", shard=2, expert_parallel=2, reshard_after_forward=True
     )
 
 

@@ -137,9 +137,12 @@ class ParallelConfig:
     layer."""
     gpus_per_host: int = 0
     """Ranks per host for the topology (0: torchrun's LOCAL_WORLD_SIZE, else one host)."""
-    reshard_after_forward: bool = True
-    """FSDP: free gathered weights after forward and gather again in backward (less memory,
-    one more all-gather per block)."""
+    reshard_after_forward: bool = False
+    """FSDP: free the gathered weights after forward and gather them again in backward. Off by
+    default: a recommendation model's dense stack is small next to its activations, and
+    keeping the gathered weights until backward (gradients and optimizer state stay sharded)
+    saves one all-gather per block, i.e. 94.8 -> 86.7 ms per 2-GPU step on H200s
+    (benchmarks/results/h200x2/train.json). Turn on when dense weights do not fit."""
     fsdp_all_gather: str = "bf16"
     """FSDP only. 'bf16': FSDP's own all-gather of the weights in their parameter dtype;
     'mx': the ``nn.Linear`` weights of the FSDP units whose dim 0 divides by ``shard`` (and
