@@ -8,8 +8,9 @@ and forward+backward, ``triton.testing.do_bench`` medians, every provider in the
 Metrics: ``ms``; ``tflops`` counts useful work only, ``4 * H * D * sum(block_len^2)`` forward,
 x3.5 for forward+backward; ``gbps`` counts the bytes of q, k, v and out once for the forward,
 and of q, k, v, out, dout, dq, dk, dv once for forward+backward, over the measured time (the
-device-to-device copy ceiling is 4.27 TB/s). gem also gets ``hbm_fraction`` (gbps / 4270) and
-``speedup_vs_sdpa_blocks_rope`` (peer ms / gem ms).
+device-to-device copy ceiling is 4.27 TB/s). gem also gets ``hbm_fraction`` (gbps / 4270),
+``speedup_vs_sdpa_blocks_rope`` (peer ms / gem ms) and, for the forward, ``graph_ms`` /
+``graph_gbps`` (the call replayed from a CUDA graph: kernel time without host overhead).
 
 Peers (RoPE as separate eager PyTorch ops with precomputed cos/sin tables, the way a user would
 write it, and its backward through autograd):
@@ -57,6 +58,14 @@ THETA = 10000.0
 
 def _bench(fn, grad_to_none=None) -> float:
     return median_ms(fn, warmup=25, rep=100, grad_to_none=grad_to_none)
+
+
+def _graph_ms(fn) -> float:
+    """Median ms of ``fn`` replayed from a CUDA graph (no host overhead)."""
+    import triton.testing
+
+    with torch.cuda.stream(torch.cuda.Stream()):
+        return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
 
 
 class Case:
@@ -228,6 +237,17 @@ def _measure(rows, errors, case, provider, make) -> dict:
         if provider == "gem":
             rows.append({"case": case.name, "provider": provider, "mode": mode,
                          "metric": "hbm_fraction", "value": round(gbps / HBM_GBPS, 4)})  # fmt: skip
+        if provider == "gem" and mode == "fwd":  # kernel time without host overhead
+            try:
+                graph = _graph_ms(fn)
+            except Exception as error:  # noqa: BLE001 - report and keep benchmarking
+                errors.append(f"{case.name} {provider} graph: {error!r}"[:300])
+                graph = float("nan")
+            graph_gbps = tensors * case.tensor_bytes / (graph * 1e-3) / 1e9
+            for metric, value in (("graph_ms", graph), ("graph_gbps", graph_gbps)):
+                rows.append({"case": case.name, "provider": provider, "mode": mode,
+                             "metric": metric, "value": round(value, 4)})  # fmt: skip
+            print(f"{case.name:14s} {provider:26s} graph    {graph:8.3f} ms {graph_gbps:7.0f} GB/s")
         print(f"{case.name:14s} {provider:26s} {mode:8s} {ms:8.3f} ms {tflops:7.1f} TFLOP/s "
               f"{gbps:7.0f} GB/s")  # fmt: skip
     return times

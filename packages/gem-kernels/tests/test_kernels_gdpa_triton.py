@@ -141,7 +141,7 @@ def test_split_partials_pma_and_cross(interpret):
     # Chunks of 16 keys (PMA) / 16 query rows (cross dK/dV): 3 partials for the 40-long
     # samples, 1 (direct write) for the short ones; the plan must really use the partials.
     gt = gdpa_triton
-    config = _config(short_kv_max=0, pma_kv_chunk=16, dkdv_q_chunk=16)
+    config = _config(short_kv_max=0, pma_kv_chunk=16, dkdv_q_chunk=16, pma_stream=False)
     pma = gt._samples(None, torch.tensor(PMA_K), 3)
     plan = gt._plan(pma, H, None, None, config, torch.device("cpu"), True, True, 16)
     assert plan.fwd_partial_rows > len(PMA_K) and plan.fwd_combine.shape[0] == 1
@@ -153,6 +153,42 @@ def test_split_partials_pma_and_cross(interpret):
     options = dict(activation="gelu_fast", window=(30, 6), tol=1e-4)
     _check(None, PMA_K, num_queries=3, normalize_by_length=True, config=config, **options)
     _check(CROSS_Q, CROSS_K, config=config, **options)
+
+
+@pytest.mark.parametrize("programs", [1, 2, 7, 40])
+def test_pma_stream_segments_split_over_programs(interpret, monkeypatch, programs):
+    # The streamed PMA forward deals 22 (sample, head, key tile) steps over `programs`
+    # programs: with 2 and 7 a segment spans two or three programs (float32 partials summed
+    # by the combine kernel), with 40 every program gets at most one step.
+    gt = gdpa_triton
+    lengths = [0, 1, 70, 5, 33]
+    monkeypatch.setattr(gt, "_num_programs", lambda device, per_sm, interpret: programs)
+    config = _config(short_kv_max=0, pma_stream=True, pma_programs_per_sm=programs)
+    samples = gt._samples(None, torch.tensor(lengths), 3)
+    plan = gt._plan(samples, H, None, None, config, torch.device("cpu"), False, True, 16)
+    steps = sum(max(1, -(-n // 16)) for n in lengths) * H
+    assert plan.stream_bounds is not None and plan.fwd_grid == min(programs, steps)
+    assert (plan.fwd_combine.shape[0] > 0) == (programs > 1)
+    assert plan.stream_slots >= 2 * plan.fwd_combine.shape[0]
+    for activation, normalize in (("gelu", True), ("silu", False)):
+        _check(
+            None, lengths, num_queries=3, activation=activation, normalize_by_length=normalize,
+            config=config, tol=1e-4,
+        )  # fmt: skip
+
+
+def test_pma_stream_needs_no_mask_and_one_query_tile(interpret):
+    # Windows, causal masks and more queries than one tile take the split-KV items instead.
+    gt = gdpa_triton
+    config = _config(short_kv_max=0, pma_stream=True)
+    device = torch.device("cpu")
+    for num_queries, left, right in ((3, None, None), (3, 5, None), (3, None, 0), (17, None, None)):
+        samples = gt._samples(None, torch.tensor(PMA_K), num_queries)
+        pma_m = gt._pma_block_m(num_queries, config)
+        plan = gt._plan(samples, H, left, right, config, device, False, True, pma_m)
+        streamed = num_queries <= 16 and left is None and right is None
+        assert (plan.stream_bounds is not None) == streamed
+    _check(None, PMA_K, num_queries=17, activation="silu", config=config, tol=1e-4)
 
 
 def test_gelu_fast_past_its_clamp(interpret):

@@ -42,9 +42,9 @@ def _dot(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _locate_block(meta_ptr, num_samples, block_size):
-    """(first row, rows in the block, position of its first row within the sample)."""
-    pid = tl.program_id(0).to(tl.int64)
+def _locate_block(meta_ptr, num_samples, block_size, pid):
+    """(first row, rows in the block, position of its first row within the sample) of block
+    ``pid`` (int64), from the offsets: three dependent loads."""
     # meta: offsets (B + 1), cum_blocks (B + 1), then the sample of every block.
     cum_ptr = meta_ptr + num_samples + 1
     sample = tl.load(cum_ptr + num_samples + 1 + pid)
@@ -108,71 +108,79 @@ def _load_halves(base, rows64, stride_t, m_ok, offs_f, HALF: tl.constexpr):
 
 
 @triton.jit
-def block_attn_fwd_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    o_ptr,
-    meta_ptr,
-    freq_ptr,
-    pos_ptr,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    num_samples,
-    block_size,
-    qk_scale,
-    HEADS_PER_PROGRAM: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HALF: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_POS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+def _fwd_heads(
+    q_ptr, k_ptr, v_ptr, o_ptr, rows64, m_ok, offs_f, offs_d, d_ok, cos, sin, head0,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    qk_scale, h,
+    HALF: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
-    FAST_TRIG: tl.constexpr,
-):
-    row0, num_rows, first_pos = _locate_block(meta_ptr, num_samples, block_size)
+):  # fmt: skip
+    """Attention of head ``head0 + h`` of one block (q and k rotated in registers)."""
+    head = (head0 + h).to(tl.int64)
+    q1, q2 = _load_halves(q_ptr + head * stride_qh, rows64, stride_qt, m_ok, offs_f, HALF)
+    k1, k2 = _load_halves(k_ptr + head * stride_kh, rows64, stride_kt, m_ok, offs_f, HALF)
+    v = tl.load(
+        v_ptr + head * stride_vh + rows64[:, None] * stride_vt + offs_d[None, :],
+        mask=m_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    dtype = v.dtype
+    qr1 = (q1 * cos - q2 * sin).to(dtype)
+    qr2 = (q2 * cos + q1 * sin).to(dtype)
+    kr1 = (k1 * cos - k2 * sin).to(dtype)
+    kr2 = (k2 * cos + k1 * sin).to(dtype)
+    s = _dot(qr1, tl.trans(kr1), DOT_PRECISION, UPCAST)
+    s += _dot(qr2, tl.trans(kr2), DOT_PRECISION, UPCAST)
+    s = tl.where(m_ok[None, :], s * qk_scale, float("-inf"))
+    p = tl.math.exp2(s - tl.max(s, 1)[:, None])
+    inv_l = 1.0 / tl.sum(p, 1)
+    out = _dot(p.to(dtype), v, DOT_PRECISION, UPCAST) * inv_l[:, None]
+    tl.store(
+        o_ptr + head * stride_oh + rows64[:, None] * stride_ot + offs_d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & d_ok[None, :],
+    )
+
+
+@triton.jit
+def block_attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, meta_ptr, freq_ptr, pos_ptr, blocks_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    num_samples, block_size, qk_scale, num_items, head_groups,
+    HEADS_PER_PROGRAM: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_POS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    FAST_TRIG: tl.constexpr, BLOCK_TABLE: tl.constexpr,
+):  # fmt: skip
+    """Items are (block, group of heads), block-major. Program ``p`` of ``P`` runs items ``p,
+    p + P, ...`` (``P`` = items: one item each). ``BLOCK_TABLE``: a block's first row, row
+    count and first position come from ``blocks_ptr`` (three independent loads) instead of the
+    offsets (three dependent ones). With one head per item the head loop folds away and the
+    item loop is the software-pipelined one (the next item's loads overlap this one's math)."""
     offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < num_rows
-    rows64 = row0 + offs_m.to(tl.int64)
     offs_f = tl.arange(0, BLOCK_HALF)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    cos, sin = _rope_tables(pos_ptr, row0, first_pos, offs_m, m_ok, freq_ptr, HALF, BLOCK_HALF,
-                            HAS_POS, FAST_TRIG)  # fmt: skip
-    head0 = tl.program_id(1) * HEADS_PER_PROGRAM
-    for h in range(HEADS_PER_PROGRAM):
-        head = (head0 + h).to(tl.int64)
-        q1, q2 = _load_halves(q_ptr + head * stride_qh, rows64, stride_qt, m_ok, offs_f, HALF)
-        k1, k2 = _load_halves(k_ptr + head * stride_kh, rows64, stride_kt, m_ok, offs_f, HALF)
-        v = tl.load(
-            v_ptr + head * stride_vh + rows64[:, None] * stride_vt + offs_d[None, :],
-            mask=m_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        dtype = v.dtype
-        qr1 = (q1 * cos - q2 * sin).to(dtype)
-        qr2 = (q2 * cos + q1 * sin).to(dtype)
-        kr1 = (k1 * cos - k2 * sin).to(dtype)
-        kr2 = (k2 * cos + k1 * sin).to(dtype)
-        s = _dot(qr1, tl.trans(kr1), DOT_PRECISION, UPCAST)
-        s += _dot(qr2, tl.trans(kr2), DOT_PRECISION, UPCAST)
-        s = tl.where(m_ok[None, :], s * qk_scale, float("-inf"))
-        p = tl.math.exp2(s - tl.max(s, 1)[:, None])
-        inv_l = 1.0 / tl.sum(p, 1)
-        out = _dot(p.to(dtype), v, DOT_PRECISION, UPCAST) * inv_l[:, None]
-        tl.store(
-            o_ptr + head * stride_oh + rows64[:, None] * stride_ot + offs_d[None, :],
-            out.to(o_ptr.dtype.element_ty),
-            mask=m_ok[:, None] & d_ok[None, :],
-        )
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        block = (item // head_groups).to(tl.int64)
+        if BLOCK_TABLE:
+            info = blocks_ptr + block * 3
+            row0 = tl.load(info)
+            num_rows = tl.load(info + 1)
+            first_pos = tl.load(info + 2)
+        else:
+            row0, num_rows, first_pos = _locate_block(meta_ptr, num_samples, block_size, block)
+        m_ok = offs_m < num_rows
+        rows64 = row0 + offs_m.to(tl.int64)
+        cos, sin = _rope_tables(pos_ptr, row0, first_pos, offs_m, m_ok, freq_ptr, HALF,
+                                BLOCK_HALF, HAS_POS, FAST_TRIG)  # fmt: skip
+        head0 = (item % head_groups) * HEADS_PER_PROGRAM
+        for h in range(HEADS_PER_PROGRAM):
+            _fwd_heads(
+                q_ptr, k_ptr, v_ptr, o_ptr, rows64, m_ok, offs_f, offs_d, d_ok, cos, sin, head0,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot,
+                stride_oh, qk_scale, h, HALF, HEAD_DIM, DOT_PRECISION, UPCAST,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -225,7 +233,8 @@ def block_attn_bwd_kernel(
     FAST_TRIG: tl.constexpr,
 ):
     """dq, dk and dv of one block in one pass (the block is its own softmax: no atomics)."""
-    row0, num_rows, first_pos = _locate_block(meta_ptr, num_samples, block_size)
+    pid = tl.program_id(0).to(tl.int64)
+    row0, num_rows, first_pos = _locate_block(meta_ptr, num_samples, block_size, pid)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < num_rows
     rows64 = row0 + offs_m.to(tl.int64)

@@ -582,6 +582,107 @@ def gdpa_fwd_short_kv_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
+# PMA forward, streamed: one pipelined loop per program over an equal share of every
+# (sample, head, key tile) step (no window or causal mask).
+
+# Columns of a stream step row (int32): first key row of the tile, valid keys in it, head,
+# flush row (-1: keep accumulating; else the output row, or partial slot row, of the segment's
+# first query), to_partial (the flush goes to the float32 partial buffer), k_len (for 1/L_k).
+STREAM_WIDTH = 8
+_SW = tl.constexpr(STREAM_WIDTH)
+
+
+@triton.jit
+def gdpa_pma_fwd_stream_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, steps_ptr, bounds_ptr, num_queries,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, ACT: tl.constexpr, NORMALIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """Program ``p`` runs steps ``[bounds[p], bounds[p + 1])`` of the host-built step list
+    (sample-major, then head, then key tile), so every program gets the same number of key
+    tiles and the loads of the next tile overlap this one's math across segment boundaries. A
+    step with a flush row ends its (sample, head) segment on this program: the accumulator
+    goes to the output, or to a float32 partial slot when the segment is shared with the next
+    or previous program (``gdpa_pma_combine_kernel`` sums those in a fixed order)."""
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_ok = offs_m < num_queries
+    pid = tl.program_id(0)
+    begin = tl.load(bounds_ptr + pid)
+    end = tl.load(bounds_ptr + pid + 1)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for step in range(begin, end):
+        info = steps_ptr + step * _SW
+        k_row = tl.load(info).to(tl.int64)
+        n_valid = tl.load(info + 1)
+        head = tl.load(info + 2).to(tl.int64)
+        flush = tl.load(info + 3)
+        n_ok = offs_n < n_valid
+        q = _load_tile(
+            q_ptr + head * stride_qh, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, True, EVEN_D,
+            False,
+        )  # fmt: skip
+        kt = _load_tile(
+            k_ptr + k_row * stride_kt + head * stride_kh, offs_n, n_ok, stride_kt, offs_d,
+            HEAD_DIM, True, EVEN_D, True,
+        )  # fmt: skip
+        v = _load_tile(
+            v_ptr + k_row * stride_vt + head * stride_vh, offs_n, n_ok, stride_vt, offs_d,
+            HEAD_DIM, True, EVEN_D, False,
+        )  # fmt: skip
+        s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
+        p = tl.where(n_ok[None, :], _act(s, ACT), 0.0)
+        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
+        if flush >= 0:
+            result = acc
+            if NORMALIZE:
+                k_len = tl.load(info + 5)
+                result = acc * (1.0 / tl.maximum(k_len, 1).to(tl.float32))
+            if tl.load(info + 4) != 0:
+                _store_tile(
+                    part_ptr + flush.to(tl.int64) * HEAD_DIM, offs_m, m_ok, HEAD_DIM, offs_d,
+                    result, HEAD_DIM, EVEN_D,
+                )  # fmt: skip
+            else:
+                _store_tile(
+                    o_ptr + flush.to(tl.int64) * stride_ot + head * stride_oh, offs_m, m_ok,
+                    stride_ot, offs_d, result.to(o_ptr.dtype.element_ty), HEAD_DIM, EVEN_D,
+                )  # fmt: skip
+        acc = acc * (flush < 0).to(tl.float32)  # a flushed segment restarts from zero
+
+
+@triton.jit
+def gdpa_pma_combine_kernel(
+    part_ptr, o_ptr, meta_ptr, num_queries, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Segments shared by several stream programs: ``out[row + i, head] = sum_c part[(slot +
+    c) * Nq + i]`` for each ``meta`` entry ``[row, head, slot, count]``, in slot order (float32,
+    deterministic). Grid: one program per entry."""
+    meta = meta_ptr + tl.program_id(0).to(tl.int64) * 4
+    row = tl.load(meta)
+    head = tl.load(meta + 1)
+    slot = tl.load(meta + 2)
+    count = tl.load(meta + 3).to(tl.int32)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m < num_queries)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tile = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for c in range(0, count):
+        src = part_ptr + (slot + c) * num_queries * HEAD_DIM
+        acc += tl.load(src + tile, mask=mask, other=0.0)
+    dst = o_ptr + row * stride_ot + head * stride_oh
+    ptrs = dst + offs_m.to(tl.int64)[:, None] * stride_ot + offs_d[None, :]
+    tl.store(ptrs, acc.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
 # Backward.
 
 

@@ -55,21 +55,35 @@ class BlockAttentionTritonConfig:
     The defaults are the fastest of a short sweep on an H200 at D=128 (bf16, B128xL4096);
     ``fast_trig`` took the forward from 0.386 to 0.304 ms there (2717 to 3452 GB/s) and the
     forward+backward from 1.399 to 1.136 ms (``bench_gdpa.py --explore``). 8 forward warps were
-    slower (0.49-0.56 ms), one head per program too (0.340 ms).
+    slower (0.49-0.56 ms), one head per program too (0.340 ms). A second explore run
+    (2026-11-30 19:33 UTC, eager do_bench, B512xL1024 / B128xL4096 / B32xL16384) chose the
+    per-block table with 1 stage: 0.3087 / 0.2956 / 0.3543 ms (80.7% / 83.1% / 85.0% of 4.27
+    TB/s) against 0.3214 / 0.3085 / 0.3692 ms for the offsets lookup with 2 stages, and 0.3140
+    / 0.3022 / 0.3618 ms for the table with 2 stages. Persistent grids were no faster (2
+    programs per SM, 4 heads each: 0.3170 / 0.3058 / 0.3650 ms; one head per item: 0.38 /
+    0.35 / 0.42 ms); 2 warps were 2x slower, 3 stages 25% slower.
     """
 
     fwd_heads_per_program: int = 4
     """Heads handled by one forward program (sines/cosines computed once for all of them)."""
     fwd_warps: int = 4
     """Warps per forward program."""
-    fwd_stages: int = 2
-    """Software-pipelining depth of the forward's head loop."""
+    fwd_stages: int = 1
+    """Software-pipelining depth of the forward's head loop (1: none; smaller shared-memory
+    footprint, more programs per SM)."""
     bwd_heads_per_program: int = 4
     """Heads handled by one backward program."""
     bwd_warps: int = 8
     """Warps per backward program."""
     bwd_stages: int = 2
     """Software-pipelining depth of the backward's head loop."""
+    fwd_programs_per_sm: int = 0
+    """Forward: persistent programs per SM, each looping over (block, head group) items; 0:
+    one program per item (measured faster or equal, see the class docstring)."""
+    fwd_block_table: bool = True
+    """Forward: read each block's first row, row count and first position from a per-block
+    host table (independent loads) instead of deriving them from the offsets (three dependent
+    loads, the backward's way)."""
     fast_trig: bool = True
     """RoPE sines/cosines by the hardware approximations (error < 2^-20.5 on the [-pi, pi)
     angles the kernels reduce to) instead of libdevice ``sin``/``cos``; compiled kernels only
@@ -124,7 +138,8 @@ class _Launch:
 
     meta: torch.Tensor
     """Device int64: ``offsets`` (B + 1), ``cum_blocks`` (B + 1), the sample of every block
-    (``num_blocks``), then the fixed-point RoPE frequencies (D / 2)."""
+    (``num_blocks``), the fixed-point RoPE frequencies (D / 2), then ``[first row, rows,
+    first position]`` of every block (3 x ``num_blocks``)."""
     num_samples: int
     num_blocks: int
     block_size: int
@@ -168,7 +183,12 @@ def _build_plan(lengths, block_size, head_dim, theta, scale, config, interpret, 
     marks.scatter_add_(0, firsts, torch.ones_like(firsts))
     block_sample = torch.cumsum(marks[:num_blocks], 0)
     freqs = torch.tensor(_turn_frequencies(head_dim, theta), dtype=torch.int64)
-    packed = torch.cat([offsets, cum_blocks, block_sample, freqs])
+    first_pos = torch.arange(num_blocks, dtype=torch.int64) - cum_blocks[block_sample]
+    first_pos *= block_size
+    row0 = offsets[block_sample] + first_pos
+    rows = torch.minimum(lengths[block_sample] - first_pos, torch.tensor(block_size))
+    block_table = torch.stack([row0, rows, first_pos], dim=1).reshape(-1)
+    packed = torch.cat([offsets, cum_blocks, block_sample, freqs, block_table])
     packed = host.copy_to_device(packed, device)
     return _Launch(
         meta=packed,
@@ -186,7 +206,8 @@ def _common(q: torch.Tensor, launch: _Launch, positions: torch.Tensor | None, pe
     half = head_dim // 2
     per_program = math.gcd(heads, per_program)
     grid = (launch.num_blocks, heads // per_program)
-    freq = launch.meta[2 * (launch.num_samples + 1) + launch.num_blocks :]
+    freq_start = 2 * (launch.num_samples + 1) + launch.num_blocks
+    freq = launch.meta[freq_start : freq_start + half]
     args = (
         launch.meta,
         freq,
@@ -211,17 +232,31 @@ def _common(q: torch.Tensor, launch: _Launch, positions: torch.Tensor | None, pe
     return grid, args, sizes, flags
 
 
+def _num_sms(device: torch.device, interpret: bool) -> int:
+    if interpret:
+        return 2  # small, so that the persistent loop runs several rounds in the tests
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _forward(q, k, v, positions, launch: _Launch) -> torch.Tensor:
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if launch.num_blocks == 0:
         return out
     cfg = launch.config
-    grid, args, sizes, flags = _common(q, launch, positions, cfg.fwd_heads_per_program)
-    _kernels(launch.interpret).block_attn_fwd_kernel[grid](
-        q, k, v, out, *args,
+    (num_blocks, groups), args, sizes, flags = _common(
+        q, launch, positions, cfg.fwd_heads_per_program
+    )
+    blocks = launch.meta[2 * (launch.num_samples + 1) + num_blocks + q.shape[2] // 2 :]
+    items = num_blocks * groups
+    programs = items
+    if cfg.fwd_programs_per_sm > 0:
+        programs = min(items, _num_sms(q.device, launch.interpret) * cfg.fwd_programs_per_sm)
+    _kernels(launch.interpret).block_attn_fwd_kernel[(programs,)](
+        q, k, v, out, *args, blocks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), *sizes,
-        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **flags,
+        out.stride(0), out.stride(1), *sizes, items, groups,
+        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        BLOCK_TABLE=cfg.fwd_block_table, **flags,
     )  # fmt: skip
     return out
 

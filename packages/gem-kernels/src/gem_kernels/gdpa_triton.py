@@ -22,8 +22,12 @@ over the query tiles that see it), dQ per query tile (loop over key tiles); for 
 sample's dQ is written to its own rows and the samples are summed on the host.
 
 Split work with deterministic combines (float32 partials, summed in a fixed order by
-``segment_sum_kernel``, never atomics): the generic PMA forward and dQ split every sample's keys
-into ``pma_kv_chunk`` chunks (one program per (sample, head) has too few bytes in flight);
+``segment_sum_kernel``, never atomics): the PMA dQ (and the PMA forward with a mask) split every
+sample's keys into ``pma_kv_chunk`` chunks (one program per (sample, head) has too few bytes in
+flight); the unmasked PMA forward streams instead (``GdpaTritonConfig.pma_stream``): program
+``p`` runs an equal, contiguous share of all (sample, head, key tile) steps in one pipelined
+loop, and the segments that straddle two programs are summed from float32 partials by
+``gdpa_pma_combine_kernel``;
 cross-attention dK/dV split samples with more than ``dkdv_q_chunk`` queries into query chunks
 (a key tile of a short KV otherwise walks thousands of query rows alone). Samples that fit in
 one chunk write their result directly.
@@ -36,6 +40,7 @@ CPU tensors run under the Triton interpreter when ``TRITON_INTERPRET=1`` is set 
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass, replace
@@ -95,8 +100,12 @@ class GdpaTritonConfig(host.FlashTileConfig):
     128x64 forward tile with it (fwd 308/426/305 TFLOP/s at B512xL1024/B128xL4096/B1152xL1000
     against 286/443/285 for 128x128 without packing: the 128x128 tile spills registers), and 2
     PMA programs per SM (3127 vs 2525 GB/s at B512xL1024, 2300 vs 2050 at B128xL4096; PMA keeps
-    the float32 activation, see ``packed_gelu``). The
-    short-KV tiles won a sweep of the cross forward at L4096; the backward tiles (dK/dV 64x64
+    the float32 activation, see ``packed_gelu``). A second explore run (2026-11-30 19:33 UTC,
+    kernel time from CUDA-graph replays, eager do_bench is host-bound near 0.15 ms) chose the
+    streamed PMA forward (``pma_stream``) with 128-key tiles, 4 warps, 2 stages, 2 programs
+    per SM: 0.1487 / 0.1405 ms (86% / 88% of 4.27 TB/s) at B512xL1024 / B128xL4096 against
+    0.1550 / 0.1484 ms for the split-KV items (1 program per SM: 0.197 / 0.178 ms; 64-key
+    tiles x3: 0.152 / 0.144 ms). The short-KV tiles won a sweep of the cross forward at L4096; the backward tiles (dK/dV 64x64
     was 30% slower), ``pma_kv_chunk`` (512 and 2048 no better), ``pma_dq_block_n`` and
     ``dkdv_q_chunk`` were kept.
     """
@@ -138,6 +147,13 @@ class GdpaTritonConfig(host.FlashTileConfig):
     dkdv_q_chunk: int = 2048
     """Cross attention: query rows per dK/dV item of samples with more queries than this
     (float32 partials per chunk, summed in a fixed order by a second pass); 0: no split."""
+    pma_stream: bool = True
+    """PMA forward without window or causal mask (and Nq <= ``fwd_block_m``): each of
+    ``pma_programs_per_sm`` x SMs programs streams an equal share of all (sample, head, key
+    tile) steps in one pipelined loop (``pma_block_n`` keys, ``pma_warps``, ``pma_stages``): no
+    tail wave, and the next tile's loads overlap this one's math across segment ends. Segments
+    shared by two programs go through float32 partials summed in a fixed order. Off (and for
+    masked PMA): the split-KV items (``pma_kv_chunk``)."""
     packed_gelu: bool = True
     """``gelu_fast`` on bfloat16 inputs, self and cross attention: evaluate the polynomial CDF
     in packed f16x2 arithmetic (inline PTX, two elements per instruction; the same math in
@@ -145,6 +161,7 @@ class GdpaTritonConfig(host.FlashTileConfig):
     rounding of P: ``GELU_FAST_F16_MAX_ABS_ERROR`` (float32 path: 1.07e-3)."""
 
 
+@functools.lru_cache(maxsize=32)  # called on every call: build (and hash) each config once
 def default_config(
     head_dim: int, *, interpret: bool = False, dtype: torch.dtype = torch.bfloat16
 ) -> GdpaTritonConfig:
@@ -369,6 +386,57 @@ def _short_kv_items(s: _Samples, rows_per_item: int, block_m: int):
     return _rows(s, sample, start, s.out_start[sample], tile_end=end), work
 
 
+def _pma_stream_steps(s: _Samples, heads: int, block_n: int, num_programs: int):
+    """Step list of the streamed PMA forward (``gdpa_pma_fwd_stream_kernel``).
+
+    Steps run sample-major, then head, then key tile (an empty sample gets one step with no
+    valid key, so that its zeros are written); program ``p`` runs steps ``[bounds[p],
+    bounds[p + 1])``, an equal share. Returns ``(steps, bounds, combine, slots)``: ``combine``
+    rows ``[out row, head, first slot, count]`` for segments split over programs, ``slots`` the
+    number of float32 ``Nq x D`` partial blocks they write."""
+    nq = int(s.q_len[0]) if s.q_len.size else 0
+    tiles = np.maximum(_ceil_div(s.k_len, block_n), 1)
+    seg_tiles = np.repeat(tiles, heads)
+    seg_sample = np.repeat(np.arange(s.k_len.size, dtype=np.int64), heads)
+    seg_head = np.tile(np.arange(heads, dtype=np.int64), s.k_len.size)
+    seg_first = np.cumsum(seg_tiles) - seg_tiles
+    total = int(seg_tiles.sum())
+    programs = max(1, min(num_programs, total))
+    bounds = (np.arange(programs + 1, dtype=np.int64) * total) // programs
+    seg, local = _expand(seg_tiles)
+    sample = seg_sample[seg]
+    steps = np.zeros((total, 8), dtype=np.int64)
+    steps[:, 0] = s.k_start[sample] + local * block_n
+    steps[:, 1] = np.clip(s.k_len[sample] - local * block_n, 0, block_n)
+    steps[:, 2] = seg_head[seg]
+    steps[:, 5] = s.k_len[sample]
+    step = np.arange(total, dtype=np.int64)
+    program = np.searchsorted(bounds, step, side="right") - 1
+    # A fragment is a segment's run of steps on one program; its last step flushes.
+    last = (local == seg_tiles[seg] - 1) | np.isin(step + 1, bounds)
+    first_prog = program[seg_first]
+    last_prog = program[seg_first + seg_tiles - 1]
+    split_seg = first_prog != last_prog
+    flushes = np.flatnonzero(last)
+    partial = split_seg[seg[flushes]]
+    slot = np.cumsum(partial) - partial  # consecutive slots, in step order
+    out_row = s.out_start[sample[flushes]]
+    steps[:, 3] = -1
+    steps[flushes, 3] = np.where(partial, slot * nq, out_row)
+    steps[flushes, 4] = partial
+    split = np.flatnonzero(split_seg)
+    count = last_prog[split] - first_prog[split] + 1
+    first_slot = np.zeros_like(split)
+    if split.size:
+        # Slot of each split segment's first fragment: flushes of split segments, in order.
+        seg_of_slot = seg[flushes[partial]]
+        first_slot = np.searchsorted(seg_of_slot, split)
+    combine = np.stack(
+        [s.out_start[seg_sample[split]], seg_head[split], first_slot, count], axis=1
+    ).reshape(-1, 4)
+    return steps, bounds.reshape(-1, 1), combine, int(partial.sum())
+
+
 def schedule_loads(work, num_programs: int, schedule: str) -> torch.Tensor:
     """Total work of each of ``num_programs`` programs under a schedule (float64 CPU tensor).
 
@@ -444,6 +512,8 @@ class _Plan:
     dkdv_grid: int
     dq: torch.Tensor | None
     dq_grid: int
+    stream_bounds: torch.Tensor | None = None  # streamed PMA forward: steps of each program
+    stream_slots: int = 0  # streamed PMA forward: float32 Nq x D partial blocks
     fwd_partial_rows: int = 0  # > 0: split-KV forward (PMA), float32 partial row blocks
     fwd_combine: torch.Tensor | None = None  # [out row block, first, count, step] per sample
     dkdv_partial_rows: int = 0  # > 0: split-Q dK/dV, float32 partial rows
@@ -483,13 +553,21 @@ def _plan(s: _Samples, heads, left, right, config, device, with_backward, interp
     is_cross = not pma_m and not np.array_equal(s.q_start, s.k_start)
     q_chunk = _round_up(config.dkdv_q_chunk, dkdv_m) if is_cross else 0
     max_k = int(s.k_len.max()) if s.k_len.size else 0
+    stream = bool(pma_m) and config.pma_stream and left is None and right is None
+    stream = stream and (s.q_len.size == 0 or int(s.q_len[0]) <= pma_m)  # Nq in one tile
     short = 0
     tables, combines = [], []
     fwd_partial_rows = 0
     if config.short_kv_max > 0 and max_k <= config.short_kv_max:
+        stream = False  # the short-KV forward keeps a sample's whole K and V on chip
         short = max(16, 1 << max(0, max_k - 1).bit_length())
         rows, work = _short_kv_items(s, config.short_rows_per_item, config.short_block_m)
         tables.append(_item_table(rows, work, heads, programs, config.schedule))
+    elif stream:
+        steps, bounds, stream_combine, stream_slots = _pma_stream_steps(
+            s, heads, config.pma_block_n, pma_programs
+        )
+        tables.append((steps, bounds.size - 1))
     else:
         rows, work = _query_tile_items(s, fwd_m, fwd_n, left, right, kv_chunk, False)
         tables.append(_item_table(rows, work, heads, q_programs, config.schedule))
@@ -509,10 +587,18 @@ def _plan(s: _Samples, heads, left, right, config, device, with_backward, interp
         dkdv_partial = _key_partials(s, q_chunk)
         if dkdv_partial is not None:
             combines.append(dkdv_partial[1])
+    if stream:  # bounds and the combine list travel as the last two parts
+        combines += [bounds, stream_combine]
     parts = _to_device(tables, combines, device)
     fwd_combine = parts[len(tables)] if fwd_partial_rows else None
-    dkdv_combine = parts[-1] if dkdv_partial is not None else None
-    plan = _Plan(parts[0], tables[0][1], short, None, 0, None, 0, fwd_partial_rows, fwd_combine)
+    dkdv_combine = None
+    if dkdv_partial is not None:
+        dkdv_combine = parts[len(tables) + (1 if fwd_partial_rows else 0)]
+    plan = _Plan(parts[0], tables[0][1], short, None, 0, None, 0,
+                 fwd_partial_rows=fwd_partial_rows, fwd_combine=fwd_combine)  # fmt: skip
+    if stream:
+        plan = replace(plan, stream_bounds=parts[-2].view(-1), fwd_combine=parts[-1],
+                       stream_slots=stream_slots)  # fmt: skip
     if not with_backward:
         return plan
     dq_blocks = int(_chunks(s.k_len, kv_chunk).sum()) if pma_m else 0
@@ -528,12 +614,14 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def _to_device(tables, combines, device: torch.device) -> list[torch.Tensor]:
-    """One host-to-device copy of every table and combine list, split back into views."""
-    arrays = [table.reshape(-1) for table, _ in tables] + [c.reshape(-1) for c in combines]
+    """One host-to-device copy of every table and combine list (2-D int64 arrays), split back
+    into views of the same widths."""
+    matrices = [table for table, _ in tables] + list(combines)
+    arrays = [m.reshape(-1) for m in matrices]
     packed = torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False))
     packed = host.copy_to_device(packed, device)
     parts = torch.split(packed, [a.size for a in arrays])
-    widths = [_TABLE_WIDTH] * len(tables) + [4] * len(combines)
+    widths = [m.shape[1] for m in matrices]
     return [part.view(-1, width) for part, width in zip(parts, widths, strict=True)]
 
 
@@ -542,16 +630,20 @@ def _to_device(tables, combines, device: torch.device) -> list[torch.Tensor]:
 _PLAN_CACHE = host.PlanCache(maxsize=64)
 
 
-def _cached_plan(s: _Samples, heads, left, right, config, device, with_backward, interpret,
-                 pma_m=0) -> _Plan:  # fmt: skip
+def _cached_plan(q_lengths, k_lengths, num_queries, heads, left, right, config, device,
+                 with_backward, interpret, pma_m=0) -> _Plan:  # fmt: skip
+    """The plan of these CPU int64 lengths (``q_lengths=None``: PMA with ``num_queries``),
+    keyed on their bytes: a hit costs no per-sample host work."""
     key = (
-        s.q_len.tobytes(), s.k_len.tobytes(), s.q_start.tobytes(), s.k_start.tobytes(),
-        s.out_start.tobytes(), heads, left, right, config, str(device), with_backward,
-        interpret, pma_m,
+        None if q_lengths is None else q_lengths.numpy().tobytes(), k_lengths.numpy().tobytes(),
+        num_queries, heads, left, right, config, str(device), with_backward, interpret, pma_m,
     )  # fmt: skip
-    return _PLAN_CACHE.get(
-        key, lambda: _plan(s, heads, left, right, config, device, with_backward, interpret, pma_m)
-    )
+
+    def build() -> _Plan:
+        s = _samples(q_lengths, k_lengths, num_queries)
+        return _plan(s, heads, left, right, config, device, with_backward, interpret, pma_m)
+
+    return _PLAN_CACHE.get(key, build)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -608,6 +700,8 @@ def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tens
         return out
     cfg = launch.config
     kernels = _kernels(launch.interpret)
+    if plan.stream_bounds is not None:
+        return _stream_forward(q, k, v, out, plan, launch)
     partial = out
     if plan.fwd_partial_rows:  # PMA split-KV: one float32 Nq-row block per (sample, chunk)
         rows = plan.fwd_partial_rows * launch.num_queries
@@ -637,6 +731,36 @@ def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tens
         # Per sample: sum of its chunks' Nq x H x D blocks (normalisation is in the partials).
         width = launch.num_queries * heads * q.shape[2]
         _segment_sum(partial.view(-1, width), out.view(-1, width), plan.fwd_combine, launch)
+    return out
+
+
+def _stream_forward(q, k, v, out, plan: _Plan, launch: _Launch) -> torch.Tensor:
+    """Streamed PMA forward (``GdpaTritonConfig.pma_stream``), then the combine of the
+    segments that two or more programs share."""
+    cfg = launch.config
+    kernels = _kernels(launch.interpret)
+    nq, head_dim = launch.num_queries, q.shape[2]
+    if nq == 0:
+        return out
+    partial = torch.empty(
+        (max(plan.stream_slots, 1) * nq, head_dim), dtype=torch.float32, device=q.device
+    )
+    block_m = _pma_block_m(nq, cfg)
+    flags = _flags(q, launch)
+    kernels.gdpa_pma_fwd_stream_kernel[(plan.fwd_grid,)](
+        q, k, v, out, partial, plan.fwd, plan.stream_bounds, nq,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), launch.scale,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=cfg.pma_block_n, BLOCK_D=flags["BLOCK_D"],
+        ACT=launch.activation, NORMALIZE=launch.normalize, DOT_PRECISION=flags["DOT_PRECISION"],
+        UPCAST=flags["UPCAST"], num_warps=cfg.pma_warps, num_stages=cfg.pma_stages,
+    )  # fmt: skip
+    if plan.fwd_combine.shape[0]:
+        kernels.gdpa_pma_combine_kernel[(plan.fwd_combine.shape[0],)](
+            partial, out, plan.fwd_combine, nq, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_M=host.padded_block(nq), BLOCK_D=flags["BLOCK_D"],
+            num_warps=4,
+        )  # fmt: skip
     return out
 
 
@@ -774,9 +898,6 @@ def gdpa_from_lengths(
     if pma and k_lengths is None:
         raise ValueError("PMA broadcast (q_lengths=None) needs k_lengths")
     self_attention = k_lengths is None
-    samples = _samples(
-        q_lengths, q_lengths if self_attention else k_lengths, q.shape[0] if pma else None
-    )
     if self_attention:
         # Self-attention never takes the short-KV forward (its KV is as long as its queries).
         config = _without_short_kv(config)
@@ -793,14 +914,18 @@ def gdpa_from_lengths(
     )
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     pma_m = _pma_block_m(q.shape[0], config) if pma else 0
+    q_host = None if pma else q_lengths.detach().to("cpu", torch.int64)
+    k_host = q_host if self_attention else k_lengths.detach().to("cpu", torch.int64)
     plan = _cached_plan(
-        samples, q.shape[1], left, right, config, q.device, needs_grad, interpret, pma_m
-    )
-    out_rows = samples.q_len.size * q.shape[0] if pma else q.shape[0]
+        q_host, k_host, q.shape[0] if pma else None, q.shape[1], left, right, config, q.device,
+        needs_grad, interpret, pma_m,
+    )  # fmt: skip
+    out_rows = k_host.numel() * q.shape[0] if pma else q.shape[0]
     q, k, v = host.unit_stride(q), host.unit_stride(k), host.unit_stride(v)
     return GdpaFunction.apply(q, k, v, plan, launch, out_rows)
 
 
+@functools.lru_cache(maxsize=32)
 def _without_short_kv(config: GdpaTritonConfig) -> GdpaTritonConfig:
     return replace(config, short_kv_max=0)
 
