@@ -2,6 +2,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from gem_train import Trainer
 from gem_train.checkpoint import latest_checkpoint
@@ -77,3 +78,14 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_in_use(small_config
     resumed = Trainer(config, train_data, output_dir=tmp_path / "other")
     assert resumed.resume(checkpoints)
     assert resumed.step == 2
+
+
+def test_a_non_finite_loss_stops_training_with_a_clear_error(small_config, tmp_path):
+    train_data, _ = prepare_data(small_config.data, progress=False)
+    trainer = Trainer(small_config, train_data, output_dir=tmp_path / "run")
+    batch = next(iter(trainer.loader))
+    forward = trainer._forward
+    trainer._forward = lambda b: forward(b) * float("nan")
+    with pytest.raises(FloatingPointError, match="loss became nan at step 0; resume from the last"):
+        trainer.train_step(batch)
+    assert trainer.step == 0, "the failed step is not counted"
