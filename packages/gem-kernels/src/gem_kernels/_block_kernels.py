@@ -108,6 +108,24 @@ def _load_halves(base, rows64, stride_t, m_ok, offs_f, HALF: tl.constexpr):
 
 
 @triton.jit
+def _rotated_probabilities(
+    q1, q2, k1, k2, cos, sin, m_ok, qk_scale, dtype,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """RoPE on the q/k halves in registers, then the unnormalised softmax numerator of the
+    block's scores (``exp2`` of the max-shifted, masked scores) and the rotated q/k halves."""
+    qr1 = (q1 * cos - q2 * sin).to(dtype)
+    qr2 = (q2 * cos + q1 * sin).to(dtype)
+    kr1 = (k1 * cos - k2 * sin).to(dtype)
+    kr2 = (k2 * cos + k1 * sin).to(dtype)
+    s = _dot(qr1, tl.trans(kr1), DOT_PRECISION, UPCAST)
+    s += _dot(qr2, tl.trans(kr2), DOT_PRECISION, UPCAST)
+    s = tl.where(m_ok[None, :], s * qk_scale, float("-inf"))
+    p = tl.math.exp2(s - tl.max(s, 1)[:, None])
+    return p, qr1, qr2, kr1, kr2
+
+
+@triton.jit
 def _fwd_heads(
     q_ptr, k_ptr, v_ptr, o_ptr, rows64, m_ok, offs_f, offs_d, d_ok, cos, sin, head0,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -125,14 +143,9 @@ def _fwd_heads(
         other=0.0,
     )
     dtype = v.dtype
-    qr1 = (q1 * cos - q2 * sin).to(dtype)
-    qr2 = (q2 * cos + q1 * sin).to(dtype)
-    kr1 = (k1 * cos - k2 * sin).to(dtype)
-    kr2 = (k2 * cos + k1 * sin).to(dtype)
-    s = _dot(qr1, tl.trans(kr1), DOT_PRECISION, UPCAST)
-    s += _dot(qr2, tl.trans(kr2), DOT_PRECISION, UPCAST)
-    s = tl.where(m_ok[None, :], s * qk_scale, float("-inf"))
-    p = tl.math.exp2(s - tl.max(s, 1)[:, None])
+    p, _, _, _, _ = _rotated_probabilities(
+        q1, q2, k1, k2, cos, sin, m_ok, qk_scale, dtype, DOT_PRECISION, UPCAST
+    )
     inv_l = 1.0 / tl.sum(p, 1)
     out = _dot(p.to(dtype), v, DOT_PRECISION, UPCAST) * inv_l[:, None]
     tl.store(
@@ -256,14 +269,9 @@ def block_attn_bwd_kernel(
             other=0.0,
         )
         dtype = v.dtype
-        qr1 = (q1 * cos - q2 * sin).to(dtype)
-        qr2 = (q2 * cos + q1 * sin).to(dtype)
-        kr1 = (k1 * cos - k2 * sin).to(dtype)
-        kr2 = (k2 * cos + k1 * sin).to(dtype)
-        s = _dot(qr1, tl.trans(kr1), DOT_PRECISION, UPCAST)
-        s += _dot(qr2, tl.trans(kr2), DOT_PRECISION, UPCAST)
-        s = tl.where(m_ok[None, :], s * qk_scale, float("-inf"))
-        p = tl.math.exp2(s - tl.max(s, 1)[:, None])
+        p, qr1, qr2, kr1, kr2 = _rotated_probabilities(
+            q1, q2, k1, k2, cos, sin, m_ok, qk_scale, dtype, DOT_PRECISION, UPCAST
+        )
         p = p * (1.0 / tl.sum(p, 1))[:, None]
         # Padding rows have dO = 0, so they add nothing to dv, dk (their dS row is 0).
         dv = _dot(tl.trans(p.to(dtype)), d_out, DOT_PRECISION, UPCAST)
