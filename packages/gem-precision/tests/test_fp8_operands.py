@@ -86,6 +86,44 @@ def test_kernel_variants_agree(monkeypatch, options):
         assert same(ref.scale_t if cols else None, got.scale_t)
 
 
+@pytest.mark.parametrize(
+    "options,shape",
+    [
+        ({"tile_groups": 2, "tile_groups_colsum": 2, "tile_groups_x": 2}, (200, 300)),
+        ({"tile_groups_colsum": 4, "tile_groups_x": 4, "swap_grid": True}, (256, 512)),
+        ({"pair_sum": True, "tile_groups_colsum": 2, "early_col": False}, (256, 512)),
+        ({"pair_sum": True, "raw16": True, "swap_grid": True}, (200, 300)),
+    ],
+)
+def test_wide_paired_and_swapped_tile_programs_agree(monkeypatch, options, shape):
+    # Several 128-column blocks per program, the one-reduction column max + sum, and the
+    # swapped grid: same bits as the reference, column sums as x.sum(0); ragged and even shapes.
+    monkeypatch.setattr(blockwise, "_DUAL_OPTIONS", {**blockwise._DUAL_OPTIONS, **options})
+    x = special_input(rows=shape[0], cols=shape[1], seed=5)
+    finite = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0)
+    for col_tiles in (False, True):
+        ref = quantize_operand(x, "1x128", backend="torch", col_tiles=col_tiles)
+        for col_sum in (False, True):
+            got = quantize_operand(
+                x if not col_sum else finite.to(x.dtype),
+                "1x128",
+                backend="triton",
+                col_sum=col_sum,
+                col_tiles=col_tiles,
+            )
+            if col_sum:
+                want = quantize_operand(
+                    finite.to(x.dtype), "1x128", backend="torch", col_tiles=col_tiles
+                )
+                torch.testing.assert_close(
+                    got.col_sum, finite.to(x.dtype).float().sum(0), rtol=1e-4, atol=1e-3
+                )
+            else:
+                want = ref
+            for field in FIELDS:
+                assert same(getattr(want, field), getattr(got, field)), (field, col_sum)
+
+
 @pytest.mark.parametrize("variant", ["tile", "tile-early", "tile-raw16", "chunked", "dual"])
 @pytest.mark.parametrize("elem", ELEM)
 def test_even_shapes_without_masks(monkeypatch, variant, elem):

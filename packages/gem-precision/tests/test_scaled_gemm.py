@@ -95,6 +95,10 @@ class FakeScaledMM:
         assert b.stride(0) == 1, "b must be column-major"
         if scale_a.dtype == torch.float8_e8m0fnu:
             return self.mx(a, b, scale_a, scale_b, out_dtype)
+        if scale_a.numel() > 1 or scale_b.numel() > 1:
+            # cuBLAS reads block scales with the K-block count rounded up to a multiple of 4
+            # (garbage on the H200 otherwise): scaled_mm_nt must pad K.
+            assert (-(-a.shape[1] // 128)) % 4 == 0, "block-scaled K/128 must be a multiple of 4"
         self.calls.append((tuple(scale_a.shape), tuple(scale_b.shape)))
         out = _dequant_a(a, scale_a) @ _dequant_b(b, scale_b).T
         if bias is not None:
@@ -144,12 +148,13 @@ def test_sm90_native_path_matches_emulation(monkeypatch, fake_native, tensorwise
     monkeypatch.setattr(linear_mod, "gemm_backend", lambda device: "sm90")
     got = _run(native, x, grad)
     assert len(fake_native.calls) == 3  # forward, dgrad, wgrad all went to _scaled_mm
-    if not tensorwise:
-        assert fake_native.calls[0] == ((160, 2), (2, 3))  # 1x128 x 128x128
+    if not tensorwise:  # K padded to 4 blocks of 128 (K = 256, 384 and 160 tokens here)
+        assert fake_native.calls[0] == ((160, 4), (4, 3))  # 1x128 x 128x128
+        assert fake_native.calls[1] == ((160, 4), (4, 2))  # dgrad: 1x128 x 128x128
         if x_tiles:  # dy.T 1x128 along tokens x x.T in 128x128 tiles
-            assert fake_native.calls[2] == ((384, 2), (2, 2))
+            assert fake_native.calls[2] == ((384, 4), (4, 2))
         else:  # 1x128 x 1x128 along tokens
-            assert fake_native.calls[2] == ((384, 2), (2, 256))
+            assert fake_native.calls[2] == ((384, 4), (4, 256))
     for g, w in zip(got, want, strict=True):
         # native results come back in bf16: equal up to its rounding
         assert float((g.float() - w).norm() / w.norm()) < 4e-3
@@ -213,3 +218,36 @@ def test_recipe_validation():
         Fp8Recipe(scaling="nvfp4")
     with pytest.raises(ValueError, match="mx_scale_rounding"):
         Fp8Recipe(mx_scale_rounding="up")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "m,k,n", [(256, 256, 512), (208, 384, 320), (128, 640, 256), (512, 512, 384)]
+)
+def test_cuda_native_gemms_match_emulation(m, k, n):
+    """The three GEMMs of a linear layer through torch._scaled_mm against the emulation, on
+    shapes whose K is not a multiple of 4 blocks of 128 (padded) and ragged M / N."""
+    from gem_precision.blockwise import quantize_operand
+    from gem_precision.scaled_gemm import scaled_mm_nt
+
+    if gemm_backend("cuda") != "sm90":
+        pytest.skip("needs Hopper")
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.05
+    dy = torch.randn(m, n, generator=gen, device="cuda", dtype=torch.bfloat16)
+    xq = quantize_operand(x, "1x128", col_tiles=True)
+    xq_rows = quantize_operand(x, "1x128")
+    wq = quantize_operand(w, "128x128")
+    gq = quantize_operand(dy, "1x128")
+    for name, args in (
+        ("fwd", (xq.data, xq.scale, "1x128", wq.data, wq.scale, "128x128")),
+        ("dgrad", (gq.data, gq.scale, "1x128", wq.data_t, wq.scale_t, "128x128")),
+        ("wgrad_tiles", (gq.data_t, gq.scale_t, "1x128", xq.data_t, xq.scale_t, "128x128")),
+        ("wgrad_1x128", (gq.data_t, gq.scale_t, "1x128", xq_rows.data_t, xq_rows.scale_t, "1x128")),
+    ):
+        want = scaled_mm_nt(*args, out_dtype=torch.float32, native=False)
+        got = scaled_mm_nt(*args, out_dtype=torch.bfloat16, native=True).float()
+        err = float((got - want).norm() / want.norm())
+        assert err < 1e-2, (name, err)

@@ -20,11 +20,13 @@ import triton.language as tl
 # 0x600000 below is the float32 mantissa field of 1.75 = max_normal / 2**emax (both FP8 formats).
 
 
-# In the interpreter, reductions go through tl.reduce with triton.language's own combine
-# functions instead of tl.max / tl.sum: those two are jit functions of triton.language, which
-# the interpreter can only run when TRITON_INTERPRET was set before Triton was first imported,
-# while tl.reduce is patched by it (and recognises these combine functions, so it reduces with
-# numpy). Compiled, the kernels call tl.max / tl.sum (the code measured on the H200).
+# Reductions never call tl.max / tl.sum: those are jit functions of triton.language, decorated
+# once, in the mode TRITON_INTERPRET had when Triton was first imported. Imported under
+# TRITON_INTERPRET=1 (the CPU test fixtures), they are interpreter functions, and a compiled
+# kernel that calls them fails or is wrong. tl.reduce is a builtin that works in both modes:
+# interpreted, it gets triton.language's own combine functions (which the interpreter reduces
+# with numpy); compiled, the combine functions of this file (decorated by the loader in the
+# compiled mode, whatever the order of imports).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -55,11 +57,32 @@ else:
 
     @triton.jit
     def _rmax(x, axis: tl.constexpr):
-        return tl.max(x, axis=axis)
+        return tl.reduce(x, axis, _max_combine)
 
     @triton.jit
     def _rsum(x, axis: tl.constexpr):
-        return tl.sum(x, axis=axis)
+        return tl.reduce(x, axis, _add_combine)
+
+
+@triton.jit
+def _max_and_add(a_bits, a_sum, b_bits, b_sum):
+    return tl.maximum(a_bits, b_bits), a_sum + b_sum
+
+
+if _INTERPRETED:
+
+    @triton.jit
+    def _rmax_and_sum(bits, x, axis: tl.constexpr):
+        # The interpreter runs a custom combine function element by element (far too slow for
+        # the tests): two numpy reductions instead, the same values.
+        return _rmax(bits, axis), _rsum(x, axis)
+
+else:
+
+    @triton.jit
+    def _rmax_and_sum(bits, x, axis: tl.constexpr):
+        # One reduction of the pair: the cross-warp exchange is done once for both values.
+        return tl.reduce((bits, x), axis, _max_and_add)
 
 
 @triton.jit
@@ -88,9 +111,10 @@ def _fp8_bits(v, MBITS: tl.constexpr, BIAS: tl.constexpr):
     frac = t - whole
     q = whole.to(tl.int32)
     q += ((frac > 0.5) | ((frac == 0.5) & ((q & 1) == 1))).to(tl.int32)
-    out = tl.where(a < ((128 - BIAS) << 23), q, normal)
+    out = tl.where(a < ((128 - BIAS) << 23), q, normal) | sign
+    # NaN of either sign becomes 0x7F, as the GPU's conversion writes it.
     out = tl.where(a > 0x7F800000, 0x7F, out)
-    return (out | sign).to(tl.uint8)
+    return out.to(tl.uint8)
 
 
 @triton.jit
@@ -526,18 +550,21 @@ def _to_fp8(
     MAX_NORMAL: tl.constexpr,
     EVEN: tl.constexpr,
 ):
-    """Saturate ``v`` (NaN stays NaN, everything else clamps to +-max_normal) and store it as
-    FP8. The clamp is explicit on every path: with it on the interpreter path only, the H200
-    check against the reference (test_fp8_operands.py::test_cuda_kernel_bit_exact: Inf, huge
-    and subnormal values) failed at commit cacefdc; restoring it is the conservative fix and
-    has not been re-run on the GPU yet."""
-    v = _saturate(v, MAX_NORMAL)
+    """Store ``v`` as FP8, saturated (NaN stays NaN, everything else clamps to +-max_normal).
+
+    On the GPU the conversion saturates by itself (``cvt.rn.satfinite``, H200-checked against
+    the reference with Inf and out-of-range values at cacefdc and again in test_cuda_kernel_bit_
+    exact); only the integer path (``SOFT``) needs the explicit clamp. (What failed that GPU test
+    was the sign of NaN, which the conversion drops: the reference now writes NaN as 0x7F too.)
+    """
     if EVEN:
         if SOFT:
-            tl.store(ptr, _fp8_bits(v, MBITS, BIAS))
+            tl.store(ptr, _fp8_bits(_saturate(v, MAX_NORMAL), MBITS, BIAS))
         else:
             tl.store(ptr, v.to(ptr.dtype.element_ty))
     else:
+        if SOFT:
+            v = _saturate(v, MAX_NORMAL)
         _store_fp8(ptr, v, mask, SOFT, MBITS, BIAS)
 
 
@@ -590,26 +617,39 @@ def blockwise_tile_kernel(
     BLOCK: tl.constexpr,
     EARLY_COL: tl.constexpr = False,
     RAW16: tl.constexpr = False,
+    GROUPS: tl.constexpr = 1,
+    PAIR_SUM: tl.constexpr = False,
+    SWAP_GRID: tl.constexpr = False,
 ):
     """The 1xBLOCK (or ``FIXED``, tensorwise) layouts of :func:`blockwise_dual_kernel` (same
-    bits) with fewer instructions per element: one integer max per direction gives the block maximum and
-    the non-finite flag (:func:`_abs_bits`), the FP8 conversion saturates on its own, and
-    ``EVEN`` (R % BLOCK_R == 0 and C % BLOCK == 0) drops the masks. ``EARLY_COL``: both block
-    maxima are reduced before the row layout is written (the bits die sooner; same results).
+    bits) with fewer instructions per element: one integer max per direction gives the block
+    maximum and the non-finite flag (:func:`_abs_bits`), and ``EVEN`` (R % BLOCK_R == 0 and
+    C % (GROUPS * BLOCK) == 0) drops the masks. ``EARLY_COL``: both block maxima are reduced
+    before the row layout is written (the bits die sooner; same results).
     ``RAW16``: ``x`` is bfloat16 passed as int16 bits (not with ``NORM``): the block maxima are
     taken on the 16-bit magnitudes and each layout widens the tile again, so no float32 copy
     of the tile has to stay in registers (same results).
-    ``COL_TILE``: ``qt`` gets one
-    scale per BLOCK_R x BLOCK tile, ``st`` stored (C/BLOCK, R/BLOCK_R). The transposed tile is
-    converted to FP8 first and transposed in registers (``tl.trans``), then stored: one
-    BLOCK-byte run of ``qt`` per column of ``x``.
+    ``COL_TILE``: ``qt`` gets one scale per BLOCK_R x BLOCK tile, ``st`` stored
+    (C/BLOCK, R/BLOCK_R). The transposed tile is converted to FP8 first and transposed in
+    registers (``tl.trans``), then stored: one BLOCK_R-byte run of ``qt`` per column of ``x``.
+    ``GROUPS``: a program covers GROUPS blocks of BLOCK columns (more bytes in flight per
+    program, same results). ``PAIR_SUM`` (with ``COLSUM`` and 1xBLOCK blocks of x.T): the
+    column maxima and the column sums come out of one two-value reduction.
+    ``SWAP_GRID``: program axis 0 walks the column blocks, axis 1 the row blocks.
     """
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
+    if SWAP_GRID:
+        pid_r = tl.program_id(1)
+        pid_c = tl.program_id(0)
+    else:
+        pid_r = tl.program_id(0)
+        pid_c = tl.program_id(1)
+    BLOCK_C: tl.constexpr = GROUPS * BLOCK
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_c * BLOCK + tl.arange(0, BLOCK)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    groups = pid_c * GROUPS + tl.arange(0, GROUPS)  # scale blocks along C of this program
     rmask = rows < R
     cmask = cols < C
+    gmask = groups * BLOCK < C
     mask = rmask[:, None] & cmask[None, :]
     x_offs = rows[:, None].to(tl.int64) * stride_xr + cols[None, :]
     if RAW16:
@@ -636,7 +676,8 @@ def blockwise_tile_kernel(
             x = x + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         if not EVEN:
             x = tl.where(mask, x, 0.0)
-    if COLSUM:
+    PAIR: tl.constexpr = PAIR_SUM and COLSUM and COL and not FIXED and not COL_TILE
+    if COLSUM and not PAIR:
         tl.store(cs_ptr + pid_r.to(tl.int64) * C + cols, _rsum(x, axis=0), mask=cmask)
     if FIXED:
         e_fixed = tl.load(exp_ptr)
@@ -645,39 +686,65 @@ def blockwise_tile_kernel(
     else:
         bits = _abs_bits(x)
     if not FIXED and (ROW or COL_TILE):
-        row_bits = _rmax(bits, axis=1)
+        if GROUPS == 1:
+            row_bits = _rmax(bits, axis=1)
+        else:
+            row_bits = _rmax(tl.reshape(bits, (BLOCK_R, GROUPS, BLOCK)), axis=2)
         if RAW16:
             row_bits = row_bits.to(tl.int32) << 16
-    if EARLY_COL and COL and not FIXED and not COL_TILE:
-        col_bits = _rmax(bits, axis=0)
+    if (PAIR or EARLY_COL) and COL and not FIXED and not COL_TILE:
+        if PAIR:
+            col_bits, col_sum = _rmax_and_sum(bits, x, 0)
+            tl.store(cs_ptr + pid_r.to(tl.int64) * C + cols, col_sum, mask=cmask)
+        else:
+            col_bits = _rmax(bits, axis=0)
         if RAW16:
             col_bits = col_bits.to(tl.int32) << 16
     if ROW:
         if FIXED:
             e_r = tl.full((BLOCK_R,), 0, tl.int32) + e_fixed
+            q = x * _pow2(-e_r)[:, None]
         else:
             e_r = _exponent_from_bits(row_bits, EMAX, MIN_EXP, MAX_EXP)
-        q = x * _pow2(-e_r)[:, None]
+            if GROUPS == 1:
+                q = x * _pow2(-e_r)[:, None]
+            else:
+                q = tl.reshape(
+                    tl.reshape(x, (BLOCK_R, GROUPS, BLOCK)) * _pow2(-e_r)[:, :, None],
+                    (BLOCK_R, BLOCK_C),
+                )
         offs = rows[:, None].to(tl.int64) * C + cols[None, :]
         _to_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS, MAX_NORMAL, EVEN)
         if not FIXED:
-            if EVEN:
-                tl.store(s_ptr + pid_c.to(tl.int64) * R + rows, _pow2(e_r))
+            if GROUPS == 1:
+                s_offs = pid_c.to(tl.int64) * R + rows
+                s_mask = rmask
             else:
-                tl.store(s_ptr + pid_c.to(tl.int64) * R + rows, _pow2(e_r), mask=rmask)
+                s_offs = groups[None, :].to(tl.int64) * R + rows[:, None]
+                s_mask = rmask[:, None] & gmask[None, :]
+            if EVEN:
+                tl.store(s_ptr + s_offs, _pow2(e_r))
+            else:
+                tl.store(s_ptr + s_offs, _pow2(e_r), mask=s_mask)
     if COL:
         if RAW16:  # noqa: SIM108 (constexpr branches)
             xc = _widen_bf16(raw, True, SOFT)
         else:
             xc = x
         if FIXED:
-            qt = xc * _pow2(-(tl.full((BLOCK,), 0, tl.int32) + e_fixed))[None, :]
+            qt = xc * _pow2(-(tl.full((BLOCK_C,), 0, tl.int32) + e_fixed))[None, :]
         elif COL_TILE:
-            # One scale for the whole BLOCK_R x BLOCK tile (the max of the row maxima).
+            # One scale per BLOCK_R x BLOCK tile (the max of the row maxima).
             e_t = _exponent_from_bits(_rmax(row_bits, axis=0), EMAX, MIN_EXP, MAX_EXP)
-            qt = xc * _pow2(-e_t)
+            if GROUPS == 1:
+                qt = xc * _pow2(-e_t)
+            else:
+                qt = tl.reshape(
+                    tl.reshape(xc, (BLOCK_R, GROUPS, BLOCK)) * _pow2(-e_t)[None, :, None],
+                    (BLOCK_R, BLOCK_C),
+                )
         else:
-            if not EARLY_COL:
+            if not (PAIR or EARLY_COL):
                 col_bits = _rmax(bits, axis=0)
                 if RAW16:
                     col_bits = col_bits.to(tl.int32) << 16
@@ -688,14 +755,19 @@ def blockwise_tile_kernel(
         if SOFT:
             qt = _fp8_bits(_saturate(qt, MAX_NORMAL), MBITS, BIAS)
         else:
-            qt = qt.to(qt_ptr.dtype.element_ty)
+            qt = qt.to(qt_ptr.dtype.element_ty)  # saturates (see _to_fp8)
         if EVEN:
             tl.store(qt_ptr + t_offs, tl.trans(qt))
         else:
             tl.store(qt_ptr + t_offs, tl.trans(qt), mask=t_mask)
         if COL_TILE:
             # (C/BLOCK, R/BLOCK_R) contiguous: the layout of a 128x128 operand's scale_t.
-            tl.store(st_ptr + pid_c.to(tl.int64) * tl.num_programs(0) + pid_r, _pow2(e_t))
+            n_row_blocks = (R + BLOCK_R - 1) // BLOCK_R
+            if GROUPS == 1:
+                tl.store(st_ptr + pid_c.to(tl.int64) * n_row_blocks + pid_r, _pow2(e_t))
+            else:
+                st_offs = groups.to(tl.int64) * n_row_blocks + pid_r
+                tl.store(st_ptr + st_offs, _pow2(e_t), mask=gmask)
         elif not FIXED:
             if EVEN:
                 tl.store(st_ptr + pid_r.to(tl.int64) * C + cols, _pow2(e_c))

@@ -29,6 +29,8 @@ __all__ = [
     "quantize_operand",
 ]
 
+_POSITIVE_NAN = float("nan")  # sign bit clear (Python's NaN)
+
 # Keeps 2**-exponent a normal float32 for any input (tiny amax would otherwise overflow it).
 _MIN_SCALE_EXP = -120
 _MAX_SCALE_EXP = 120
@@ -113,6 +115,8 @@ def quantize_blockwise(
     scaled = tiles * _pow2_fp32(-exponent)[:, None, :, None]
     scaled = scaled.reshape(padded.shape)[:r, :c]
     if stochastic_seed is None:
+        # NaN of either sign is written as the positive NaN (0x7F), as the GPU conversion does.
+        scaled = torch.where(torch.isnan(scaled), _POSITIVE_NAN, scaled)
         data = scaled.clamp(-max_normal, max_normal).to(dtype)
     else:
         data = stochastic_round_to_fp8(scaled, dtype, seed=stochastic_seed, offset=offset)
@@ -165,14 +169,27 @@ BLOCK = 128
 # x with 1x128 blocks of x.T 0.346 ms with 8 warps); "raw16": it reads bfloat16 x as 16-bit
 # integers, takes the block maxima on them and widens the tile once per layout (slower on the
 # H200: dy 0.47-0.51 ms).
+# "tile_groups" (with "tile_groups_colsum" / "tile_groups_x" as for the warps): 128-column
+# blocks per program of the tile kernel; "pair_sum": dy's column maxima and column sums in one
+# two-value reduction; "swap_grid": program axis 0 walks the column blocks. All bit-exact on the
+# H200, none faster (2026-11-30, same sizes): dy 0.48 ms (4 warps) against 0.52 with pair_sum,
+# 0.63-1.0 with 2 or 4 blocks per program, 0.48 with the swapped grid; x with 128x128 tiles of
+# x.T 0.33 against 0.45-0.49 with 2 blocks (that run had an explicit clamp, since removed; the
+# bench sweep of the final run: dy 0.412 ms, 0.430 with pair_sum; x tiles 0.294 / 0.294 ms with
+# 4 / 8 warps; rows only 0.217 ms with 32 or 64 rows).
 _DUAL_OPTIONS = {
     "variant": "tile",
     "tile_warps": 8,
     "tile_warps_colsum": 4,
-    "tile_warps_x": 4,
+    "tile_warps_x": 8,
+    "tile_groups": 1,
+    "tile_groups_colsum": 1,
+    "tile_groups_x": 1,
+    "pair_sum": False,
+    "swap_grid": False,
     "num_warps": 4,
     "trans": 1,
-    "rows_only_block_r": 64,
+    "rows_only_block_r": 32,
     "chunk": 32,
     "early_col": True,
     "raw16": False,
@@ -332,6 +349,14 @@ def _tile_warps(cols: bool, col_tiles: bool, col_sum: bool) -> int:
     return _DUAL_OPTIONS["tile_warps_colsum" if col_sum else "tile_warps"]
 
 
+def _tile_groups(cols: bool, col_tiles: bool, col_sum: bool) -> int:
+    if not cols:
+        return 1
+    if col_tiles:
+        return _DUAL_OPTIONS["tile_groups_x"]
+    return _DUAL_OPTIONS["tile_groups_colsum" if col_sum else "tile_groups"]
+
+
 def _quantize_operand_triton(
     x, kind, dtype, rows, cols, col_sum=False, col_tiles=False
 ) -> Fp8Operand:
@@ -376,7 +401,12 @@ def _quantize_operand_triton(
         raw16 = _DUAL_OPTIONS["raw16"] and x.dtype == torch.bfloat16
         if raw16:
             x_arg, bf16_bits = x.view(torch.int16), False
-        _triton.kernels(x).blockwise_tile_kernel[(nr, nc)](
+        groups = _tile_groups(cols, col_tiles, col_sum)
+        block_c = groups * BLOCK
+        n_col_programs = -(-c // block_c)
+        swap = _DUAL_OPTIONS["swap_grid"]
+        grid = (n_col_programs, nr) if swap else (nr, n_col_programs)
+        _triton.kernels(x).blockwise_tile_kernel[grid](
             x_arg,
             _triton.fp8_arg(q, soft) if rows else dummy,
             s,
@@ -404,11 +434,14 @@ def _quantize_operand_triton(
             HAS_B=False,
             BF16_BITS=bf16_bits,
             COLSUM=col_sum,
-            EVEN=r % block_r == 0 and c % BLOCK == 0,
+            EVEN=r % block_r == 0 and c % block_c == 0,
             BLOCK_R=block_r,
             BLOCK=BLOCK,
             EARLY_COL=_DUAL_OPTIONS["early_col"],
             RAW16=raw16,
+            GROUPS=groups,
+            PAIR_SUM=_DUAL_OPTIONS["pair_sum"],
+            SWAP_GRID=swap,
             num_warps=_tile_warps(cols, col_tiles, col_sum),
         )
     elif x.numel() and variant == "chunked":

@@ -37,18 +37,29 @@ __all__ = ["Fp8NormLinear", "norm_forward_reference", "norm_quantize"]
 
 _KINDS = ("rms", "layer")
 
-# The fused autograd function on CUDA (native scaled_mm). Off: on the H200 at commit cacefdc its
-# input gradient disagreed with the CPU emulation (relative error 0.71 in
-# test_fused_norm.py::test_cuda_fused_path_matches_cpu, which stays as a strict xfail until the
-# cause is found), while Fp8Linear alone matched. Until then CUDA runs the norm in PyTorch and
-# Fp8Linear; norm_quantize (the fused forward kernel) itself is unaffected and checked on the GPU
-# by the benchmark. CPU runs under TRITON_INTERPRET still take the fused path.
-FUSED_ON_CUDA = False
+# The fused autograd function on CUDA (native scaled_mm). It was off for a while: its input
+# gradient disagreed with the CPU emulation on the H200 (relative error 0.71), which turned out
+# to be the dgrad GEMM, not the fused kernels: cuBLAS reads 128x128 block scales with K/128
+# rounded up to a multiple of 4, and that layer had K=256 (scaled_gemm now pads K). Unfused
+# Fp8Linear failed the same way at that shape. Set it False to run norm + Fp8Linear instead.
+FUSED_ON_CUDA = True
 
 # Launch options of the norm kernels (tuned on an H200; the benchmark sweeps them): two rows of
 # 4096 per program with 4 warps ran the fused RMSNorm -> quantise at 0.196 ms for 65536 x 4096
-# bf16 (97% of the copy rate), one row at 0.210 ms.
-_NORM_OPTIONS = {"rows_per_program": 2, "num_warps": 4, "bwd_rows_per_program": 64}
+# bf16 (97% of HBM), 8 warps 0.210 ms.
+# "xt_warps" / "xt_groups" / "xt_swap": warps, 128-column blocks per program and grid order of
+# the backward's kernel that recomputes norm(x).T in 128x128 tiles for wgrad. H200, 65536 x 4096
+# bf16: 8 warps 0.231 ms (81.6% of HBM), 4 warps 0.247, 2 warps 0.569; two or four 128-column
+# blocks per program or the swapped grid 0.31-0.51 ms. (The results do not depend on the warps:
+# block maxima are exact in any order and each element is scaled on its own.)
+_NORM_OPTIONS = {
+    "rows_per_program": 2,
+    "num_warps": 4,
+    "bwd_rows_per_program": 64,
+    "xt_warps": 8,
+    "xt_groups": 1,
+    "xt_swap": False,
+}
 
 
 def norm_forward_reference(
@@ -203,7 +214,28 @@ def _normed_transposed_operand(
         x.stride(0),
     )
     fp8_qt = _triton.fp8_arg(qt, soft)
-    if _DUAL_OPTIONS["variant"] == "tile" or col_tiles:
+    if col_tiles:
+        groups = _NORM_OPTIONS["xt_groups"]
+        n_col_programs = -(-c // (groups * BLOCK))
+        swap = _NORM_OPTIONS["xt_swap"]
+        _triton.kernels(x).blockwise_tile_kernel[
+            (n_col_programs, nr) if swap else (nr, n_col_programs)
+        ](
+            x_arg,
+            dummy,
+            dummy,
+            fp8_qt,
+            st,
+            dummy,
+            *norm_args,
+            **common,
+            COL_TILE=True,
+            EVEN=r % BLOCK == 0 and c % (groups * BLOCK) == 0,
+            GROUPS=groups,
+            SWAP_GRID=swap,
+            num_warps=_NORM_OPTIONS["xt_warps"],
+        )
+    elif _DUAL_OPTIONS["variant"] == "tile":
         _triton.kernels(x).blockwise_tile_kernel[grid](
             x_arg,
             dummy,
@@ -213,9 +245,9 @@ def _normed_transposed_operand(
             dummy,
             *norm_args,
             **common,
-            COL_TILE=col_tiles,
+            COL_TILE=False,
             EVEN=r % BLOCK == 0 and c % BLOCK == 0,
-            num_warps=_DUAL_OPTIONS["tile_warps_x" if col_tiles else "tile_warps"],
+            num_warps=_DUAL_OPTIONS["tile_warps"],
         )
     else:
         _triton.kernels(x).blockwise_dual_kernel[grid](

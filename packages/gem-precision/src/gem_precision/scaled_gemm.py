@@ -6,7 +6,8 @@ column-major).
 
 * Hopper (sm90): blockwise scales with torch's ``ScalingType`` BlockWise1x128 /
   BlockWise128x128 (float32 scales; 1x128 scales outer-dim-major, 128x128 scales of ``b`` with
-  ``scale_b.t()`` contiguous), or one tensorwise scale per operand.
+  ``scale_b.t()`` contiguous; K zero-padded to a multiple of 4 blocks of 128, which cuBLAS
+  assumes when it reads block scales), or one tensorwise scale per operand.
 * Blackwell (sm100): MXFP8, E8M0 scales per 1x32 block in cuBLAS's swizzled 128x4 layout
   (:func:`swizzle_mx_scales`).
 * Everything else (CPU, other GPUs, shapes ``_scaled_mm`` rejects): dequantise and multiply in
@@ -72,6 +73,52 @@ def _native_shape_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0
 
 
+_K_BLOCKS_MULTIPLE = 4
+
+
+def _pad_columns(data: torch.Tensor, cols: int) -> torch.Tensor:
+    """FP8 ``data`` (R, K) zero-padded to (R, cols) (through uint8: copies work for any torch)."""
+    out = torch.zeros((data.shape[0], cols), dtype=torch.uint8, device=data.device)
+    out[:, : data.shape[1]] = data.view(torch.uint8)
+    return out.view(data.dtype)
+
+
+def _pad_scale(scale: torch.Tensor, kind: str, k_blocks: int) -> torch.Tensor:
+    """Scales of one operand with ``k_blocks`` blocks along K (new blocks: scale 1, data 0)."""
+    if kind == "1x128":  # (R, Kb) outer-dim-major
+        out = torch.ones((k_blocks, scale.shape[0]), dtype=scale.dtype, device=scale.device)
+        out[: scale.shape[1]] = scale.t()
+        return out.t()
+    if kind == "128x128":  # (ceil(R/128), Kb) contiguous
+        out = torch.ones((scale.shape[0], k_blocks), dtype=scale.dtype, device=scale.device)
+        out[:, : scale.shape[1]] = scale
+        return out
+    return scale
+
+
+def _pad_k_for_block_scales(a_data, a_scale, a_kind, b_data, b_scale, b_kind):
+    """Blockwise operands with K padded so that K/128 is a multiple of 4.
+
+    cuBLAS reads block scales as if the count of 128-blocks along K were rounded up to a
+    multiple of 4: with 2 blocks (K=256) the H200 returned garbage (dgrad of a layer with 256
+    outputs: relative error 0.7 to 3e4 against the emulation, varying with what lay in memory),
+    while K=512, 1024, 4096 matched. Zero data and unit scales in the padding add nothing.
+    """
+    k = a_data.shape[1]
+    k_blocks = -(-k // 128)
+    padded_blocks = -(-k_blocks // _K_BLOCKS_MULTIPLE) * _K_BLOCKS_MULTIPLE
+    blockwise = {a_kind, b_kind} & {"1x128", "128x128"}
+    if not blockwise or padded_blocks == k_blocks:
+        return a_data, a_scale, b_data, b_scale
+    cols = padded_blocks * 128
+    return (
+        _pad_columns(a_data, cols),
+        _pad_scale(a_scale, a_kind, padded_blocks),
+        _pad_columns(b_data, cols),
+        _pad_scale(b_scale, b_kind, padded_blocks),
+    )
+
+
 def scaled_mm_nt(
     a_data: torch.Tensor,
     a_scale: torch.Tensor,
@@ -91,6 +138,9 @@ def scaled_mm_nt(
     result); if torch rejects the call it warns once and falls back to the emulation.
     """
     if native and _native_shape_ok(a_data, b_data):
+        a_data, a_scale, b_data, b_scale = _pad_k_for_block_scales(
+            a_data, a_scale, a_kind, b_data, b_scale, b_kind
+        )
         scale_b = b_scale.t() if b_scale.dim() == 2 else b_scale
         key = (a_kind, b_kind)
         if bias is not None and bias.dtype == out_dtype and key not in _NO_BIAS_EPILOGUE:
