@@ -170,10 +170,14 @@ def test_sm90_wgrad_in_bf16_and_unsupported_shape_fallback(monkeypatch, fake_nat
     want = grad.bfloat16().float().T @ x.bfloat16().float()
     assert float((gw.float() - want).norm() / want.norm()) < 4e-3  # a bf16 GEMM
     torch.testing.assert_close(gb, grad.sum(0))
-    # K=100 is not a multiple of 16: _scaled_mm is not called, the emulation is, with a warning.
-    odd = Fp8Linear(100, 128)
+    # K=100: block-scaled operands are padded to 4 blocks of 128 along K, so it runs natively.
+    calls = len(fake_native.calls)
+    Fp8Linear(100, 128)(torch.randn(64, 100))
+    assert len(fake_native.calls) == calls + 1
+    # N=100 is not a multiple of 16: _scaled_mm is not called, the emulation is, with a warning.
     with pytest.warns(RuntimeWarning, match="not a multiple of 16"):
-        odd(torch.randn(64, 100))
+        Fp8Linear(128, 100)(torch.randn(64, 128))
+    assert len(fake_native.calls) == calls + 1
 
 
 def test_sm100_mxfp8_path_matches_independent_emulation(monkeypatch, fake_native):
@@ -251,3 +255,65 @@ def test_cuda_native_gemms_match_emulation(m, k, n):
         got = scaled_mm_nt(*args, out_dtype=torch.bfloat16, native=True).float()
         err = float((got - want).norm() / want.norm())
         assert err < 1e-2, (name, err)
+
+
+def test_padding_for_native_block_scaled_gemms_keeps_the_product():
+    """The zero columns and unit scales added for cuBLAS change nothing: the emulated product
+    of the padded operands equals the unpadded one (up to summation order)."""
+    from gem_precision.blockwise import dequantize_operand, quantize_operand
+    from gem_precision.scaled_gemm import _pad_k_for_block_scales
+
+    gen = torch.Generator().manual_seed(3)
+    m, k, n = 301, 300, 144  # ragged M, K of 3 partial-ish blocks (padded to 4)
+    a = quantize_operand(torch.randn(m, k, generator=gen), "1x128", cols=False, backend="torch")
+    b = quantize_operand(torch.randn(n, k, generator=gen), "128x128", backend="torch")
+    want = (
+        dequantize_operand(a.data, a.scale, "1x128")
+        @ dequantize_operand(b.data, b.scale, "128x128").T
+    )
+    a_data, a_scale, b_data, b_scale = _pad_k_for_block_scales(
+        a.data, a.scale, "1x128", b.data, b.scale, "128x128"
+    )
+    assert a_data.shape == (m, 512) and b_data.shape == (n, 512)
+    assert a_scale.shape == (m, 4) and a_scale.stride() == (1, m)  # outer-dim-major kept
+    assert b_scale.shape == (2, 4) and b_scale.is_contiguous()
+    got = (
+        dequantize_operand(a_data, a_scale, "1x128")
+        @ dequantize_operand(b_data, b_scale, "128x128").T
+    )
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [301, 1000, 4099])
+def test_cuda_ragged_rows_match_emulation(m, monkeypatch):
+    """Token counts that are not multiples of 4 or 16 (any batch of jagged histories): the
+    forward, dgrad and wgrad (whose K is the token count) run natively and match the
+    emulation."""
+    if gemm_backend("cuda") != "sm90":
+        pytest.skip("needs Hopper")
+    calls = []
+    native = torch._scaled_mm
+    monkeypatch.setattr(
+        torch, "_scaled_mm", lambda *a, **kw: calls.append(a[0].shape) or native(*a, **kw)
+    )
+    torch.manual_seed(5)
+    layer = torch.nn.Linear(256, 384)
+    x = torch.randn(m, 256)
+    x[: m // 5] = 0  # all-zero blocks
+    dy = torch.randn(m, 384)
+    results = []
+    for device in ("cpu", "cuda"):
+        fp8 = Fp8Linear.from_linear(torch.nn.Linear(256, 384), recipe=Fp8Recipe()).to(device)
+        with torch.no_grad():
+            fp8.weight.copy_(layer.weight)
+            fp8.bias.copy_(layer.bias)
+        xi = x.clone().to(device).requires_grad_(True)
+        y = fp8(xi)
+        y.backward(dy.to(device))
+        results.append([t.detach().float().cpu() for t in (y, xi.grad, fp8.weight.grad)])
+    assert len(calls) >= 3, "forward, dgrad and wgrad must run natively"
+    for name, cpu, gpu in zip(("y", "dx", "dw"), *results, strict=True):
+        err = float((gpu - cpu).norm() / cpu.norm())
+        assert err < 2e-2, (name, m, err)

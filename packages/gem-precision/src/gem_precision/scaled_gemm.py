@@ -97,7 +97,7 @@ def _pad_scale(scale: torch.Tensor, kind: str, k_blocks: int) -> torch.Tensor:
 
 
 def _pad_k_for_block_scales(a_data, a_scale, a_kind, b_data, b_scale, b_kind):
-    """Blockwise operands with K padded so that K/128 is a multiple of 4.
+    """Blockwise operands with K padded so that K/128 is a multiple of 4 (and K of 16).
 
     cuBLAS reads block scales as if the count of 128-blocks along K were rounded up to a
     multiple of 4: with 2 blocks (K=256) the H200 returned garbage (dgrad of a layer with 256
@@ -108,7 +108,7 @@ def _pad_k_for_block_scales(a_data, a_scale, a_kind, b_data, b_scale, b_kind):
     k_blocks = -(-k // 128)
     padded_blocks = -(-k_blocks // _K_BLOCKS_MULTIPLE) * _K_BLOCKS_MULTIPLE
     blockwise = {a_kind, b_kind} & {"1x128", "128x128"}
-    if not blockwise or padded_blocks == k_blocks:
+    if not blockwise or (padded_blocks == k_blocks and k % 16 == 0):
         return a_data, a_scale, b_data, b_scale
     cols = padded_blocks * 128
     return (
@@ -117,6 +117,33 @@ def _pad_k_for_block_scales(a_data, a_scale, a_kind, b_data, b_scale, b_kind):
         _pad_columns(b_data, cols),
         _pad_scale(b_scale, b_kind, padded_blocks),
     )
+
+
+def _native_scaled_mm(a_data, a_scale, a_kind, b_data, b_scale, b_kind, out_dtype, bias):
+    """``torch._scaled_mm`` on prepared operands, or None (after one warning) if torch
+    rejects the scaling."""
+    scale_b = b_scale.t() if b_scale.dim() == 2 else b_scale
+    key = (a_kind, b_kind)
+    if bias is not None and bias.dtype == out_dtype and key not in _NO_BIAS_EPILOGUE:
+        try:  # the bias in cuBLAS's epilogue saves a pass over the output
+            return torch._scaled_mm(
+                a_data, b_data.t(), scale_a=a_scale, scale_b=scale_b, bias=bias,
+                out_dtype=out_dtype,
+            )  # fmt: skip
+        except (RuntimeError, ValueError, NotImplementedError):
+            _NO_BIAS_EPILOGUE.add(key)
+    try:
+        out = torch._scaled_mm(
+            a_data, b_data.t(), scale_a=a_scale, scale_b=scale_b, out_dtype=out_dtype
+        )
+        return out if bias is None else out + bias.to(out.dtype)
+    except (RuntimeError, ValueError, NotImplementedError) as err:
+        _warn_once(
+            f"scaled_mm:{a_kind}:{b_kind}",
+            f"torch._scaled_mm rejected ({a_kind}, {b_kind}) scaling, emulating the FP8 "
+            f"GEMM instead (slow): {str(err).splitlines()[0]}",
+        )
+        return None
 
 
 def scaled_mm_nt(
@@ -137,44 +164,29 @@ def scaled_mm_nt(
     With ``native`` the GEMM is ``torch._scaled_mm`` (float32 accumulation, ``out_dtype``
     result); if torch rejects the call it warns once and falls back to the emulation.
     """
-    if native and _native_shape_ok(a_data, b_data):
+    rows = a_data.shape[0]
+    if native:
+        # Block-scaled operands: K padded to a multiple of 4 blocks of 128, which also makes
+        # it a multiple of 16, so any token count works as the K of the wgrad GEMM. Any M
+        # works as is (checked on the H200 with M = 301, 1000, 4099).
         a_data, a_scale, b_data, b_scale = _pad_k_for_block_scales(
             a_data, a_scale, a_kind, b_data, b_scale, b_kind
         )
-        scale_b = b_scale.t() if b_scale.dim() == 2 else b_scale
-        key = (a_kind, b_kind)
-        if bias is not None and bias.dtype == out_dtype and key not in _NO_BIAS_EPILOGUE:
-            try:  # the bias in cuBLAS's epilogue saves a pass over the output
-                return torch._scaled_mm(
-                    a_data,
-                    b_data.t(),
-                    scale_a=a_scale,
-                    scale_b=scale_b,
-                    bias=bias,
-                    out_dtype=out_dtype,
-                )
-            except (RuntimeError, ValueError, NotImplementedError):
-                _NO_BIAS_EPILOGUE.add(key)
-        try:
-            out = torch._scaled_mm(
-                a_data, b_data.t(), scale_a=a_scale, scale_b=scale_b, out_dtype=out_dtype
+        if _native_shape_ok(a_data, b_data):
+            out = _native_scaled_mm(
+                a_data, a_scale, a_kind, b_data, b_scale, b_kind, out_dtype, bias
             )
-            return out if bias is None else out + bias.to(out.dtype)
-        except (RuntimeError, ValueError, NotImplementedError) as err:
+            if out is not None:
+                return out[:rows]
+        else:
             _warn_once(
-                f"scaled_mm:{a_kind}:{b_kind}",
-                f"torch._scaled_mm rejected ({a_kind}, {b_kind}) scaling, emulating the FP8 "
-                f"GEMM instead (slow): {str(err).splitlines()[0]}",
+                f"shape:{a_data.shape[1]}:{b_data.shape}",
+                f"FP8 GEMM with K={a_data.shape[1]}, N={b_data.shape[0]} is not a multiple of "
+                "16: emulated (slow)",
             )
-    elif native:
-        _warn_once(
-            f"shape:{a_data.shape[1]}:{b_data.shape}",
-            f"FP8 GEMM with K={a_data.shape[1]}, N={b_data.shape[0]} is not a multiple of 16: "
-            "emulated (slow)",
-        )
     a = dequantize_operand(a_data, a_scale, a_kind)
     b = dequantize_operand(b_data, b_scale, b_kind)
-    out = a @ b.T
+    out = (a @ b.T)[:rows]
     if bias is not None:
         out = out + bias.to(torch.float32)
     return out.to(out_dtype)
