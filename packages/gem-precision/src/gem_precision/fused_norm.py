@@ -203,7 +203,14 @@ def _normed_transposed_operand(
         BLOCK_R=BLOCK,
         BLOCK=BLOCK,
     )
-    norm_args = (
+    # Only the x^T outputs are written: no row data, row scales or tensorwise exponent.
+    args = (
+        x_arg,
+        dummy,
+        dummy,
+        _triton.fp8_arg(qt, soft),
+        st,
+        dummy,
         dummy if mean is None else mean,
         rstd,
         dummy if weight is None else weight,
@@ -213,7 +220,6 @@ def _normed_transposed_operand(
         c,
         x.stride(0),
     )
-    fp8_qt = _triton.fp8_arg(qt, soft)
     if col_tiles:
         groups = _NORM_OPTIONS["xt_groups"]
         n_col_programs = -(-c // (groups * BLOCK))
@@ -221,13 +227,7 @@ def _normed_transposed_operand(
         _triton.kernels(x).blockwise_tile_kernel[
             (n_col_programs, nr) if swap else (nr, n_col_programs)
         ](
-            x_arg,
-            dummy,
-            dummy,
-            fp8_qt,
-            st,
-            dummy,
-            *norm_args,
+            *args,
             **common,
             COL_TILE=True,
             EVEN=r % BLOCK == 0 and c % (groups * BLOCK) == 0,
@@ -237,13 +237,7 @@ def _normed_transposed_operand(
         )
     elif _DUAL_OPTIONS["variant"] == "tile":
         _triton.kernels(x).blockwise_tile_kernel[grid](
-            x_arg,
-            dummy,
-            dummy,
-            fp8_qt,
-            st,
-            dummy,
-            *norm_args,
+            *args,
             **common,
             COL_TILE=False,
             EVEN=r % BLOCK == 0 and c % BLOCK == 0,
@@ -251,13 +245,7 @@ def _normed_transposed_operand(
         )
     else:
         _triton.kernels(x).blockwise_dual_kernel[grid](
-            x_arg,
-            dummy,
-            dummy,
-            fp8_qt,
-            st,
-            dummy,
-            *norm_args,
+            *args,
             **common,
             TILE=False,
             TRANS=_DUAL_OPTIONS["trans"],
