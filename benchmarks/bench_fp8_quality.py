@@ -87,8 +87,9 @@ def main() -> None:
         "--merge",
         nargs="+",
         metavar="JSON",
-        help="instead of training: merge per-seed result files of this script into --out "
-        "(per-seed rows plus mean and std of each provider's NE difference vs bf16)",
+        help="instead of training: merge per-seed result files of this script (or earlier "
+        "merged files) into --out (per-seed rows plus mean and std of each provider's NE "
+        "difference vs bf16)",
     )
     args = parser.parse_args()
     if args.merge:
@@ -291,9 +292,18 @@ def merge_seeds(paths: list[Path], out: Path) -> None:
     ne: dict[tuple[str, str, object], float] = {}  # (task, provider, seed) -> eval NE
     for path in paths:
         data = json.loads(path.read_text())
-        seed = data["meta"].get("seed")
-        runs.append({"file": path.name, "seed": seed, "steps": data["meta"].get("steps")})
-        for row in data["rows"]:
+        if "runs" in data["meta"]:  # an earlier merge: its per-seed rows, aggregates dropped
+            runs.extend(data["meta"]["runs"])
+            per_seed = []
+            for row in data["rows"]:
+                case, _, seed_text = row["case"].rpartition("/seed")
+                if case and seed_text.isdigit():
+                    per_seed.append(({**row, "case": case}, int(seed_text)))
+        else:
+            seed = data["meta"].get("seed")
+            runs.append({"file": path.name, "seed": seed, "steps": data["meta"].get("steps")})
+            per_seed = [(row, seed) for row in data["rows"]]
+        for row, seed in per_seed:
             if row["metric"] == "ne_rel_diff_vs_bf16":
                 continue  # recomputed below, also across files of the same seed
             key = (row["case"], row["provider"], row["mode"], row["metric"], seed)
