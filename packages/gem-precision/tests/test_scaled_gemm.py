@@ -93,6 +93,7 @@ class FakeScaledMM:
         assert a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and b.dtype == a.dtype
         assert a.stride(1) == 1, "a must be row-major"
         assert b.stride(0) == 1, "b must be column-major"
+        assert a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0, "K and N must divide by 16"
         if scale_a.dtype == torch.float8_e8m0fnu:
             return self.mx(a, b, scale_a, scale_b, out_dtype)
         if scale_a.numel() > 1 or scale_b.numel() > 1:
