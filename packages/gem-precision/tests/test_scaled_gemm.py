@@ -161,6 +161,23 @@ def test_sm90_native_path_matches_emulation(monkeypatch, fake_native, tensorwise
         assert float((g.float() - w).norm() / w.norm()) < 4e-3
 
 
+@pytest.mark.parametrize("tokens", [100, 1000])
+def test_sm90_any_token_count_runs_all_three_gemms_natively(monkeypatch, fake_native, tokens):
+    """The wgrad GEMM's K is the token count: 100 (one partial block) and 1000 (8 blocks, not
+    a multiple of 16) are padded, so no GEMM falls back to the emulation."""
+    torch.manual_seed(4)
+    emulated = Fp8Linear(256, 384)
+    native = Fp8Linear(256, 384)
+    native.load_state_dict(emulated.state_dict())
+    x, grad = torch.randn(tokens, 256), torch.randn(tokens, 384)
+    want = _run(emulated, x, grad)
+    monkeypatch.setattr(linear_mod, "gemm_backend", lambda device: "sm90")
+    got = _run(native, x, grad)
+    assert len(fake_native.calls) == 3
+    for g, w in zip(got, want, strict=True):
+        assert float((g.float() - w).norm() / w.norm()) < 4e-3
+
+
 def test_sm90_wgrad_in_bf16_and_unsupported_shape_fallback(monkeypatch, fake_native):
     torch.manual_seed(1)
     monkeypatch.setattr(linear_mod, "gemm_backend", lambda device: "sm90")
