@@ -214,8 +214,10 @@ def test_tiny_training_run_matches_fp32():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu_emulation():
+    """The Hadamard recipe on a GPU: rotated operands, native GEMMs on Hopper / Blackwell (a
+    bfloat16 result, so equal to the emulation up to its rounding), else the emulation."""
     ref, fp8 = pair(recipe=Fp8Recipe(hadamard=True))
     x = torch.randn(64, 256)
     cpu = fp8(x)
     gpu = fp8.cuda()(x.cuda()).cpu()
-    torch.testing.assert_close(gpu, cpu, rtol=1e-4, atol=1e-4)
+    assert float((gpu - cpu).norm() / cpu.norm()) < 4e-3

@@ -36,7 +36,8 @@ def test_recipe_paths_per_backend(monkeypatch):
         ("sm100", Fp8Recipe(scaling="blockwise"), ("blockwise", True)),
         ("sm100", Fp8Recipe(tensorwise=True), ("blockwise", True)),
         ("emulated", Fp8Recipe(), ("blockwise", False)),
-        ("sm90", Fp8Recipe(hadamard=True), ("hadamard", False)),
+        ("sm90", Fp8Recipe(hadamard=True), ("hadamard", True)),
+        ("emulated", Fp8Recipe(hadamard=True), ("hadamard", False)),
     ]:
         monkeypatch.setattr(linear_mod, "gemm_backend", lambda device, b=backend: b)
         assert linear_mod._path(recipe, cpu) == expected, (backend, recipe)
@@ -176,6 +177,34 @@ def test_sm90_any_token_count_runs_all_three_gemms_natively(monkeypatch, fake_na
     assert len(fake_native.calls) == 3
     for g, w in zip(got, want, strict=True):
         assert float((g.float() - w).norm() / w.norm()) < 4e-3
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        Fp8Recipe(hadamard=True),
+        Fp8Recipe(hadamard=True, hadamard_block_size=16, stochastic_rounding_grads=True),
+        Fp8Recipe(hadamard=True, wgrad_x_tiles=False),
+        Fp8Recipe(hadamard=True, tensorwise=True),
+    ],
+    ids=["rht", "rht16_sr", "rht_x_rows", "rht_tensorwise"],
+)
+def test_sm90_hadamard_runs_natively_with_the_emulated_numerics(monkeypatch, fake_native, recipe):
+    """With RHT each GEMM's operands are rotated along its reduction dim, then quantised and
+    multiplied natively: the same quantised values as the emulated path (K = 208 and 150
+    tokens are padded to the Hadamard block and to 4 blocks of 128)."""
+    torch.manual_seed(6)
+    emulated = Fp8Linear(208, 96, recipe=recipe)
+    native = Fp8Linear(208, 96, recipe=recipe)
+    native.load_state_dict(emulated.state_dict())
+    x, grad = torch.randn(150, 208), torch.randn(150, 96)
+    x[:, 7] *= 50  # an outlier channel, what the rotation is for
+    want = _run(emulated, x, grad)
+    monkeypatch.setattr(linear_mod, "gemm_backend", lambda device: "sm90")
+    got = _run(native, x, grad)
+    assert len(fake_native.calls) == 3  # forward, dgrad and wgrad on _scaled_mm
+    for g, w in zip(got, want, strict=True):
+        assert float((g.float() - w).norm() / w.norm()) < 4e-3  # the native result is bf16
 
 
 def test_sm90_wgrad_in_bf16_and_unsupported_shape_fallback(monkeypatch, fake_native):

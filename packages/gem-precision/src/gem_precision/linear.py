@@ -21,8 +21,10 @@ copies rather than the bf16 input. The GEMM backend depends on the device
 * CPU and other GPUs: the same quantised operands, dequantised and multiplied in float32, so
   CI checks the GPU numerics up to summation order.
 
-``Fp8Recipe(hadamard=True)`` runs the older fully emulated path on every device (the rotation
-along each GEMM's reduction dim is not fused into the kernels).
+``Fp8Recipe(hadamard=True)`` keeps the high-precision x and W for backward and, per GEMM,
+rotates both operands along that GEMM's reduction dim (a PyTorch pass, not fused into the
+quantisation kernels), quantises them and runs the same GEMM as above: native on Hopper /
+Blackwell, emulated elsewhere.
 """
 
 from __future__ import annotations
@@ -119,6 +121,59 @@ class Fp8Recipe:
             )
 
 
+def _rotated_operands(
+    a: torch.Tensor, b: torch.Tensor, recipe: Fp8Recipe
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``a`` and ``b``, both rotated along their shared last dim K when
+    ``recipe.hadamard`` (K zero-padded to the block size, which keeps ``a @ b.T``)."""
+    a32, b32 = a.to(torch.float32), b.to(torch.float32)
+    if recipe.hadamard:
+        pad = (-a32.shape[1]) % recipe.hadamard_block_size
+        a32, b32 = F.pad(a32, (0, pad)), F.pad(b32, (0, pad))
+        a32 = random_hadamard_transform(
+            a32, block_size=recipe.hadamard_block_size, seed=recipe.seed
+        )
+        b32 = random_hadamard_transform(
+            b32, block_size=recipe.hadamard_block_size, seed=recipe.seed
+        )
+    return a32, b32
+
+
+def _fp8_gemm_native(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_block: tuple[int, int] | None,
+    b_block: tuple[int, int] | None,
+    recipe: Fp8Recipe,
+    *,
+    a_dtype: torch.dtype | None = None,
+    b_dtype: torch.dtype | None = None,
+    a_stochastic_offset: int | None = None,
+) -> torch.Tensor:
+    """:func:`fp8_gemm_emulated` with the GEMM on ``torch._scaled_mm``: the same rotation and
+    the same quantised values (``quantize_operand`` equals ``fake_quantize_blockwise`` bit for
+    bit), float32 accumulation, the result rounded to bfloat16 and returned as float32."""
+    a32, b32 = _rotated_operands(a, b, recipe)
+
+    def kind(block):
+        if block is None or recipe.tensorwise:
+            return "tensorwise"
+        return "1x128" if block == _ACT_BLOCK else "128x128"
+
+    a_kind, b_kind = kind(a_block), kind(b_block)
+    a_q = quantize_operand(
+        a32,
+        a_kind,
+        a_dtype or recipe.fp8_dtype,
+        cols=False,
+        stochastic_seed=None if a_stochastic_offset is None else recipe.seed,
+        offset=a_stochastic_offset or 0,
+    )
+    b_q = quantize_operand(b32, b_kind, b_dtype or recipe.fp8_dtype, cols=False)
+    out = scaled_mm_nt(a_q.data, a_q.scale, a_kind, b_q.data, b_q.scale, b_kind, native=True)
+    return out.float()
+
+
 def fp8_gemm_emulated(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -136,16 +191,7 @@ def fp8_gemm_emulated(
     tensorwise; ``recipe.tensorwise`` forces it). With ``a_stochastic_offset`` the ``a`` operand
     is rounded stochastically with ``recipe.seed`` and that Philox offset.
     """
-    a32, b32 = a.to(torch.float32), b.to(torch.float32)
-    if recipe.hadamard:
-        pad = (-a32.shape[1]) % recipe.hadamard_block_size  # zero padding of K keeps a @ b.T
-        a32, b32 = F.pad(a32, (0, pad)), F.pad(b32, (0, pad))
-        a32 = random_hadamard_transform(
-            a32, block_size=recipe.hadamard_block_size, seed=recipe.seed
-        )
-        b32 = random_hadamard_transform(
-            b32, block_size=recipe.hadamard_block_size, seed=recipe.seed
-        )
+    a32, b32 = _rotated_operands(a, b, recipe)
     if recipe.tensorwise:
         a_block = b_block = None
     a_q = fake_quantize_blockwise(
@@ -159,15 +205,17 @@ def fp8_gemm_emulated(
     return a_q @ b_q.T
 
 
-class _Fp8LinearEmulatedFunction(torch.autograd.Function):
-    """Quantise per GEMM from the saved high-precision operands (the Hadamard path)."""
+class _Fp8LinearRotatedFunction(torch.autograd.Function):
+    """Quantise per GEMM from the saved high-precision operands (the Hadamard path): each GEMM
+    rotates its operands along its own reduction dim."""
 
     @staticmethod
-    def forward(ctx, x2d, weight, recipe, sr_offset):
+    def forward(ctx, x2d, weight, recipe, sr_offset, native):
         ctx.save_for_backward(x2d, weight)
         ctx.recipe = recipe
         ctx.sr_offset = sr_offset
-        return fp8_gemm_emulated(x2d, weight, _ACT_BLOCK, _WEIGHT_BLOCK, recipe)
+        ctx.gemm = _fp8_gemm_native if native else fp8_gemm_emulated
+        return ctx.gemm(x2d, weight, _ACT_BLOCK, _WEIGHT_BLOCK, recipe)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -177,7 +225,7 @@ class _Fp8LinearEmulatedFunction(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             # dgrad: dy (M, N) @ W (N, K) = dy @ (W.T).T, reduction over N.
-            grad_x = fp8_gemm_emulated(
+            grad_x = ctx.gemm(
                 grad_out,
                 weight.T,
                 _ACT_BLOCK,
@@ -191,7 +239,7 @@ class _Fp8LinearEmulatedFunction(torch.autograd.Function):
             if recipe.wgrad_in_bf16:
                 grad_w = grad_out.to(torch.bfloat16).float().T @ x2d.to(torch.bfloat16).float()
             else:
-                grad_w = fp8_gemm_emulated(
+                grad_w = ctx.gemm(
                     grad_out.T,
                     x2d.T,
                     _ACT_BLOCK,
@@ -204,6 +252,7 @@ class _Fp8LinearEmulatedFunction(torch.autograd.Function):
         return (
             None if grad_x is None else grad_x.to(x2d.dtype),
             None if grad_w is None else grad_w.to(weight.dtype),
+            None,
             None,
             None,
         )
@@ -371,7 +420,7 @@ def _path(recipe: Fp8Recipe, device: torch.device) -> tuple[str, bool]:
     """(``"blockwise"`` | ``"mx"`` | ``"hadamard"``, native GEMM?) for a recipe on a device."""
     backend = gemm_backend(device)
     if recipe.hadamard:
-        return "hadamard", False
+        return "hadamard", backend in ("sm90", "sm100")
     scaling = recipe.scaling
     if scaling == "auto":
         scaling = "mx" if backend == "sm100" and not recipe.tensorwise else "blockwise"
@@ -438,7 +487,7 @@ class Fp8Linear(nn.Linear):
         elif path == "mx":
             out = _MxLinearFunction.apply(x2d, self.weight, self.bias, self.recipe, native)
         else:
-            out = _Fp8LinearEmulatedFunction.apply(x2d, self.weight, self.recipe, offset)
+            out = _Fp8LinearRotatedFunction.apply(x2d, self.weight, self.recipe, offset, native)
             if self.bias is not None:
                 out = out + self.bias.to(out.dtype)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
