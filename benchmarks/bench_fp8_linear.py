@@ -13,7 +13,8 @@ Providers (mode ``fwd_bwd``):
   (metric ``uses_fp8`` says which);
 * ``gem-fp8``: ``Fp8Linear`` forced (default recipe: 1x128 activations / gradients, 128x128
   weights, power-of-two scales, blockwise ``torch._scaled_mm``);
-* ``gem-fp8-tensorwise``, ``gem-fp8-wgrad_bf16``: recipe variants;
+* ``gem-fp8-tensorwise``, ``gem-fp8-wgrad_bf16``, ``gem-fp8-wgrad_1x128``, ``gem-fp8-rht``
+  (random Hadamard transform; opt-in with ``--providers``): recipe variants;
 * ``gem-norm`` vs ``bf16_norm_linear`` (case suffix ``/rmsnorm``): ``Fp8NormLinear``
   (RMSNorm fused into the FP8 quantisation) against ``nn.RMSNorm`` + ``nn.Linear`` in bf16.
 
@@ -452,6 +453,7 @@ def _linear_case(rows, errors, k, n, device, providers) -> None:
             "gem-fp8-tensorwise": Fp8Recipe(tensorwise=True),
             "gem-fp8-wgrad_bf16": Fp8Recipe(wgrad_in_bf16=True),
             "gem-fp8-wgrad_1x128": Fp8Recipe(wgrad_x_tiles=False),
+            "gem-fp8-rht": Fp8Recipe(hadamard=True),
         }[provider]
         layer = Fp8Linear(k, n, device=device, dtype=DTYPE, recipe=recipe)
         layer.load_state_dict(base.state_dict())
@@ -655,7 +657,7 @@ def main() -> None:
     providers = [p for p in args.providers.split(",") if p]
     for k, n in shapes:
         small = min(k, n) < 1024
-        skip_small = ("gem-fp8-tensorwise", "gem-fp8-wgrad_1x128")
+        skip_small = ("gem-fp8-tensorwise", "gem-fp8-wgrad_1x128", "gem-fp8-rht")
         chosen = [p for p in providers if not (small and p in skip_small)]
         _linear_case(rows, errors, k, n, device, chosen)
         print("\n".join(_summary(rows)[-6:]), flush=True)
