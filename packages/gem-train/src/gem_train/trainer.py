@@ -188,8 +188,9 @@ class Trainer:
         self.parallel.finish_gradients(self.dense_parameters, self.config.optim.max_grad_norm)
         self.sparse_parallel.step()  # 2D replica sync / fully sharded 2D table update
         self.dense_optimizer.step()
-        # The step's only host sync: checking the loss before backward would stall the CPU
-        # until the forward finished and leave the GPU idle while backward is launched. A
+        # The trainer's one host sync per step (torchrec's input dist has its own): checking the
+        # loss before backward would stall the CPU until the forward finished and leave the GPU
+        # idle while backward is launched. A
         # non-finite loss has updated the weights by now, so training stops here and resumes
         # from the last (atomic) checkpoint.
         value = loss.item()
