@@ -3,6 +3,7 @@
 import pytest
 import torch
 from gem_kernels import host_offsets, lengths_to_offsets, offsets_to_lengths, validate_offsets
+from gem_kernels.jagged import host_lengths
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -63,3 +64,19 @@ def test_host_offsets_is_read_once_per_tensor_and_version():
     twin = offsets.clone()  # same values, another tensor: its own entry
     assert host_offsets(twin) is not host_offsets(offsets)
     assert host_offsets(twin).tolist() == [0, 2, 2, 9]
+
+
+def test_validation_is_remembered_per_version_and_arguments():
+    """A passed check is not repeated for the same tensor version and arguments; any other
+    version or argument is checked again (and can fail)."""
+    offsets = torch.tensor([0, 2, 2, 7])
+    validate_offsets(offsets, num_rows=7, max_len=5)
+    validate_offsets(offsets, num_rows=7, max_len=5)  # remembered
+    with pytest.raises(ValueError, match="must equal the number of rows"):
+        validate_offsets(offsets, num_rows=8, max_len=5)
+    with pytest.raises(ValueError, match="above the declared max length 4"):
+        validate_offsets(offsets, num_rows=7, max_len=4)
+    offsets[2] = 9  # now decreasing: the in-place change invalidates what was checked
+    with pytest.raises(ValueError, match="must be non-decreasing"):
+        validate_offsets(offsets, num_rows=7, max_len=5)
+    assert host_lengths(offsets).tolist() == [2, 7, -2]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gem_kernels.jagged import host_offsets
+from gem_kernels.jagged import host_lengths
 from gem_kernels.triton_loader import interpret_requested, triton_importable
 
 __all__ = [
@@ -120,12 +120,6 @@ def _check_triton_library_interpreted() -> None:
             "FSDP2 and torch.compile import it), so its reductions cannot run interpreted; set "
             "TRITON_INTERPRET=1 in the process environment from the start"
         )
-
-
-def host_lengths(offsets: torch.Tensor) -> torch.Tensor:
-    """Per-sample lengths (CPU int64) of ``offsets`` (one device sync per GPU offsets tensor)."""
-    host = host_offsets(offsets)
-    return host[1:] - host[:-1]
 
 
 def copy_to_device(packed: torch.Tensor, device: torch.device) -> torch.Tensor:

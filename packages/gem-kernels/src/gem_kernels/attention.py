@@ -116,13 +116,18 @@ def _check_window(window: object) -> tuple[int | None, int | None] | None:
     return (window[0], window[1])
 
 
-def _check_max_len(max_len: object, name: str, lengths: torch.Tensor, what: str) -> None:
+def _check_max_len(max_len: object, name: str, lengths: torch.Tensor | int, what: str) -> None:
+    """``max_len`` is None or an int >= every length (``lengths``: host tensor, or one int)."""
     if max_len is None:
         return
     if isinstance(max_len, bool) or not isinstance(max_len, int):
         raise TypeError(f"{name} must be an int or None, got {max_len!r}")
     if max_len < 0:
         raise ValueError(f"{name} must be >= 0, got {max_len}")
+    if isinstance(lengths, int):
+        if lengths > max_len:
+            raise ValueError(f"{name}={max_len} is smaller than the real {what}: {lengths}")
+        return
     if lengths.numel() > 0:
         longest = int(lengths.max())
         if longest > max_len:
@@ -345,7 +350,7 @@ def gdpa(
             )
         validate_offsets(k_offsets, "k_offsets", num_rows=k.shape[0])
         _check_offsets_device(k_offsets, "k_offsets", q.device)
-        _check_max_len(max_q, "max_q", torch.tensor([q.shape[0]]), "query (Nq)")
+        _check_max_len(max_q, "max_q", q.shape[0], "query (Nq)")
         q_lengths, k_lengths = None, host_lengths(k_offsets)
         _check_max_len(max_k, "max_k", k_lengths, "key")
     else:

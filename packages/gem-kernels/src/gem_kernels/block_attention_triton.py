@@ -338,6 +338,8 @@ def block_attention_from_lengths(
     q, k, v = host.unit_stride(q), host.unit_stride(k), host.unit_stride(v)
     if positions is not None:
         positions = positions.contiguous()
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+        return _forward(q, k, v, positions, launch)  # inference: no autograd node to build
     return BlockAttentionFunction.apply(q, k, v, positions, launch)
 
 

@@ -922,6 +922,8 @@ def gdpa_from_lengths(
     )  # fmt: skip
     out_rows = k_host.numel() * q.shape[0] if pma else q.shape[0]
     q, k, v = host.unit_stride(q), host.unit_stride(k), host.unit_stride(v)
+    if not needs_grad:  # inference: no autograd node to build
+        return _forward(q, k, v, plan, launch, out_rows)
     return GdpaFunction.apply(q, k, v, plan, launch, out_rows)
 
 

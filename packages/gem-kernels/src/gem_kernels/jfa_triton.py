@@ -493,6 +493,8 @@ def jagged_flash_attention_from_lengths(
         rel_pos_bias = rel_pos_bias.contiguous()
     if jagged_bias is not None:
         jagged_bias = jagged_bias.contiguous()
+    if not needs_grad:  # inference: no autograd node to build, no LSE to keep
+        return _forward(q, k, v, rel_pos_bias, jagged_bias, plan, launch)[0]
     return JaggedFlashAttentionFunction.apply(q, k, v, rel_pos_bias, jagged_bias, plan, launch)
 
 
