@@ -244,7 +244,7 @@ def run_seeds(args: argparse.Namespace, seeds: list[int], providers: list[str]) 
     work = Path(tempfile.mkdtemp(prefix="fp8_quality_"))
     jobs = [(seed, provider) for seed in seeds for provider in providers]
 
-    def run(index: int) -> Path:
+    def run(index: int) -> Path | None:
         seed, provider = jobs[index]
         out = work / f"seed{seed}_{provider}.json"
         env = dict(os.environ)
@@ -267,15 +267,20 @@ def run_seeds(args: argparse.Namespace, seeds: list[int], providers: list[str]) 
                 check=False,
             )
         if done.returncode != 0:
-            raise RuntimeError(
-                f"seed {seed} {provider} failed; see {log}:\n{log.read_text()[-3000:]}"
-            )
+            # Keep the other runs: one diverged or crashed run must not lose a whole sweep.
+            print(f"  FAILED: seed {seed} {provider}; {log}:\n{log.read_text()[-3000:]}")
+            return None
         print(f"  done: seed {seed} {provider}", flush=True)
         return out
 
+    print(f"per-run results and logs in {work}", flush=True)
     with ThreadPoolExecutor(args.jobs) as pool:
-        outputs = list(pool.map(run, range(len(jobs))))
+        outputs = [out for out in pool.map(run, range(len(jobs))) if out is not None]
+    if not outputs:
+        raise SystemExit(f"every run failed; logs in {work}")
     merge_seeds(outputs, Path(args.out))
+    if len(outputs) < len(jobs):
+        raise SystemExit(f"{len(jobs) - len(outputs)} of {len(jobs)} runs failed (merged the rest)")
 
 
 def merge_seeds(paths: list[Path], out: Path) -> None:
