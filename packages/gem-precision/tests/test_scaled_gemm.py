@@ -101,6 +101,9 @@ class FakeScaledMM:
             # cuBLAS reads block scales with the K-block count rounded up to a multiple of 4
             # (garbage on the H200 otherwise): scaled_mm_nt must pad K.
             assert (-(-a.shape[1] // 128)) % 4 == 0, "block-scaled K/128 must be a multiple of 4"
+        if scale_a.numel() > 1:
+            # The H200's cuBLAS rejects 1x128 scale_a unless M is a multiple of 4.
+            assert a.shape[0] % 4 == 0, "1x128-scaled M must be a multiple of 4"
         self.calls.append((tuple(scale_a.shape), tuple(scale_b.shape)))
         out = _dequant_a(a, scale_a) @ _dequant_b(b, scale_b).T
         if bias is not None:
@@ -162,10 +165,11 @@ def test_sm90_native_path_matches_emulation(monkeypatch, fake_native, tensorwise
         assert float((g.float() - w).norm() / w.norm()) < 4e-3
 
 
-@pytest.mark.parametrize("tokens", [100, 1000])
+@pytest.mark.parametrize("tokens", [100, 301, 1000, 1002])
 def test_sm90_any_token_count_runs_all_three_gemms_natively(monkeypatch, fake_native, tokens):
     """The wgrad GEMM's K is the token count: 100 (one partial block) and 1000 (8 blocks, not
-    a multiple of 16) are padded, so no GEMM falls back to the emulation."""
+    a multiple of 16) are padded; so is the M of forward and dgrad when it is not a multiple
+    of 4 (301, 1002). No GEMM falls back to the emulation."""
     torch.manual_seed(4)
     emulated = Fp8Linear(256, 384)
     native = Fp8Linear(256, 384)
@@ -342,9 +346,13 @@ def test_cuda_ragged_rows_match_emulation(m, monkeypatch):
         pytest.skip("needs Hopper")
     calls = []
     native = torch._scaled_mm
-    monkeypatch.setattr(
-        torch, "_scaled_mm", lambda *a, **kw: calls.append(a[0].shape) or native(*a, **kw)
-    )
+
+    def counted(*args, **kwargs):
+        out = native(*args, **kwargs)  # a rejected call raises and is not counted
+        calls.append(args[0].shape)
+        return out
+
+    monkeypatch.setattr(torch, "_scaled_mm", counted)
     torch.manual_seed(5)
     layer = torch.nn.Linear(256, 384)
     x = torch.randn(m, 256)

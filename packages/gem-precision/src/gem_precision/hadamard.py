@@ -10,6 +10,7 @@ outliers over the block, which shrinks the block amax relative to its RMS before
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -51,6 +52,17 @@ def random_hadamard_signs(length: int, *, seed: int, device=None) -> torch.Tenso
     return 1.0 - 2.0 * (bits >> 31).to(torch.float32)
 
 
+@functools.lru_cache(maxsize=256)
+def _signs_and_matrix(
+    k: int, block_size: int, seed: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sign blocks and the normalised Hadamard matrix, built once per (K, block, seed,
+    device): every GEMM of a layer reuses them, and building them costs ~100 small kernels
+    (Philox in PyTorch ops), which made a GPU training step with RHT host-bound."""
+    signs = random_hadamard_signs(k, seed=seed, device=device).reshape(-1, block_size)
+    return signs, hadamard_matrix(block_size, device=device) / math.sqrt(block_size)
+
+
 def _transform(x: torch.Tensor, block_size: int, seed: int, inverse: bool) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -63,8 +75,7 @@ def _transform(x: torch.Tensor, block_size: int, seed: int, inverse: bool) -> to
             f"got shape {tuple(x.shape)}"
         )
     k = x.shape[-1]
-    signs = random_hadamard_signs(k, seed=seed, device=x.device).reshape(-1, block_size)
-    h = hadamard_matrix(block_size, device=x.device) / math.sqrt(block_size)
+    signs, h = _signs_and_matrix(k, block_size, seed, x.device)
     blocks = x.to(torch.float32).reshape(*x.shape[:-1], k // block_size, block_size)
     # H is symmetric, so the inverse of (D H / sqrt(b)) is (H D / sqrt(b)).
     out = (blocks @ h) * signs if inverse else (blocks * signs) @ h

@@ -119,6 +119,28 @@ def _pad_k_for_block_scales(a_data, a_scale, a_kind, b_data, b_scale, b_kind):
     )
 
 
+_ROWS_MULTIPLE = 4
+
+
+def _pad_rows_for_block_scales(a_data, a_scale, a_kind):
+    """A 1x128-scaled ``a`` with its rows (M) padded to a multiple of 4 (zero data, unit scales).
+
+    On the H200 cuBLAS rejects 1x128 ``scale_a`` for any M that is not a multiple of 4
+    (CUBLAS_STATUS_NOT_SUPPORTED, measured with M = 301, 4099, 45001, 45002; 1000, 4096 and
+    45004 run), and a jagged batch has any token count. The extra output rows are cut off.
+    """
+    rows = a_data.shape[0]
+    padded = -(-rows // _ROWS_MULTIPLE) * _ROWS_MULTIPLE
+    if a_kind != "1x128" or padded == rows:
+        return a_data, a_scale
+    data = torch.zeros((padded, a_data.shape[1]), dtype=torch.uint8, device=a_data.device)
+    data[:rows] = a_data.view(torch.uint8)
+    # (M, Kb) outer-dim-major, as _pad_scale keeps it.
+    scale = torch.ones((a_scale.shape[1], padded), dtype=a_scale.dtype, device=a_scale.device)
+    scale[:, :rows] = a_scale.t()
+    return data.view(a_data.dtype), scale.t()
+
+
 def _native_scaled_mm(a_data, a_scale, a_kind, b_data, b_scale, b_kind, out_dtype, bias):
     """``torch._scaled_mm`` on prepared operands, or None (after one warning) if torch
     rejects the scaling."""
@@ -167,11 +189,12 @@ def scaled_mm_nt(
     rows = a_data.shape[0]
     if native:
         # Block-scaled operands: K padded to a multiple of 4 blocks of 128, which also makes
-        # it a multiple of 16, so any token count works as the K of the wgrad GEMM. Any M
-        # works as is (checked on the H200 with M = 301, 1000, 4099).
+        # it a multiple of 16, so any token count works as the K of the wgrad GEMM; M padded
+        # to a multiple of 4, so any token count works as the M of forward and dgrad.
         a_data, a_scale, b_data, b_scale = _pad_k_for_block_scales(
             a_data, a_scale, a_kind, b_data, b_scale, b_kind
         )
+        a_data, a_scale = _pad_rows_for_block_scales(a_data, a_scale, a_kind)
         if _native_shape_ok(a_data, b_data):
             out = _native_scaled_mm(
                 a_data, a_scale, a_kind, b_data, b_scale, b_kind, out_dtype, bias
