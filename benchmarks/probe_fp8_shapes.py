@@ -1,0 +1,85 @@
+"""GPU probe: per small Fp8Linear shape, whether a GEMM falls back to the emulation (cuBLAS
+rejects the layout) and the eager forward+backward time against bf16 nn.Linear, per recipe.
+
+A diagnostic, not a benchmark of record: `python benchmarks/probe_fp8_shapes.py` on a GPU
+(no install needed); output in results/h200/fp8_probe.txt.
+"""
+
+import sys
+import time
+import warnings
+
+import torch
+from _results import ROOT
+
+for _package in ("gem-kernels", "gem-precision"):
+    sys.path.insert(0, str(ROOT / "packages" / _package / "src"))
+
+import gem_precision.scaled_gemm as sg  # noqa: E402
+from gem_precision.linear import Fp8Linear, Fp8Recipe  # noqa: E402
+
+SHAPES = [
+    (256, 3072, 32),
+    (768, 3072, 32),
+    (256, 32, 32),
+    (4, 32, 32),
+    (45001, 32, 32),
+    (45002, 32, 32),
+    (45003, 128, 32),
+    (45004, 32, 128),
+    (301, 256, 384),
+    (1000, 256, 384),
+    (4099, 256, 384),
+    (4096, 256, 384),
+    (45005, 96, 32),
+    (45006, 32, 96),
+]
+RECIPES = {
+    "gem": Fp8Recipe(),
+    "sr": Fp8Recipe(stochastic_rounding_grads=True),
+    "rht": Fp8Recipe(hadamard=True),
+}
+
+
+def step(layer, x, dy):
+    x.grad = None
+    layer(x).backward(dy)
+
+
+for rname, recipe in RECIPES.items():
+    for m, k, n in SHAPES:
+        sg._WARNED.clear()
+        lin = torch.nn.Linear(k, n, device="cuda")
+        fp8 = Fp8Linear.from_linear(lin, recipe=recipe)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step(fp8, x, dy)
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t0
+            for _ in range(3):
+                step(fp8, x, dy)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                step(fp8, x, dy)
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t0) * 100
+        lin16 = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            step(lin16, x, dy)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            step(lin16, x, dy)
+        torch.cuda.synchronize()
+        ms16 = (time.perf_counter() - t0) * 100
+        msgs = sorted({str(w.message).split(":")[0][:90] for w in caught})
+        print(
+            f"{rname:4} M{m:6} K{k:5} N{n:4} first {first * 1e3:8.1f} ms  fp8 {ms:7.3f} ms  "
+            f"bf16 {ms16:7.3f} ms  {msgs}",
+            flush=True,
+        )
