@@ -170,3 +170,41 @@ def test_cuda_matches_cpu():
     cpu = stochastic_round_to_fp8(x, seed=1, offset=3)
     gpu = stochastic_round_to_fp8(x.cuda(), seed=1, offset=3)
     assert torch.equal(cpu.view(torch.uint8), gpu.view(torch.uint8).cpu())
+
+
+@pytest.mark.parametrize(
+    "numel,seed,offset",
+    [
+        (3000, 0, 0),  # several programs, a partial last block
+        (517, 2**40 + 12345, 2**32 - 200),  # seed with a high word; counters cross 2**32
+        (64, 2**63 - 1, 2**50 + 7),  # the largest seed, a large offset
+        (1, 2**31 + 5, 2**31),  # words that are uint32 but not int32
+        (0, 3, 0),
+        (10, 2**32 + 1, 1),  # arguments equal to 1 (Triton may specialise them)
+    ],
+)
+def test_triton_philox_equals_the_torch_stream(monkeypatch, numel, seed, offset):
+    """The one-launch Triton Philox (used for CUDA tensors) gives the PyTorch stream bit for
+    bit; run here under the Triton interpreter."""
+    from gem_precision.rounding import _philox_uint32_triton
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    want = philox_uint32(numel, seed=seed, offset=offset)  # CPU: the PyTorch implementation
+    got = _philox_uint32_triton(numel, seed, offset, torch.device("cpu"))
+    assert got.dtype == torch.int64 and got.shape == (numel,)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_philox_and_stochastic_rounding_equal_the_cpu_stream():
+    """On CUDA philox_uint32 runs the Triton kernel: same bits as the CPU implementation, so
+    stochastic rounding gives the same FP8 values on every device."""
+    for seed, offset in ((0, 0), (2**40 + 3, 2**32 - 100), (2**63 - 1, 2**50)):
+        got = philox_uint32(70_001, seed=seed, offset=offset, device="cuda").cpu()
+        assert torch.equal(got, philox_uint32(70_001, seed=seed, offset=offset))
+    x = torch.randn(300, 257) * 10
+    cpu = stochastic_round_to_fp8(x, seed=11, offset=5)
+    gpu = stochastic_round_to_fp8(x.cuda(), seed=11, offset=5).cpu()
+    assert torch.equal(gpu.view(torch.uint8), cpu.view(torch.uint8))

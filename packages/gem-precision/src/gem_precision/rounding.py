@@ -12,7 +12,10 @@ Element ``i`` (row-major over ``x``) uses the first output word of Philox with k
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from gem_kernels.triton_loader import load_kernel_module, triton_importable
 
 from gem_precision.mx import MX_ELEMENT_DTYPES
 
@@ -65,6 +68,8 @@ def philox_uint32(
     _check_seed_offset(seed, offset)
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+    if torch.device(device or "cpu").type == "cuda" and triton_importable():
+        return _philox_uint32_triton(numel, seed, offset, torch.device(device))
     counter = torch.arange(numel, dtype=torch.int64, device=device) + offset
     zeros = torch.zeros_like(counter)
     words = _philox4x32(
@@ -72,6 +77,22 @@ def philox_uint32(
         (seed & _MASK32, (seed >> 32) & _MASK32),
     )
     return words[0]
+
+
+_PHILOX_KERNEL_FILE = Path(__file__).with_name("_philox_kernels.py")
+_PHILOX_BLOCK = 1024
+
+
+def _philox_uint32_triton(numel: int, seed: int, offset: int, device: torch.device) -> torch.Tensor:
+    """:func:`philox_uint32` in one Triton launch (compiled on CUDA, interpreted on CPU)."""
+    kernels = load_kernel_module(_PHILOX_KERNEL_FILE, interpret=device.type != "cuda")
+    out = torch.empty(numel, dtype=torch.int64, device=device)
+    if numel:
+        grid = (-(-numel // _PHILOX_BLOCK),)
+        kernels.philox_uint32_kernel[grid](
+            out, numel, offset, seed & _MASK32, seed >> 32, BLOCK=_PHILOX_BLOCK
+        )
+    return out
 
 
 def _philox4x32(
