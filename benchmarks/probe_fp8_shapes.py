@@ -8,6 +8,7 @@ A diagnostic, not a benchmark of record: `python benchmarks/probe_fp8_shapes.py`
 import sys
 import time
 import warnings
+from functools import partial
 
 import torch
 from _results import ROOT
@@ -46,37 +47,33 @@ def step(layer, x, dy):
     layer(x).backward(dy)
 
 
+def seconds(fn, calls=1):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls
+
+
+def eager_ms(layer, x, dy):
+    """Per-call forward+backward after 3 warm-up calls (host time included: eager)."""
+    call = partial(step, layer, x, dy)
+    seconds(call, 3)
+    return 1e3 * seconds(call, 10)
+
+
 for rname, recipe in RECIPES.items():
     for m, k, n in SHAPES:
         sg._WARNED.clear()
-        lin = torch.nn.Linear(k, n, device="cuda")
-        fp8 = Fp8Linear.from_linear(lin, recipe=recipe)
+        fp8 = Fp8Linear.from_linear(torch.nn.Linear(k, n, device="cuda"), recipe=recipe)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step(fp8, x, dy)
-            torch.cuda.synchronize()
-            first = time.perf_counter() - t0
-            for _ in range(3):
-                step(fp8, x, dy)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(10):
-                step(fp8, x, dy)
-            torch.cuda.synchronize()
-            ms = (time.perf_counter() - t0) * 100
-        lin16 = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
-        for _ in range(3):
-            step(lin16, x, dy)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(10):
-            step(lin16, x, dy)
-        torch.cuda.synchronize()
-        ms16 = (time.perf_counter() - t0) * 100
+            first = seconds(partial(step, fp8, x, dy))  # compiles the kernels
+            ms = eager_ms(fp8, x, dy)
+        ms16 = eager_ms(torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16), x, dy)
         msgs = sorted({str(w.message).split(":")[0][:90] for w in caught})
         print(
             f"{rname:4} M{m:6} K{k:5} N{n:4} first {first * 1e3:8.1f} ms  fp8 {ms:7.3f} ms  "
