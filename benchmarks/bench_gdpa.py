@@ -28,6 +28,11 @@ the timed process then loads binaries: minutes of serial compiling become ~15 s)
 ``--explore --workers N --out X.json`` times the variants behind the current defaults of the
 bandwidth-bound forwards (PMA split-KV items vs the streamed kernel, BlockAttention launch
 options) eagerly, from CUDA graphs and for their host time, after a correctness check.
+``--explore-self-cross [--explore-set 2] --workers N --out X.json`` checks and times the
+self/cross forward and backward variants (one loop, TMA, hand pipelining, tiles, programs per
+SM; round 2 combines round 1's winners) on the protocol shapes.
+Without ``--config`` gem runs through the public entry point, so each call gets the default
+configuration of its lengths and masks (``gdpa_triton.default_config``).
 ``--kinds pma --merge benchmarks/results/h200/gdpa.json`` reruns only the PMA cases and keeps
 the other rows of the earlier run (``meta.merged_from`` records where they come from).
 """
@@ -292,6 +297,11 @@ def _measure(rows, errors, case, provider, make, modes=("fwd", "fwd_bwd")):
     return times
 
 
+# Samples of at most SHORT_SEQUENCE_LEN keys (the default's 64x32 forward tiles).
+SHORT_CHECK_LEN = [0, 1, 300, 77, 513, 64, 1000, 129, 1024]
+CHECK_CASES = 7  # cases of check() without a config
+
+
 def check(device, config=None, only=None) -> dict:
     """gem (bf16 and fp32 inputs) against the fp32 reference on small jagged problems
     (``config``: gem's config, else the default one through the public entry point; ``only``:
@@ -306,6 +316,10 @@ def check(device, config=None, only=None) -> dict:
         ("self", q_len, None, dict(activation="silu", window=(40, 30), normalize_by_length=True)),
         ("cross", q_len, k_len, dict(activation="gelu_tanh", causal=True)),
         ("pma", None, q_len, dict(activation="gelu", normalize_by_length=True)),
+        # Unmasked: the default's one-loop / TMA kernels (long and short tiles, short KV).
+        ("self", q_len, None, dict(activation="gelu_fast")),
+        ("self", SHORT_CHECK_LEN, None, dict(activation="gelu_fast", normalize_by_length=True)),
+        ("cross", q_len, k_len, dict(activation="gelu_fast")),
     ]
     if config is not None and config.packed_gelu:  # the packed path is gelu_fast's only
         cases += [
@@ -427,6 +441,13 @@ def sweep(device, deadline) -> gt.GdpaTritonConfig:
     return best
 
 
+def _skew_config(config) -> gt.GdpaTritonConfig:
+    """``config``, or the default one of the skew case's lengths (the schedules need tiles)."""
+    if config is not None:
+        return config
+    return gt.default_config(D, max_len=int(_power_law_lengths().max()))
+
+
 def skew(rows, errors, device, config):
     lengths = _power_law_lengths()
     case = Case("self", lengths.numel(), int(lengths.max()), device, lengths, "skew/alpha1.7")
@@ -437,7 +458,8 @@ def skew(rows, errors, device, config):
     print(f"skew: B={case.batch}, max L={int(lengths.max())}, tokens={int(lengths.sum())}")
     for schedule in gt.GDPA_SCHEDULES:
         cfg = replace(config, schedule=schedule)
-        loads = gt.schedule_loads(item_work, sms * cfg.programs_per_sm, schedule)
+        per_sm = cfg.fwd_programs_per_sm or cfg.programs_per_sm
+        loads = gt.schedule_loads(item_work, sms * per_sm, schedule)
         ratio = float(loads.max() / loads.mean())
         rows.append(dict(case=case.name, provider=f"gem-{schedule}", mode="fwd",
                          metric="max_over_mean", value=ratio))  # fmt: skip
@@ -460,6 +482,9 @@ def _warm_job(job) -> str:
         device = torch.device("cuda", device_index)
         if spec[0] == "check":
             check(device, config, spec[1])
+            return "check"
+        if spec[0] == "xcheck":
+            _variant_errors(config, _check_problems(device))
             return "check"
         if spec not in _WORKER_CASES:
             _WORKER_CASES.clear()
@@ -563,7 +588,7 @@ def explore(device, out_path: Path, workers: int) -> None:
     variant is timed eagerly, from a CUDA graph (kernel time) and for its host time."""
     import bench_block_attention as bba
 
-    pma = _pma_variants(gt.default_config(D))
+    pma = _pma_variants(gt.default_config(D, masked=True))  # PMA's configuration
     blocks = _block_variants()
     plan = []  # (spec, variant name, config)
     for shape in ASYM_SHAPES:
@@ -622,6 +647,249 @@ def explore(device, out_path: Path, workers: int) -> None:
               flush=True)  # fmt: skip
     print("checks:", checks)
     write_results(out_path, meta("gdpa_explore", "bench_gdpa.py --explore", checks=checks), rows)
+
+
+def _self_cross_variants(base: gt.GdpaTritonConfig) -> dict:
+    """Self/cross variants of ``--explore-self-cross``: name -> (config, kinds, modes)."""
+    fwd = ("fwd",)
+    both = ("fwd", "fwd_bwd")
+    ol = dict(fwd_one_loop=True)
+    tma = dict(fwd_one_loop=True, fwd_kv_tma=True)
+    m64 = dict(fwd_block_m=64, fwd_warps=4)
+    out = {
+        "default": (base, ("self", "cross"), both),
+        "ol": (replace(base, **ol), ("self",), fwd),
+        "ol-pipe": (replace(base, **ol, fwd_pipeline=True), ("self",), fwd),
+        "tma": (replace(base, **tma), ("self",), fwd),
+        "tma-pipe": (replace(base, **tma, fwd_pipeline=True), ("self",), fwd),
+        "tma-s2": (replace(base, **tma, fwd_stages=2), ("self",), fwd),
+        "tma-s4": (replace(base, **tma, fwd_stages=4), ("self",), fwd),
+        "tma-x2": (replace(base, **tma, fwd_programs_per_sm=2), ("self",), fwd),
+        "m64-ol-x2": (replace(base, **m64, **ol, fwd_programs_per_sm=2), ("self",), fwd),
+        "m64-tma-x2": (replace(base, **m64, **tma, fwd_programs_per_sm=2), ("self",), fwd),
+        "m64-tma-s2x2": (
+            replace(base, **m64, **tma, fwd_stages=2, fwd_programs_per_sm=2),
+            ("self",),
+            fwd,
+        ),
+        "m64-tma-s2x3": (
+            replace(base, **m64, **tma, fwd_stages=2, fwd_programs_per_sm=3),
+            ("self",),
+            fwd,
+        ),
+        "m64-tma-pipe-x2": (
+            replace(base, **m64, **tma, fwd_pipeline=True, fwd_programs_per_sm=2),
+            ("self",),
+            fwd,
+        ),
+        "m64n128-tma-s2x2": (
+            replace(base, **m64, **tma, fwd_block_n=128, fwd_stages=2, fwd_programs_per_sm=2),
+            ("self",),
+            fwd,
+        ),
+        "n128-tma-pipe": (replace(base, **tma, fwd_block_n=128, fwd_pipeline=True), ("self",), fwd),
+        # Backward: one loop, 64-wide 4-warp tiles with 2 programs per SM.
+        "bol": (replace(base, bwd_one_loop=True), ("self",), ("fwd_bwd",)),
+        "bol-x2": (
+            replace(base, bwd_one_loop=True, bwd_programs_per_sm=2),
+            ("self",),
+            ("fwd_bwd",),
+        ),
+        "b64w4-bol-x2": (
+            replace(
+                base,
+                bwd_one_loop=True,
+                dkdv_block_n=64,
+                dq_block_m=64,
+                bwd_warps=4,
+                bwd_programs_per_sm=2,
+            ),
+            ("self",),
+            ("fwd_bwd",),
+        ),  # fmt: skip
+        "b64w4-bol-x3s2": (
+            replace(
+                base,
+                bwd_one_loop=True,
+                dkdv_block_n=64,
+                dq_block_m=64,
+                bwd_warps=4,
+                bwd_programs_per_sm=3,
+                bwd_stages=2,
+            ),
+            ("self",),
+            ("fwd_bwd",),
+        ),  # fmt: skip
+        # Cross (short-KV forward).
+        "mf": (replace(base, short_mask_free=True), ("cross",), fwd),
+        "mf-m64": (replace(base, short_mask_free=True, short_block_m=64), ("cross",), fwd),
+        "mf-m64w4x2": (
+            replace(
+                base, short_mask_free=True, short_block_m=64, short_warps=4, fwd_programs_per_sm=2
+            ),
+            ("cross",),
+            fwd,
+        ),  # fmt: skip
+        "mf-m64w4x3": (
+            replace(
+                base, short_mask_free=True, short_block_m=64, short_warps=4, fwd_programs_per_sm=3
+            ),
+            ("cross",),
+            fwd,
+        ),  # fmt: skip
+        "generic-tma": (replace(base, **tma, short_kv_max=0), ("cross",), fwd),
+        "generic-m64-tma-x2": (
+            replace(base, **m64, **tma, short_kv_max=0, fwd_programs_per_sm=2),
+            ("cross",),
+            fwd,
+        ),
+    }
+    return out
+
+
+def _self_cross_variants2(base: gt.GdpaTritonConfig) -> dict:
+    """Second round of ``--explore-self-cross`` (``--explore-set 2``): combinations of the
+    first round's winners (64-row 4-warp tiles with TMA at L1024, the hand-pipelined 128-row
+    TMA loop at L4096, the one-loop backward with 2 programs per SM, the mask-free short-KV
+    forward) and the short-KV forward in two halves."""
+    fwd = ("fwd",)
+    both = ("fwd", "fwd_bwd")
+    tma = dict(fwd_one_loop=True, fwd_kv_tma=True)
+    m64 = dict(fwd_block_m=64, fwd_warps=4, fwd_programs_per_sm=2, **tma)
+    pipe = dict(fwd_pipeline=True, **tma)
+    bol = dict(bwd_one_loop=True, bwd_programs_per_sm=2)
+    mf = dict(short_mask_free=True)
+    return {
+        "default": (base, ("self", "cross"), fwd),
+        "m64-tma-x2-bolx2": (replace(base, **m64, **bol), ("self",), both),
+        "m64n32-tma-x3": (
+            replace(base, **m64 | dict(fwd_block_n=32, fwd_programs_per_sm=3)),
+            ("self",),
+            fwd,
+        ),
+        "tma-pipe-bolx2": (replace(base, **pipe, **bol), ("self",), both),
+        "tma-pipe-x2-bolx2": (
+            replace(base, **pipe, **bol, fwd_programs_per_sm=2),
+            ("self",),
+            both,
+        ),  # fmt: skip
+        "tma-pipe-s4": (replace(base, **pipe, fwd_stages=4), ("self",), fwd),
+        "tma-pipe-x2-s4": (
+            replace(base, **pipe, fwd_stages=4, fwd_programs_per_sm=2),
+            ("self",),
+            fwd,
+        ),  # fmt: skip
+        "mf": (replace(base, **mf), ("cross",), fwd),
+        "mf-halves": (replace(base, **mf, short_halves=True), ("cross",), fwd),
+        "mf-halves-x2": (
+            replace(base, **mf, short_halves=True, fwd_programs_per_sm=2),
+            ("cross",),
+            fwd,
+        ),  # fmt: skip
+        "mf-x2": (replace(base, **mf, fwd_programs_per_sm=2), ("cross",), fwd),
+        "mf-s3": (replace(base, **mf, short_stages=3), ("cross",), fwd),
+        "mf-r256": (replace(base, **mf, short_rows_per_item=256), ("cross",), fwd),
+        "mf-r1024": (replace(base, **mf, short_rows_per_item=1024), ("cross",), fwd),
+        "mf-halves-r1024": (
+            replace(base, **mf, short_halves=True, short_rows_per_item=1024),
+            ("cross",),
+            fwd,
+        ),  # fmt: skip
+        "mf-bolx2": (replace(base, **mf, **bol), ("cross",), ("fwd_bwd",)),
+    }
+
+
+def _check_problems(device) -> list:
+    """Small jagged self and cross problems (bf16 inputs, gelu_fast, with and without a
+    window) with the float32 reference's output and gradients."""
+    gen = torch.Generator().manual_seed(0)
+    q_len = [0, 1, 300, 77, 513, 64, 1000, 129, 2500]
+    k_len = [5, 0, 129, 200, 256, 1, 17, 256, 100]
+    problems = []
+    for kind, ql, kl in (("self", q_len, None), ("cross", q_len, k_len)):
+        keys = ql if kl is None else kl
+        tensors = [torch.randn(n, H, D, generator=gen).to(device, DTYPE).float()
+                   for n in (sum(ql), sum(keys), sum(keys))]  # fmt: skip
+        grad = torch.randn(sum(ql), H, D, generator=gen).to(device, DTYPE).float()
+        for opts in (dict(), dict(window=(200, 30), normalize_by_length=True)):
+            leaves = [t.clone().requires_grad_(True) for t in tensors]
+            ref = gdpa(*leaves, _offsets(torch.tensor(ql)),
+                       None if kl is None else _offsets(torch.tensor(kl)), activation=ACT,
+                       backend="reference", **opts)  # fmt: skip
+            ref.backward(grad)
+            want = [ref.detach()] + [t.grad for t in leaves]
+            label = f"{kind}{'-win' if opts else ''}"
+            problems.append((label, ql, kl, tensors, grad, opts, want))
+    return problems
+
+
+def _variant_errors(cfg, problems) -> dict:
+    """Relative errors (out, dq, dk, dv) of gem with ``cfg`` on each check problem."""
+    errs = {}
+    for label, ql, kl, tensors, grad, opts, want in problems:
+        try:
+            leaves = [t.to(DTYPE).requires_grad_(True) for t in tensors]
+            out = gt.gdpa_from_lengths(
+                *leaves, torch.tensor(ql), None if kl is None else torch.tensor(kl),
+                activation=ACT, config=cfg, **opts,
+            )  # fmt: skip
+            out.backward(grad.to(DTYPE))
+            got = [out] + [t.grad for t in leaves]
+            errs[label] = [round(rel_error(a, b), 5) for a, b in zip(got, want, strict=True)]
+        except Exception as error:  # noqa: BLE001
+            errs[label] = repr(error)[:300]
+            traceback.print_exc()
+    return errs
+
+
+def explore_self_cross(device, out_path: Path, workers: int, budget_s: float, round_: int = 1):
+    """One-call exploration of the self/cross forward and backward variants: a GPU check of
+    every variant (bf16, gelu_fast, forward and all gradients against the float32 reference,
+    self and cross, with and without a window) and its time on the protocol shapes."""
+    start = time.time()
+    make = _self_cross_variants2 if round_ == 2 else _self_cross_variants
+    variants = make(gt.default_config(D, masked=True))  # the defaults before this round
+    shapes = [("self", b, n) for b, n in SELF_SHAPES] + [("cross", b, n) for b, n in ASYM_SHAPES]
+    jobs = [
+        (spec, cfg, ACT, modes)
+        for _, (cfg, kinds, modes) in variants.items()
+        for spec in shapes
+        if spec[0] in kinds
+    ]
+    jobs += [(("xcheck",), cfg, ACT, ()) for cfg, _, _ in variants.values()]
+    precompile(jobs, workers)
+    print(f"precompiled at {time.time() - start:.0f} s", flush=True)
+    problems = _check_problems(device)
+    checks = {}
+    for name, (cfg, _, _) in variants.items():
+        checks[name] = _variant_errors(cfg, problems)
+        print(f"check {name}: {checks[name]}", flush=True)
+    rows = []
+    for spec in shapes:
+        if time.time() - start > budget_s:
+            print(f"budget reached before {spec}")
+            break
+        case = Case(*spec, device)
+        for name, (cfg, kinds, modes) in variants.items():
+            if spec[0] not in kinds or not isinstance(checks[name].get(spec[0]), list):
+                continue
+            times = _time_config(case, cfg, modes)
+            for mode, ms in times.items():
+                flops = case.fwd_flops * (3.5 if mode == "fwd_bwd" else 1.0)
+                rows.append(dict(case=case.name, provider=f"gem-{name}", mode=mode,
+                                 metric="ms", value=ms))  # fmt: skip
+                rows.append(dict(case=case.name, provider=f"gem-{name}", mode=mode,
+                                 metric="tflops", value=flops / ms * 1e-9))  # fmt: skip
+                print(f"{case.name:18s} {name:20s} {mode:8s} {ms:8.3f} ms "
+                      f"{flops / ms * 1e-9:6.1f} TFLOP/s", flush=True)  # fmt: skip
+        del case
+        torch.cuda.empty_cache()
+        command = f"bench_gdpa.py --explore-self-cross --explore-set {round_}"
+        write_results(out_path, meta("gdpa_explore2", command,
+                                     device=torch.cuda.get_device_name(), checks=checks,
+                                     variants={k: str(v[0]) for k, v in variants.items()}),
+                      rows)  # fmt: skip
+    print(f"explore done in {time.time() - start:.0f} s")
 
 
 def quick_sweep(device, deadline, rows) -> gt.GdpaTritonConfig:
@@ -722,6 +990,11 @@ def main() -> None:
     parser.add_argument("--peers", default=",".join(PEERS))
     parser.add_argument("--explore", action="store_true", help="time variants only (to --out)")
     parser.add_argument(
+        "--explore-self-cross", action="store_true",
+        help="check and time the self/cross forward and backward variants (to --out)",
+    )  # fmt: skip
+    parser.add_argument("--explore-set", type=int, default=1, help="variant round (1 or 2)")
+    parser.add_argument(
         "--workers", type=int, default=0, help="processes that pre-compile the kernels in parallel"
     )
     parser.add_argument(
@@ -739,18 +1012,22 @@ def main() -> None:
     if args.explore:
         explore(device, Path(args.out), args.workers)
         return
+    if args.explore_self_cross:
+        explore_self_cross(device, Path(args.out), args.workers, args.budget_s, args.explore_set)
+        return
+    # No --config: gem runs through the public entry point, whose default configuration
+    # depends on the call (sequence length, masks), as in a model.
     config = _parse_config(args.config)
     if args.workers > 0:  # every kernel of the run below, compiled in parallel first
-        cfg = config or gt.default_config(D)
-        jobs = [(("check", i), None, ACT, ()) for i in range(4)] if args.check else []
-        jobs += [(spec, cfg, ACT, ("fwd", "fwd_bwd")) for spec in _shapes(kinds)]
+        jobs = [(("check", i), None, ACT, ()) for i in range(CHECK_CASES)] if args.check else []
+        jobs += [(spec, config, ACT, ("fwd", "fwd_bwd")) for spec in _shapes(kinds)]
         if "skew" in kinds:
             jobs += [
-                ("skew", replace(cfg, schedule=s), ACT, ("fwd", "fwd_bwd"))
+                ("skew", replace(_skew_config(config), schedule=s), ACT, ("fwd", "fwd_bwd"))
                 for s in gt.GDPA_SCHEDULES
             ]
         if "activations" in kinds:
-            jobs += [(("self", 128, 4096), cfg, a, ("fwd",)) for a in ("identity", "silu")]
+            jobs += [(("self", 128, 4096), config, a, ("fwd",)) for a in ("identity", "silu")]
         precompile(jobs, args.workers)
     checks = check(device) if args.check or args.sweep_only else {}
     start = time.time()  # --budget-s covers the sweep and the cases, not the check
@@ -761,7 +1038,6 @@ def main() -> None:
     rows, errors = [], []
     if args.quick_sweep:
         config = quick_sweep(device, start + 0.4 * args.budget_s, rows)
-    config = config or gt.default_config(D)
     peers = [p for p in args.peers.split(",") if p]
 
     kept, merged = [], {}
@@ -788,7 +1064,13 @@ def main() -> None:
                 "pma_queries": NUM_QUERIES,
                 "cross_kv": CROSS_KV,
             },  # fmt: skip
-            gem_config=str(config),
+            gem_config=str(config)
+            if config is not None
+            else {
+                "short (max_len <= SHORT_SEQUENCE_LEN)": str(gt.default_config(D, max_len=1)),
+                "long": str(gt.default_config(D)),
+                "masked and PMA": str(gt.default_config(D, masked=True)),
+            },
             checks_rel_error_out_dq_dk_dv=checks,
             errors=errors,
             wall_s=round(time.time() - start, 1),
@@ -808,7 +1090,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         write()
     if "skew" in kinds and time.time() - start < args.budget_s:
-        skew(rows, errors, device, config)
+        skew(rows, errors, device, _skew_config(config))
     elif "skew" in kinds:
         errors.append("budget reached before the skew experiment")
     write()

@@ -17,6 +17,7 @@ import torch
 from gem_kernels import GDPA_BACKENDS, gdpa, gdpa_triton
 from gem_kernels.gdpa_triton import (
     GELU_FAST_F16_MAX_ABS_ERROR,
+    SHORT_SEQUENCE_LEN,
     GdpaTritonConfig,
     default_config,
     gdpa_from_lengths,
@@ -371,3 +372,95 @@ def test_errors(interpret, monkeypatch):
     assert gdpa_triton.triton_unsupported_reason(q) is not None
     # auto on CPU runs the reference without touching Triton.
     torch.testing.assert_close(gdpa(q, q, q, off), gdpa(q, q, q, off, backend="reference"))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        # (TMA with and without the pipelined loop: test_default_unmasked_kernels.)
+        dict(fwd_one_loop=True, fwd_pipeline=True, bwd_one_loop=True, short_mask_free=True),
+        dict(short_mask_free=True, short_halves=True, fwd_programs_per_sm=2),
+    ],
+)
+def test_one_loop_and_short_kv_variants(interpret, changes):
+    # Mask-free single loops with pointer loads (keys past a sample's end load as zeros), the
+    # hand-pipelined loop, the short-KV forward in two halves; windows keep the three phases.
+    config = _config(**changes)
+    generic = replace(config, short_kv_max=0)
+    _check(LONG_SKEWED, None, activation="gelu_fast", tol=1e-4, config=config)
+    _check(CROSS_Q, CROSS_K, activation="silu", normalize_by_length=True, config=generic)
+    _check(CROSS_Q, SHORT_K, activation="relu2", tol=1e-4, config=config)
+    _check(CROSS_Q, CROSS_K, activation="gelu_tanh", config=config)  # short KV in two halves
+    _check(SELF_LENGTHS, None, activation="silu", window=(3, None), config=config)
+
+
+# The fields the production default sets for unmasked calls (tiles differ under the interpreter).
+_DEFAULT_FLAGS = ("fwd_one_loop", "fwd_kv_tma", "fwd_pipeline", "bwd_one_loop", "short_mask_free")
+
+
+@pytest.mark.parametrize("max_len", [SHORT_SEQUENCE_LEN, None], ids=["short", "long"])
+def test_default_unmasked_kernels(interpret, max_len):
+    # The H200 default for unmasked D=128 bf16 calls, on interpreter tiles: its kernel paths
+    # (one loop, TMA, pipelined forward; one-loop backward; mask-free short KV) vs the oracle.
+    production = default_config(128, max_len=max_len)
+    assert production.fwd_one_loop and production.fwd_kv_tma and production.bwd_one_loop
+    config = _config(**{name: getattr(production, name) for name in _DEFAULT_FLAGS})
+    _check(LONG_SKEWED, None, activation="gelu_fast", tol=1e-4, config=config)
+    _check(CROSS_Q, CROSS_K, activation="gelu_fast", tol=1e-4, config=config)
+    _check(CROSS_Q, CROSS_K, activation="silu", config=replace(config, short_kv_max=0))
+
+
+def test_default_config_choice():
+    short = default_config(128, max_len=SHORT_SEQUENCE_LEN)
+    long = default_config(128, max_len=SHORT_SEQUENCE_LEN + 1)
+    assert (short.fwd_block_m, short.fwd_block_n, short.fwd_programs_per_sm) == (64, 32, 3)
+    assert long.fwd_pipeline and not short.fwd_pipeline
+    assert default_config(128) == long  # unknown length: the long-sequence tiles
+    masked = default_config(128, max_len=100, masked=True)
+    assert not (masked.fwd_one_loop or masked.bwd_one_loop or masked.short_mask_free)
+    assert masked == default_config(128, masked=True)
+    # Unmeasured head dims and dtypes keep their tiles whatever the length.
+    for kwargs in (dict(dtype=torch.float32), dict(dtype=torch.float16), dict()):
+        dim = 128 if kwargs else 64
+        assert default_config(dim, max_len=10, **kwargs) == default_config(dim, **kwargs)
+        assert not default_config(dim, max_len=10, **kwargs).fwd_one_loop
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.parametrize(("kind", "max_len"), [("self", 1024), ("self", 3000), ("cross", 2000)])
+def test_gpu_default_unmasked_matches_reference(kind, max_len, monkeypatch):
+    # The default unmasked kernels (one loop, TMA, pipelined or 64x32 forward; one-loop
+    # backward; mask-free short KV) against the float32 reference and the masked-call config.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    gen = torch.Generator().manual_seed(1)
+    q_lengths = torch.randint(1, max_len, (10,), generator=gen).tolist() + [0, 1, max_len]
+    k_lengths = None if kind == "self" else [int(n) % 257 for n in q_lengths]
+    keys = q_lengths if k_lengths is None else k_lengths
+    heads, dim = 4, 128
+    tensors = [
+        torch.randn(rows, heads, dim, generator=gen).cuda()
+        for rows in (sum(q_lengths), sum(keys), sum(keys))
+    ]
+    grad = torch.randn(sum(q_lengths), heads, dim, generator=gen).cuda()
+    results = {}
+    for name in ("ref", "default", "masked-config"):
+        if name == "ref":
+            leaves = [t.clone().requires_grad_(True) for t in tensors]
+            out = gdpa(*leaves, offsets_of(q_lengths).cuda(),
+                       None if k_lengths is None else offsets_of(k_lengths).cuda(),
+                       activation="gelu_fast", backend="reference")  # fmt: skip
+        else:
+            leaves = [t.bfloat16().requires_grad_(True) for t in tensors]
+            cfg = default_config(dim, masked=True) if name == "masked-config" else None
+            out = gdpa_from_lengths(
+                *leaves, torch.tensor(q_lengths),
+                None if k_lengths is None else torch.tensor(k_lengths),
+                activation="gelu_fast", config=cfg,
+            )  # fmt: skip
+        out.float().mul(grad).sum().backward()
+        results[name] = [out.float()] + [leaf.grad.float() for leaf in leaves]
+    for label, ref, new, old in zip("oqkv", *results.values(), strict=True):
+        error = float((new - ref).norm() / ref.norm())
+        baseline = float((old - ref).norm() / ref.norm())
+        assert error < 1e-2 and error < 1.2 * baseline + 1e-3, (label, error, baseline)

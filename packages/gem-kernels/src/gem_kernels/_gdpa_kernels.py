@@ -449,6 +449,71 @@ def _fwd_inner(
 
 
 @triton.jit
+def _kv_tile(desc, base, start, offs_n, k_len, stride, offs_d, HEAD_DIM, EVEN_D, TRANS, KV_TMA):
+    """One key tile (transposed with TRANS) whose rows past ``k_len`` are zeros: a TMA load
+    through the item's descriptor (which ends at the sample's last key), or a masked load."""
+    if KV_TMA:
+        tile = desc.load([start, 0])
+        if TRANS:
+            tile = tl.trans(tile)
+    else:
+        rows = start + offs_n
+        tile = _load_tile(base, rows, rows < k_len, stride, offs_d, HEAD_DIM, True, EVEN_D, TRANS)
+    return tile
+
+
+@triton.jit
+def _fwd_p(s, ACT: tl.constexpr, PACKED: tl.constexpr):
+    if PACKED:  # noqa: SIM108 (constexpr branch: only one side is compiled)
+        p = _act_packed(s, PACKED)
+    else:
+        p = _act(s, ACT)
+    return p
+
+
+@triton.jit
+def _fwd_one_loop(
+    acc, q, k_desc, v_desc, k_base, v_base, stride_kt, stride_vt, lo, hi, offs_d, k_len, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr,
+    KV_TMA: tl.constexpr, PIPELINE: tl.constexpr,
+):  # fmt: skip
+    """Unwindowed forward over key tiles [lo, hi) in one loop and without a score mask: key
+    rows past ``k_len`` load as zeros, so their scores are 0, act(0) = 0 for every activation,
+    and their V rows are 0 too (rows past ``q_len`` are never stored). ``PIPELINE``: the next
+    tile's ``Q K^T`` is issued before this tile's activation (software pipelining by hand)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    if PIPELINE:
+        if hi > lo:
+            kt = _kv_tile(k_desc, k_base, lo, offs_n, k_len, stride_kt, offs_d, HEAD_DIM, EVEN_D,
+                          True, KV_TMA)  # fmt: skip
+            s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
+            for start in range(lo, hi - BLOCK_N, BLOCK_N):
+                kt = _kv_tile(k_desc, k_base, start + BLOCK_N, offs_n, k_len, stride_kt, offs_d,
+                              HEAD_DIM, EVEN_D, True, KV_TMA)  # fmt: skip
+                v = _kv_tile(v_desc, v_base, start, offs_n, k_len, stride_vt, offs_d, HEAD_DIM,
+                             EVEN_D, False, KV_TMA)  # fmt: skip
+                s_next = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
+                p = _fwd_p(s, ACT, PACKED)
+                acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
+                s = s_next
+            v = _kv_tile(v_desc, v_base, hi - BLOCK_N, offs_n, k_len, stride_vt, offs_d, HEAD_DIM,
+                         EVEN_D, False, KV_TMA)  # fmt: skip
+            p = _fwd_p(s, ACT, PACKED)
+            acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            kt = _kv_tile(k_desc, k_base, start, offs_n, k_len, stride_kt, offs_d, HEAD_DIM,
+                          EVEN_D, True, KV_TMA)  # fmt: skip
+            v = _kv_tile(v_desc, v_base, start, offs_n, k_len, stride_vt, offs_d, HEAD_DIM,
+                         EVEN_D, False, KV_TMA)  # fmt: skip
+            s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
+            p = _fwd_p(s, ACT, PACKED)
+            acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
+    return acc
+
+
+@triton.jit
 def gdpa_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, items_ptr, num_items,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -456,10 +521,17 @@ def gdpa_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    PACKED: tl.constexpr,
+    PACKED: tl.constexpr, ONE_LOOP: tl.constexpr = False, KV_TMA: tl.constexpr = False,
+    PIPELINE: tl.constexpr = False,
 ):  # fmt: skip
-    """Items are (query tile, head); each loops over the key tiles its rows see."""
+    """Items are (query tile, head); each loops over the key tiles its rows see.
+
+    ``ONE_LOOP`` (no window): one mask-free loop instead of the three phases (see
+    :func:`_fwd_one_loop`), with ``KV_TMA`` K and V come through per-item TMA descriptors
+    that end at the sample's last key, and ``PIPELINE`` overlaps the next tile's ``Q K^T``
+    with this tile's activation by hand."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    USE_ONE_LOOP: tl.constexpr = ONE_LOOP and not HAS_LEFT and not HAS_RIGHT
     offs_d = tl.arange(0, BLOCK_D)
     for idx in range(tl.program_id(0), num_items, tl.num_programs(0)):
         info = items_ptr + idx * _W  # items < 2**27: int32 is enough
@@ -487,24 +559,43 @@ def gdpa_fwd_kernel(
             lo_t, full_lo, full_hi, hi_t, range_lo, range_hi
         )
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        acc = _fwd_inner(
-            acc, q, k_base, v_base, stride_kt, stride_vt, lo_t, full_lo, offs_m, offs_d, shift,
-            q_len, k_len, left, right, scale,
-            HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
-            PACKED,
-        )  # fmt: skip
-        acc = _fwd_inner(
-            acc, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m, offs_d,
-            shift, q_len, k_len, left, right, scale,
-            HEAD_DIM, BLOCK_N, ACT, False, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
-            PACKED,
-        )  # fmt: skip
-        acc = _fwd_inner(
-            acc, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m, offs_d, shift,
-            q_len, k_len, left, right, scale,
-            HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
-            PACKED,
-        )  # fmt: skip
+        if USE_ONE_LOOP:
+            k_desc = None
+            v_desc = None
+            if KV_TMA:  # rows past the sample's end read as zeros
+                rows = tl.maximum(k_len, 1)
+                k_desc = tl.make_tensor_descriptor(
+                    k_base, shape=[rows, HEAD_DIM], strides=[stride_kt, 1],
+                    block_shape=[BLOCK_N, BLOCK_D],
+                )  # fmt: skip
+                v_desc = tl.make_tensor_descriptor(
+                    v_base, shape=[rows, HEAD_DIM], strides=[stride_vt, 1],
+                    block_shape=[BLOCK_N, BLOCK_D],
+                )  # fmt: skip
+            acc = _fwd_one_loop(
+                acc, q, k_desc, v_desc, k_base, v_base, stride_kt, stride_vt, lo_t, hi_t, offs_d,
+                k_len, scale, HEAD_DIM, BLOCK_N, ACT, EVEN_D, DOT_PRECISION, UPCAST, PACKED,
+                KV_TMA, PIPELINE,
+            )  # fmt: skip
+        else:
+            acc = _fwd_inner(
+                acc, q, k_base, v_base, stride_kt, stride_vt, lo_t, full_lo, offs_m, offs_d,
+                shift, q_len, k_len, left, right, scale,
+                HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+                PACKED,
+            )  # fmt: skip
+            acc = _fwd_inner(
+                acc, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m, offs_d,
+                shift, q_len, k_len, left, right, scale,
+                HEAD_DIM, BLOCK_N, ACT, False, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+                PACKED,
+            )  # fmt: skip
+            acc = _fwd_inner(
+                acc, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m, offs_d,
+                shift, q_len, k_len, left, right, scale,
+                HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+                PACKED,
+            )  # fmt: skip
         if NORMALIZE:
             acc = acc * (1.0 / tl.maximum(k_len, 1).to(tl.float32))
         if to_partial:
@@ -520,21 +611,18 @@ def gdpa_fwd_kernel(
 
 
 @triton.jit
-def gdpa_fwd_short_kv_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, items_ptr, num_items,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    left, right, scale, part_ptr, stride_pt, stride_ph,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KV: tl.constexpr,
-    BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    PACKED: tl.constexpr,
+def _short_kv_halves(
+    q_ptr, k_ptr, v_ptr, o_ptr, items_ptr, num_items, stride_qt, stride_qh, stride_kt,
+    stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, scale,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    ACT: tl.constexpr, NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PACKED: tl.constexpr,
 ):  # fmt: skip
-    """Short KV (every sample has <= BLOCK_KV keys): items are (sample, run of query tiles,
-    head). The whole K and V of the sample are loaded once and stay on chip while the item's
-    query tiles stream past them."""
+    """The short-KV forward without masks, keys in two halves (``HALVES``)."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_KV)
+    offs_a = tl.arange(0, HALF)
+    offs_b = HALF + offs_a
     for idx in range(tl.program_id(0), num_items, tl.num_programs(0)):
         info = items_ptr + idx * _W  # items < 2**27: int32 is enough
         q_start = tl.load(info)
@@ -545,16 +633,14 @@ def gdpa_fwd_short_kv_kernel(
         head = tl.load(info + 6)
         row_end = tl.load(info + 7).to(tl.int32)
         dst_start = tl.load(info + 10)
-        shift = k_len - q_len
-        n_ok = offs_n < k_len
-        kt = _load_tile(
-            k_ptr + k_start * stride_kt + head * stride_kh, offs_n, n_ok, stride_kt, offs_d,
-            HEAD_DIM, True, EVEN_D, True,
-        )  # fmt: skip
-        v = _load_tile(
-            v_ptr + k_start * stride_vt + head * stride_vh, offs_n, n_ok, stride_vt, offs_d,
-            HEAD_DIM, True, EVEN_D, False,
-        )  # fmt: skip
+        k_base = k_ptr + k_start * stride_kt + head * stride_kh
+        v_base = v_ptr + k_start * stride_vt + head * stride_vh
+        a_ok = offs_a < k_len
+        b_ok = offs_b < k_len
+        kt_a = _load_tile(k_base, offs_a, a_ok, stride_kt, offs_d, HEAD_DIM, True, EVEN_D, True)
+        kt_b = _load_tile(k_base, offs_b, b_ok, stride_kt, offs_d, HEAD_DIM, True, EVEN_D, True)
+        v_a = _load_tile(v_base, offs_a, a_ok, stride_vt, offs_d, HEAD_DIM, True, EVEN_D, False)
+        v_b = _load_tile(v_base, offs_b, b_ok, stride_vt, offs_d, HEAD_DIM, True, EVEN_D, False)
         norm = 1.0
         if NORMALIZE:
             norm = 1.0 / tl.maximum(k_len, 1).to(tl.float32)
@@ -564,21 +650,94 @@ def gdpa_fwd_short_kv_kernel(
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < q_len
             q = _load_tile(q_base, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, True, EVEN_D, False)
-            s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
-            if PACKED:  # noqa: SIM108 (constexpr branch: only one side is compiled)
-                p = _act_packed(s, PACKED)
-            else:
-                p = _act(s, ACT)
-            visible = _visible(
-                offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left, right,
-                HAS_LEFT, HAS_RIGHT,
-            )  # fmt: skip
-            p = tl.where(visible, p, 0.0)
-            acc = _dot(p.to(v.dtype), v, None, DOT_PRECISION, UPCAST) * norm
+            s_a = _dot(q, kt_a, None, DOT_PRECISION, UPCAST) * scale
+            p_a = _fwd_p(s_a, ACT, PACKED)
+            s_b = _dot(q, kt_b, None, DOT_PRECISION, UPCAST) * scale
+            acc = _dot(p_a.to(v_a.dtype), v_a, None, DOT_PRECISION, UPCAST)
+            p_b = _fwd_p(s_b, ACT, PACKED)
+            acc = _dot(p_b.to(v_b.dtype), v_b, acc, DOT_PRECISION, UPCAST) * norm
             _store_tile(
                 o_base, offs_m, m_ok, stride_ot, offs_d, acc.to(o_ptr.dtype.element_ty),
                 HEAD_DIM, EVEN_D,
             )  # fmt: skip
+
+
+@triton.jit
+def gdpa_fwd_short_kv_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, items_ptr, num_items,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    left, right, scale, part_ptr, stride_pt, stride_ph,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KV: tl.constexpr,
+    BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PACKED: tl.constexpr, MASK_FREE: tl.constexpr = False, HALVES: tl.constexpr = False,
+):  # fmt: skip
+    """Short KV (every sample has <= BLOCK_KV keys): items are (sample, run of query tiles,
+    head). The whole K and V of the sample are loaded once and stay on chip while the item's
+    query tiles stream past them. ``MASK_FREE`` (no window): no score mask, since keys past
+    ``k_len`` load as zeros (score 0, act(0) = 0, V row 0) and rows past ``q_len`` are never
+    stored. ``HALVES`` (with ``MASK_FREE``, no window): the keys in two halves, the second
+    half's ``Q K^T`` issued before the first half's activation and PV product (half the score
+    registers, and MMA work next to the element-wise work)."""
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    SCORE_MASK: tl.constexpr = HAS_LEFT or HAS_RIGHT or not MASK_FREE
+    if HALVES and not SCORE_MASK and BLOCK_KV >= 32:
+        _short_kv_halves(
+            q_ptr, k_ptr, v_ptr, o_ptr, items_ptr, num_items, stride_qt, stride_qh, stride_kt,
+            stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, scale,
+            HEAD_DIM, BLOCK_M, BLOCK_KV // 2, BLOCK_D, ACT, NORMALIZE, DOT_PRECISION, UPCAST,
+            PACKED,
+        )  # fmt: skip
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_KV)
+        for idx in range(tl.program_id(0), num_items, tl.num_programs(0)):
+            info = items_ptr + idx * _W  # items < 2**27: int32 is enough
+            q_start = tl.load(info)
+            q_len = tl.load(info + 1).to(tl.int32)
+            k_start = tl.load(info + 2)
+            k_len = tl.load(info + 3).to(tl.int32)
+            row0 = tl.load(info + 4).to(tl.int32)
+            head = tl.load(info + 6)
+            row_end = tl.load(info + 7).to(tl.int32)
+            dst_start = tl.load(info + 10)
+            shift = k_len - q_len
+            n_ok = offs_n < k_len
+            kt = _load_tile(
+                k_ptr + k_start * stride_kt + head * stride_kh, offs_n, n_ok, stride_kt, offs_d,
+                HEAD_DIM, True, EVEN_D, True,
+            )  # fmt: skip
+            v = _load_tile(
+                v_ptr + k_start * stride_vt + head * stride_vh, offs_n, n_ok, stride_vt, offs_d,
+                HEAD_DIM, True, EVEN_D, False,
+            )  # fmt: skip
+            norm = 1.0
+            if NORMALIZE:
+                norm = 1.0 / tl.maximum(k_len, 1).to(tl.float32)
+            q_base = q_ptr + q_start * stride_qt + head * stride_qh
+            o_base = o_ptr + dst_start * stride_ot + head * stride_oh
+            for m0 in range(row0, row_end, BLOCK_M):
+                offs_m = m0 + tl.arange(0, BLOCK_M)
+                m_ok = offs_m < q_len
+                q = _load_tile(
+                    q_base, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, True, EVEN_D, False
+                )
+                s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
+                if PACKED:  # noqa: SIM108 (constexpr branch: only one side is compiled)
+                    p = _act_packed(s, PACKED)
+                else:
+                    p = _act(s, ACT)
+                if SCORE_MASK:
+                    visible = _visible(
+                        offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left, right,
+                        HAS_LEFT, HAS_RIGHT,
+                    )  # fmt: skip
+                    p = tl.where(visible, p, 0.0)
+                acc = _dot(p.to(v.dtype), v, None, DOT_PRECISION, UPCAST) * norm
+                _store_tile(
+                    o_base, offs_m, m_ok, stride_ot, offs_d, acc.to(o_ptr.dtype.element_ty),
+                    HEAD_DIM, EVEN_D,
+                )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -692,7 +851,7 @@ def _dkdv_inner(
     shift, q_len, k_len, left, right, scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, NO_SCORE_MASK: tl.constexpr,
 ):  # fmt: skip
     for start in range(start_m, end_m, BLOCK_M):
         offs_m = start + tl.arange(0, BLOCK_M)
@@ -706,7 +865,7 @@ def _dkdv_inner(
         else:
             pt, gt = _act_grad(st, ACT)
             dst = dpt * gt
-        if MASKED:
+        if MASKED and not NO_SCORE_MASK:
             visible = _visible(
                 offs_m[None, :], offs_n[:, None], shift, q_len, k_len, left, right,
                 HAS_LEFT, HAS_RIGHT,
@@ -727,11 +886,12 @@ def gdpa_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    PACKED: tl.constexpr,
+    PACKED: tl.constexpr, ONE_LOOP: tl.constexpr = False,
 ):  # fmt: skip
     """Items are (key tile, head); each loops over the query tiles that see its keys and
     writes its dK, dV rows once (no atomics)."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    USE_ONE_LOOP: tl.constexpr = ONE_LOOP and not HAS_LEFT and not HAS_RIGHT
     offs_d = tl.arange(0, BLOCK_D)
     for idx in range(tl.program_id(0), num_items, tl.num_programs(0)):
         info = items_ptr + idx * _W  # items < 2**27: int32 is enough
@@ -765,24 +925,32 @@ def gdpa_bwd_dkdv_kernel(
         )
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, lo_t, full_lo, offs_n, offs_d,
-            shift, q_len, k_len, left, right, scale,
-            HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
-            PACKED,
-        )  # fmt: skip
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, full_lo, full_hi, offs_n,
-            offs_d, shift, q_len, k_len, left, right, scale,
-            HEAD_DIM, BLOCK_M, ACT, False, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
-            PACKED,
-        )  # fmt: skip
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, full_hi, hi_t, offs_n, offs_d,
-            shift, q_len, k_len, left, right, scale,
-            HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
-            PACKED,
-        )  # fmt: skip
+        if USE_ONE_LOOP:  # every query tile in one loop, loads masked, no score mask
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, lo_t, hi_t, offs_n,
+                offs_d, shift, q_len, k_len, left, right, scale,
+                HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+                PACKED, True,
+            )  # fmt: skip
+        else:
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, lo_t, full_lo, offs_n, offs_d,
+                shift, q_len, k_len, left, right, scale,
+                HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+                PACKED, False,
+            )  # fmt: skip
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, full_lo, full_hi, offs_n,
+                offs_d, shift, q_len, k_len, left, right, scale,
+                HEAD_DIM, BLOCK_M, ACT, False, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+                PACKED, False,
+            )  # fmt: skip
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, full_hi, hi_t, offs_n, offs_d,
+                shift, q_len, k_len, left, right, scale,
+                HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+                PACKED, False,
+            )  # fmt: skip
         dk_scale = scale
         if NORMALIZE:
             norm = 1.0 / tl.maximum(k_len, 1).to(tl.float32)
@@ -811,7 +979,7 @@ def _dq_inner(
     q_len, k_len, left, right, scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, NO_SCORE_MASK: tl.constexpr,
 ):  # fmt: skip
     for start in range(start_n, end_n, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -827,7 +995,7 @@ def _dq_inner(
         else:
             p, g = _act_grad(s, ACT)
             ds = dp * g
-        if MASKED:
+        if MASKED and not NO_SCORE_MASK:
             visible = _visible(
                 offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left, right,
                 HAS_LEFT, HAS_RIGHT,
@@ -846,12 +1014,13 @@ def gdpa_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    PACKED: tl.constexpr,
+    PACKED: tl.constexpr, ONE_LOOP: tl.constexpr = False,
 ):  # fmt: skip
     """Items are (query tile, head); each loops over the key tiles its rows see (or the
     item's key range). dQ rows go to ``dst_start``: for PMA that is a partial buffer with one
     row block per (sample, key chunk) that the host sums (deterministic, no atomics)."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    USE_ONE_LOOP: tl.constexpr = ONE_LOOP and not HAS_LEFT and not HAS_RIGHT
     offs_d = tl.arange(0, BLOCK_D)
     for idx in range(tl.program_id(0), num_items, tl.num_programs(0)):
         info = items_ptr + idx * _W  # items < 2**27: int32 is enough
@@ -884,24 +1053,32 @@ def gdpa_bwd_dq_kernel(
             lo_t, full_lo, full_hi, hi_t, range_lo, range_hi
         )
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        dq = _dq_inner(
-            dq, q, do, k_base, v_base, stride_kt, stride_vt, lo_t, full_lo, offs_m, offs_d,
-            shift, q_len, k_len, left, right, scale,
-            HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
-            PACKED,
-        )  # fmt: skip
-        dq = _dq_inner(
-            dq, q, do, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m, offs_d,
-            shift, q_len, k_len, left, right, scale,
-            HEAD_DIM, BLOCK_N, ACT, False, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
-            PACKED,
-        )  # fmt: skip
-        dq = _dq_inner(
-            dq, q, do, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m, offs_d,
-            shift, q_len, k_len, left, right, scale,
-            HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
-            PACKED,
-        )  # fmt: skip
+        if USE_ONE_LOOP:  # every key tile in one loop, loads masked, no score mask
+            dq = _dq_inner(
+                dq, q, do, k_base, v_base, stride_kt, stride_vt, lo_t, hi_t, offs_m, offs_d,
+                shift, q_len, k_len, left, right, scale,
+                HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+                PACKED, True,
+            )  # fmt: skip
+        else:
+            dq = _dq_inner(
+                dq, q, do, k_base, v_base, stride_kt, stride_vt, lo_t, full_lo, offs_m, offs_d,
+                shift, q_len, k_len, left, right, scale,
+                HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+                PACKED, False,
+            )  # fmt: skip
+            dq = _dq_inner(
+                dq, q, do, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m, offs_d,
+                shift, q_len, k_len, left, right, scale,
+                HEAD_DIM, BLOCK_N, ACT, False, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+                PACKED, False,
+            )  # fmt: skip
+            dq = _dq_inner(
+                dq, q, do, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m, offs_d,
+                shift, q_len, k_len, left, right, scale,
+                HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
+                PACKED, False,
+            )  # fmt: skip
         dq_scale = scale
         if NORMALIZE:
             dq_scale = scale / tl.maximum(k_len, 1).to(tl.float32)

@@ -59,6 +59,7 @@ __all__ = [
     "GdpaFunction",
     "GdpaTritonConfig",
     "MAX_TRITON_HEAD_DIM",
+    "SHORT_SEQUENCE_LEN",
     "default_config",
     "gdpa_from_lengths",
     "gdpa_triton",
@@ -94,8 +95,9 @@ _NO_LIMIT = 1 << 30  # range_hi of items that see the whole other side
 class GdpaTritonConfig(host.FlashTileConfig):
     """Tile sizes, launch parameters and schedule of the kernels (tiles: powers of two >= 16).
 
-    The defaults are those of the H200 run in ``benchmarks/results/h200/gdpa.json`` (D=128,
-    bf16). ``bench_gdpa.py --explore`` (one H200 run, 2026-11-30) chose: the packed f16x2
+    The field defaults are the D=128 bf16 configuration of masked (causal / window) and PMA
+    calls; :func:`default_config` switches unmasked self/cross calls to the one-loop, TMA and
+    pipelined variants below by their longest key length (``gdpa_explore2.json``). ``bench_gdpa.py --explore`` (one H200 run, 2026-11-30) chose: the packed f16x2
     gelu_fast (forward+backward 360 vs 337 TFLOP/s at B128xL4096, 267 vs 253 at B512xL1024), a
     128x64 forward tile with it (fwd 308/426/305 TFLOP/s at B512xL1024/B128xL4096/B1152xL1000
     against 286/443/285 for 128x128 without packing: the 128x128 tile spills registers), and 2
@@ -159,14 +161,73 @@ class GdpaTritonConfig(host.FlashTileConfig):
     in packed f16x2 arithmetic (inline PTX, two elements per instruction; the same math in
     plain tl under the interpreter). Max abs error against exact GELU before the bfloat16
     rounding of P: ``GELU_FAST_F16_MAX_ABS_ERROR`` (float32 path: 1.07e-3)."""
+    fwd_programs_per_sm: int = 0
+    """Persistent programs per SM of the self/cross forward (not the short-KV one); 0: use
+    ``programs_per_sm``."""
+    bwd_programs_per_sm: int = 0
+    """Persistent programs per SM of the self/cross dK/dV and dQ kernels; 0: use
+    ``programs_per_sm``."""
+    fwd_one_loop: bool = False
+    """Self/cross forward without window or causal mask: one loop over a query tile's key
+    tiles with no score mask (key rows past the sample's end load as zeros and act(0) = 0)
+    instead of masked / inside-the-band / masked phases."""
+    fwd_kv_tma: bool = False
+    """With ``fwd_one_loop``: load K and V through per-item TMA tensor descriptors that end at
+    the sample's last key (needs 16-byte aligned rows; other calls use pointer loads)."""
+    fwd_pipeline: bool = False
+    """With ``fwd_one_loop``: issue the next key tile's ``Q K^T`` before this tile's activation
+    (software pipelining by hand)."""
+    bwd_one_loop: bool = False
+    """Self/cross backward without window or causal mask: one loop per item with masked loads
+    and no score mask, instead of three phases."""
+    short_mask_free: bool = False
+    """Short-KV forward without window or causal mask: no score mask (keys past a sample's
+    end load as zeros)."""
+    short_halves: bool = False
+    """With ``short_mask_free`` (no window): the short-KV forward takes the keys in two
+    halves, the second half's ``Q K^T`` issued before the first half's activation."""
+
+
+#: Longest key length (over a call's samples) for which unmasked self/cross calls take the
+#: 64x32 forward tiles (H200, D=128, bf16, see :func:`default_config`).
+SHORT_SEQUENCE_LEN = 1024
+
+
+def default_config(
+    head_dim: int,
+    *,
+    interpret: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+    max_len: int | None = None,
+    masked: bool = False,
+) -> GdpaTritonConfig:
+    """Tile configuration for a head dimension and input dtype (16-row tiles under the
+    interpreter). float32 tiles take twice the shared memory, so they are halved.
+
+    ``max_len`` (the longest key length of the call, ``None``: unknown) and ``masked`` (a
+    causal or window mask; :func:`gdpa_from_lengths` also passes it for PMA, whose kernels
+    keep that configuration) pick the D=128 bfloat16 kernels: unmasked calls take the one-loop
+    forward with TMA key/value loads and the one-loop backward with 2 programs per SM, with
+    64x32 tiles, 4 warps and 3 programs per SM up to ``SHORT_SEQUENCE_LEN`` keys and the
+    hand-pipelined 128x64 loop (4 stages, 2 programs per SM) beyond; the short-KV forward
+    (cross) drops its score mask and streams 1024 query rows per item. Masked calls keep the
+    three-phase kernels. Chosen from ``benchmarks/results/h200/gdpa_explore2.json`` (two H200
+    runs); ``gdpa.json`` then measured, forward / forward+backward TFLOP/s, before -> after:
+    self B512xL1024 307/275 -> 412/297, B1152xL1000 307/272 -> 379/298 (64x32 tiles),
+    B128xL4096 429/357 -> 521/377 (pipelined 128x64); cross L1024 224/224 -> 266/246, L4096
+    264/253 -> 317/275.
+    """
+    if masked:
+        tiles = "masked"
+    elif max_len is not None and max_len <= SHORT_SEQUENCE_LEN:
+        tiles = "short"
+    else:
+        tiles = "long"
+    return _default_config(head_dim, interpret, dtype, tiles)
 
 
 @functools.lru_cache(maxsize=32)  # called on every call: build (and hash) each config once
-def default_config(
-    head_dim: int, *, interpret: bool = False, dtype: torch.dtype = torch.bfloat16
-) -> GdpaTritonConfig:
-    """Tile configuration for a head dimension and input dtype (16-row tiles under the
-    interpreter). float32 tiles take twice the shared memory, so they are halved."""
+def _default_config(head_dim: int, interpret: bool, dtype: torch.dtype, tiles: str):
     if interpret:
         return GdpaTritonConfig(
             16, 16, 1, 1, 16, 16, 16, 16, 1, 1, 256, 16, 32, 1, 16, 1, 1,
@@ -177,7 +238,19 @@ def default_config(
     if head_dim <= 64:
         return GdpaTritonConfig(128, 64, 4, 3, 128, 64, 128, 64, 8, 2, **unmeasured)
     if head_dim <= 128 and dtype != torch.float32:
-        return GdpaTritonConfig()
+        base = GdpaTritonConfig()
+        if tiles == "masked" or dtype != torch.bfloat16:  # the variants were measured in bf16
+            return base
+        unmasked = dict(
+            fwd_one_loop=True, fwd_kv_tma=True, bwd_one_loop=True, bwd_programs_per_sm=2,
+            short_mask_free=True, short_rows_per_item=1024,
+        )  # fmt: skip
+        if tiles == "short":
+            return replace(
+                base, fwd_block_m=64, fwd_block_n=32, fwd_warps=4, fwd_programs_per_sm=3,
+                **unmasked,
+            )  # fmt: skip
+        return replace(base, fwd_stages=4, fwd_programs_per_sm=2, fwd_pipeline=True, **unmasked)
     if head_dim <= 128:
         return GdpaTritonConfig(
             64, 64, 4, 2, 64, 32, 64, 32, 4, 2, 128, 32, 256, 4, 32, 4, 2, **unmeasured
@@ -540,13 +613,20 @@ def _pma_block_m(num_queries: int, config: GdpaTritonConfig) -> int:
 def _plan(s: _Samples, heads, left, right, config, device, with_backward, interpret, pma_m=0):
     """Work lists of every kernel; ``pma_m`` > 0: PMA query tile (rows) of the forward/dQ."""
     programs = _num_programs(device, config.programs_per_sm, interpret)
+    fwd_programs = _num_programs(
+        device, config.fwd_programs_per_sm or config.programs_per_sm, interpret
+    )
+    bwd_programs = _num_programs(
+        device, config.bwd_programs_per_sm or config.programs_per_sm, interpret
+    )
     pma_programs = _num_programs(device, config.pma_programs_per_sm, interpret)
     fwd_m, fwd_n = (
         (pma_m, config.pma_block_n) if pma_m else (config.fwd_block_m, config.fwd_block_n)
     )
     dq_m, dq_n = (pma_m, config.pma_dq_block_n) if pma_m else (config.dq_block_m, config.dq_block_n)
     dkdv_m = pma_m or config.dkdv_block_m
-    q_programs = pma_programs if pma_m else programs
+    q_programs = pma_programs if pma_m else fwd_programs
+    dq_programs = pma_programs if pma_m else bwd_programs
     # PMA: split every sample's keys into chunks (more items in flight); dK/dV of cross calls:
     # split long query ranges. Both sum float32 partials in a second, deterministic pass.
     kv_chunk = _round_up(config.pma_kv_chunk, max(fwd_n, dq_n)) if pma_m else 0
@@ -581,9 +661,10 @@ def _plan(s: _Samples, heads, left, right, config, device, with_backward, interp
     dkdv_partial = None
     if with_backward:
         rows, work = _key_tile_items(s, config.dkdv_block_n, dkdv_m, left, right, q_chunk)
-        tables.append(_item_table(rows, work, heads, programs, config.schedule))
+        tables.append(_item_table(rows, work, heads, programs if pma_m else bwd_programs,
+                                  config.schedule))  # fmt: skip
         rows, work = _query_tile_items(s, dq_m, dq_n, left, right, kv_chunk)
-        tables.append(_item_table(rows, work, heads, q_programs, config.schedule))
+        tables.append(_item_table(rows, work, heads, dq_programs, config.schedule))
         dkdv_partial = _key_partials(s, q_chunk)
         if dkdv_partial is not None:
             combines.append(dkdv_partial[1])
@@ -693,6 +774,29 @@ def _flags(q: torch.Tensor, launch: _Launch) -> dict:
     }
 
 
+def _tma_workspace(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for the descriptors the kernels build on the device."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _tma_ready(k: torch.Tensor, v: torch.Tensor, interpret: bool) -> bool:
+    """Whether K and V can go through TMA descriptors (16-byte aligned base and row strides);
+    installs a Triton scratch allocator on CUDA when none is set."""
+    for t in (k, v):
+        size = t.element_size()
+        if t.data_ptr() % 16 or (t.stride(0) * size) % 16 or (t.stride(1) * size) % 16:
+            return False
+    if not interpret:
+        import triton
+        from triton.runtime import _allocation
+
+        current = getattr(_allocation, "_allocator", None)
+        current = current.get() if hasattr(current, "get") else current
+        if current is None or isinstance(current, _allocation.NullAllocator):
+            triton.set_allocator(_tma_workspace)
+    return True
+
+
 def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tensor:
     heads = q.shape[1]
     out = torch.empty((out_rows, heads, q.shape[2]), dtype=q.dtype, device=q.device)
@@ -715,7 +819,8 @@ def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tens
     if plan.short_kv_block:
         kernels.gdpa_fwd_short_kv_kernel[(plan.fwd_grid,)](
             *common, BLOCK_M=cfg.short_block_m, BLOCK_KV=plan.short_kv_block,
-            num_warps=cfg.short_warps, num_stages=cfg.short_stages, **_flags(q, launch),
+            num_warps=cfg.short_warps, num_stages=cfg.short_stages,
+            MASK_FREE=cfg.short_mask_free, HALVES=cfg.short_halves, **_flags(q, launch),
         )  # fmt: skip
     elif launch.num_queries is not None:
         kernels.gdpa_fwd_kernel[(plan.fwd_grid,)](
@@ -723,9 +828,11 @@ def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tens
             num_warps=cfg.pma_warps, num_stages=cfg.pma_stages, **_flags(q, launch),
         )  # fmt: skip
     else:
+        tma = cfg.fwd_one_loop and cfg.fwd_kv_tma and _tma_ready(k, v, launch.interpret)
         kernels.gdpa_fwd_kernel[(plan.fwd_grid,)](
             *common, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
-            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **_flags(q, launch),
+            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, ONE_LOOP=cfg.fwd_one_loop,
+            KV_TMA=tma, PIPELINE=cfg.fwd_one_loop and cfg.fwd_pipeline, **_flags(q, launch),
         )  # fmt: skip
     if plan.fwd_combine is not None:
         # Per sample: sum of its chunks' Nq x H x D blocks (normalisation is in the partials).
@@ -801,7 +908,8 @@ def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
             dv.stride(0), dv.stride(1), launch.left or 0, launch.right or 0, launch.scale,
             dk_part, dv_part, dk_part.stride(0), dk_part.stride(1),
             BLOCK_M=pma_m or cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
-            num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages, **flags,
+            num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
+            ONE_LOOP=cfg.bwd_one_loop and not pma_m, **flags,
         )  # fmt: skip
     if plan.dq_grid > 0:
         kernels.gdpa_bwd_dq_kernel[(plan.dq_grid,)](
@@ -812,7 +920,7 @@ def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
             BLOCK_M=pma_m or cfg.dq_block_m,
             BLOCK_N=cfg.pma_dq_block_n if pma_m else cfg.dq_block_n,
             num_warps=cfg.pma_warps if pma_m else cfg.bwd_warps,
-            num_stages=cfg.bwd_stages, **flags,
+            num_stages=cfg.bwd_stages, ONE_LOOP=cfg.bwd_one_loop and not pma_m, **flags,
         )  # fmt: skip
     if plan.dkdv_combine is not None:
         width = k.shape[1] * k.shape[2]
@@ -889,19 +997,27 @@ def gdpa_from_lengths(
         raise ValueError(
             f"activation must be one of {sorted(_ACTIVATION_CODES)}, got {activation!r}"
         )
-    config = config or default_config(q.shape[2], interpret=interpret, dtype=q.dtype)
-    if config.schedule not in GDPA_SCHEDULES:
-        raise ValueError(
-            f"config.schedule must be one of {GDPA_SCHEDULES}, got {config.schedule!r}"
-        )
     pma = q_lengths is None
     if pma and k_lengths is None:
         raise ValueError("PMA broadcast (q_lengths=None) needs k_lengths")
     self_attention = k_lengths is None
+    left, right = _resolve_window(causal, window)
+    q_host = None if pma else q_lengths.detach().to("cpu", torch.int64)
+    k_host = q_host if self_attention else k_lengths.detach().to("cpu", torch.int64)
+    if config is None:
+        max_len = None if pma or k_host.numel() == 0 else int(k_host.max())
+        # PMA keeps the masked calls' configuration (its kernels were tuned with it).
+        config = default_config(
+            q.shape[2], interpret=interpret, dtype=q.dtype, max_len=max_len,
+            masked=pma or left is not None or right is not None,
+        )  # fmt: skip
+    if config.schedule not in GDPA_SCHEDULES:
+        raise ValueError(
+            f"config.schedule must be one of {GDPA_SCHEDULES}, got {config.schedule!r}"
+        )
     if self_attention:
         # Self-attention never takes the short-KV forward (its KV is as long as its queries).
         config = _without_short_kv(config)
-    left, right = _resolve_window(causal, window)
     launch = _Launch(
         scale=1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale),
         left=left,
@@ -914,8 +1030,6 @@ def gdpa_from_lengths(
     )
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     pma_m = _pma_block_m(q.shape[0], config) if pma else 0
-    q_host = None if pma else q_lengths.detach().to("cpu", torch.int64)
-    k_host = q_host if self_attention else k_lengths.detach().to("cpu", torch.int64)
     plan = _cached_plan(
         q_host, k_host, q.shape[0] if pma else None, q.shape[1], left, right, config, q.device,
         needs_grad, interpret, pma_m,
