@@ -33,6 +33,10 @@ provider once, right after the bf16 run, which is why the policy's ``gem`` (the 
 ``nn.Linear``) shows 0.67x / 0.77x at the small shapes there; ``fp8_linear_first_run.json``
 (the first call, one pass, K=N=512) has them at 1.02x.
 
+``--only-kernels NAMES`` runs just those bandwidth rows and ``--merge`` replaces only them in an
+existing ``--out`` file. ``--explore PATH`` checks (bit for bit) and times the launch variants
+of the dy kernel (``EXPLORE_VARIANTS``) at K = 4096 and 8192 and writes them to PATH.
+
 ``--check`` first compares the GPU kernels bit for bit with the PyTorch references and the
 native scaled GEMMs with the emulation; ``--sweep`` times a few launch options of the kernels
 and uses the fastest.
@@ -40,6 +44,7 @@ and uses the fastest.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 import traceback
@@ -519,15 +524,138 @@ def _norm_linear_case(rows, errors, k, n, device) -> None:
 # Kernel bandwidth.
 
 
-def _kernel_rows(rows, errors, device, mx_config) -> None:
+# ---------------------------------------------------------------------------------------------
+# Exploration of the dy kernel (rows + x.T with 1x128 blocks + bias column sums) and its kin.
+
+# (name, operand, option overrides): "dy" = both 1x128 layouts with column sums (the output
+# gradient of a linear with bias), "dy_nobias" the same without sums, "xtiles" = rows and
+# 128x128 tiles of x.T. Every variant is bit-exact on the CPU interpreter (unit tests). The
+# overrides apply on top of the defaults with EXPLORE_BASE (the defaults before the packed
+# transposes), so a name means the same kernel whatever the defaults are now.
+EXPLORE_BASE = {"t_run": 0, "t_run_colsum": 0, "t_run_x": 0}
+EXPLORE_VARIANTS = [
+    ("base_w4", "dy", {}),
+    ("trun8_w4", "dy", {"t_run_colsum": 8}),
+    ("trun4_w4", "dy", {"t_run_colsum": 4}),
+    ("trun16_w4", "dy", {"t_run_colsum": 16}),
+    ("trun4_w8", "dy", {"t_run_colsum": 4, "tile_warps_colsum": 8}),
+    ("base_w8", "dy_nobias", {}),
+    ("trun8_w4", "dy_nobias", {"t_run": 8, "tile_warps": 4}),
+    ("trun4_w8", "dy_nobias", {"t_run": 4}),
+    ("base_w8", "xtiles", {}),
+    ("trun4_w8", "xtiles", {"t_run_x": 4}),
+    ("trun8_w8", "xtiles", {"t_run_x": 8}),
+    ("trun8_w4", "xtiles", {"t_run_x": 8, "tile_warps_x": 4}),
+]
+
+
+def _operand_call(operand: str):
+    col_sum, col_tiles = operand == "dy", operand == "xtiles"
+    return lambda x, dt=torch.float8_e4m3fn, backend="auto": quantize_operand(
+        x, "1x128", dt, backend=backend, col_sum=col_sum, col_tiles=col_tiles
+    )
+
+
+def _operand_bytes(operand: str, elems: int) -> int:
+    if operand == "dy":
+        return 4 * elems + 8 * elems // 128 + 4 * elems // 128
+    if operand == "dy_nobias":
+        return 4 * elems + 8 * elems // 128
+    return 4 * elems + 4 * elems // 128
+
+
+def explore(device, out: Path, sizes=(4096, 8192), only=None) -> None:
+    """Check (bit-exact against the PyTorch reference, E4M3 and E5M2) and time every variant of
+    :data:`EXPLORE_VARIANTS` (or those named ``operand/name`` in ``only``) at M=65536, writing
+    ``out`` after each variant (options: the defaults, then EXPLORE_BASE, then the variant's)."""
+    import triton
+
+    opts = gp_blockwise._DUAL_OPTIONS
+    defaults = dict(opts)
+    start = time.time()
+    smalls = [_special_input((384, 512), device), _special_input((256, 1024), device)]
+    refs = {}
+    rows, info = [], {}
+    gen = torch.Generator(device=device).manual_seed(17)
+    xs = {n: torch.randn(M, n, generator=gen, device=device, dtype=DTYPE) for n in sizes}
+    copy_ms = _bench(lambda: xs[sizes[0]].clone(), rep=40)
+    info["torch_copy_ms"] = copy_ms
+
+    def write():
+        block = meta(
+            "fp8_quant_explore",
+            "python benchmarks/bench_fp8_linear.py --explore " + " ".join(sys.argv[1:]),
+            device=torch.cuda.get_device_name(),
+            triton=triton.__version__,
+            m=M,
+            dtype="bfloat16",
+            hbm_gbps_reference=HBM_GBPS,
+            defaults=defaults,
+            variants={f"{op}/{name}": o for name, op, o in EXPLORE_VARIANTS},
+            info=info,
+            wall_s=round(time.time() - start, 1),
+        )
+        write_results(out, block, rows)
+
+    for name, operand, overrides in EXPLORE_VARIANTS:
+        if only and f"{operand}/{name}" not in only:
+            continue
+        opts.clear()
+        opts.update(defaults)
+        opts.update(EXPLORE_BASE)
+        opts.update(overrides)
+        call = _operand_call(operand)
+        key = f"{operand}/{name}"
+        try:
+            exact = True
+            for i, small in enumerate(smalls):
+                for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
+                    rkey = (operand, i, dt)
+                    if rkey not in refs:
+                        refs[rkey] = call(small.cpu(), dt, "torch")
+                    ref, got = refs[rkey], call(small, dt, "triton")
+                    fields = ["data", "scale", "data_t", "scale_t"]
+                    exact &= all(_same_bits(getattr(ref, f), getattr(got, f).cpu()) for f in fields)
+                    if operand == "dy":
+                        want = small.float().cpu().sum(0)
+                        fin = torch.isfinite(want)
+                        err = (got.col_sum.cpu() - want).abs()
+                        bound = 1e-5 * small.float().cpu().abs().sum(0) + 1e-3
+                        exact &= bool((err[fin] <= bound[fin]).all())
+                        exact &= torch.equal(torch.isfinite(got.col_sum.cpu()), fin)
+            info[key] = {"exact": bool(exact)}
+            for n in sizes if operand == "dy" else sizes[:1]:
+                x = xs[n]
+                ms = _bench(lambda x=x, call=call: call(x), rep=40)
+                gbps = _operand_bytes(operand, x.numel()) / ms / 1e6
+                case = f"M{M}xK{n}/{operand}"
+                _row(rows, case, f"gem-{name}", "quantize", "ms", ms)
+                _row(rows, case, f"gem-{name}", "quantize", "gbps", gbps)
+                _row(rows, case, f"gem-{name}", "quantize", "pct_hbm", 100.0 * gbps / HBM_GBPS)
+                info[key][f"ms_{n}"] = round(ms, 4)
+                info[key][f"pct_{n}"] = round(100.0 * gbps / HBM_GBPS, 1)
+        except Exception as err:
+            info[key] = {"error": str(err).splitlines()[0][:300] if str(err) else repr(err)}
+        print(f"{time.time() - start:6.1f}s {key:36s} {info[key]}", flush=True)
+        write()
+    opts.clear()
+    opts.update(defaults)
+    write()
+
+
+def _kernel_rows(rows, errors, device, mx_config, only=None) -> None:
     k = 4096
     case = f"M{M}xK{k}"
     gen = torch.Generator(device=device).manual_seed(17)
     x = torch.randn(M, k, generator=gen, device=device, dtype=DTYPE)
     w = torch.rand(k, generator=gen, device=device, dtype=DTYPE) + 0.5
     elems = M * k
-    mx = quantize_mx_triton(x, config=mx_config)
-    rstd = norm_quantize(x, w)[2]
+    wanted = only or set()
+    mx = rstd = None
+    if not only or "mx_dequant_1x32" in wanted:
+        mx = quantize_mx_triton(x, config=mx_config)
+    if not only or "rmsnorm_transposed_tiles" in wanted:
+        rstd = norm_quantize(x, w)[2]
     kernels = {
         "torch_copy": (lambda: x.clone(), 4 * elems),
         "mx_1x32": (lambda: quantize_mx_triton(x, config=mx_config), 3 * elems + elems // 32),
@@ -571,6 +699,8 @@ def _kernel_rows(rows, errors, device, mx_config) -> None:
         "torch_eager_mx_1x32": (lambda: quantize_mx(x), 3 * elems + elems // 32),
     }
     for name, (fn, nbytes) in kernels.items():
+        if only and name not in only:
+            continue
         try:
             fn()
             ms = _bench(fn)
@@ -620,6 +750,22 @@ def _summary(rows) -> list[str]:
     return lines
 
 
+def _merged(old: dict, new_meta: dict, new_rows: list[dict]) -> tuple[dict, list[dict]]:
+    """``old``'s rows with those this run measured replaced, and ``old``'s meta with this run
+    recorded under ``merged_runs``."""
+
+    def key(r):
+        return r["case"], r["provider"], r["mode"], r["metric"]
+
+    fresh = {key(r) for r in new_rows}
+    rows = [r for r in old["rows"] if key(r) not in fresh] + new_rows
+    merged_meta = dict(old["meta"])
+    runs = list(merged_meta.get("merged_runs", []))
+    runs.append({**new_meta, "rows": sorted({f"{r['case']}/{r['provider']}" for r in new_rows})})
+    merged_meta["merged_runs"] = runs
+    return merged_meta, rows
+
+
 def main() -> None:
     parser = results_parser(__doc__, "h200/fp8_linear.json")
     parser.add_argument("--check", action="store_true", help="GPU correctness checks first")
@@ -631,11 +777,34 @@ def main() -> None:
     )
     parser.add_argument("--no-kernels", action="store_true", help="skip the bandwidth rows")
     parser.add_argument("--no-norm", action="store_true", help="skip the rmsnorm cases")
+    parser.add_argument(
+        "--only-kernels",
+        default="",
+        help="comma list of bandwidth rows to run (e.g. blockwise_1x128_rows_and_cols_colsum), "
+        "nothing else",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="replace only this run's rows in an existing --out file, keep the others",
+    )
+    parser.add_argument(
+        "--explore",
+        default="",
+        help="only check and time the dy-kernel variants, writing this JSON path",
+    )
+    parser.add_argument(
+        "--explore-variants", default="", help="comma list of operand/name variants to explore"
+    )
     args = parser.parse_args()
     require_cuda()
     import triton
 
     device = torch.device("cuda")
+    if args.explore:
+        only = {v for v in args.explore_variants.split(",") if v}
+        explore(device, Path(args.explore), only=only)
+        return
     start = time.time()
     rows, errors, extra = [], [], {}
     if args.check:
@@ -655,6 +824,9 @@ def main() -> None:
     if args.shapes != "all":
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     providers = [p for p in args.providers.split(",") if p]
+    only = {name for name in args.only_kernels.split(",") if name}
+    if only:
+        shapes, args.no_norm = [], True
     for k, n in shapes:
         small = min(k, n) < 1024
         skip_small = ("gem-fp8-tensorwise", "gem-fp8-wgrad_1x128", "gem-fp8-rht")
@@ -665,8 +837,9 @@ def main() -> None:
         for k, n in [s for s in shapes if min(s) >= 1024][:1]:
             _norm_linear_case(rows, errors, k, n, device)
     if not args.no_kernels:
-        _kernel_rows(rows, errors, device, mx_config)
-        gemm_breakdown(rows, errors, device)
+        _kernel_rows(rows, errors, device, mx_config, only)
+        if not only:
+            gemm_breakdown(rows, errors, device)
     meta_block = meta(
         "fp8_linear",
         "python benchmarks/bench_fp8_linear.py " + " ".join(sys.argv[1:]),
@@ -685,6 +858,8 @@ def main() -> None:
         **extra,
     )
     out = Path(args.out)
+    if args.merge and out.exists():
+        meta_block, rows = _merged(json.loads(out.read_text()), meta_block, rows)
     write_results(out, meta_block, rows)
     print("\n".join(_summary(rows)))
     for e in errors:

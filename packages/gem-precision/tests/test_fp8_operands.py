@@ -124,6 +124,37 @@ def test_wide_paired_and_swapped_tile_programs_agree(monkeypatch, options, shape
                 assert same(getattr(want, field), getattr(got, field)), (field, col_sum)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},  # the defaults
+        {"t_run": 8, "t_run_colsum": 8, "t_run_x": 8},
+        {"t_run": 4, "t_run_colsum": 16, "t_run_x": 4},
+        {"t_run": 0, "t_run_colsum": 0},
+    ],
+)
+@pytest.mark.parametrize("elem", ELEM)
+def test_packed_transpose(monkeypatch, options, elem):
+    # x.T stored as packed runs of rows: the reference bits on whole tiles (the packed path)
+    # and on partial ones (the fallback); column sums as x.sum(0).
+    monkeypatch.setattr(blockwise, "_DUAL_OPTIONS", {**blockwise._DUAL_OPTIONS, **options})
+    for shape in ((384, 256), (200, 300)):
+        x = special_input(*shape, seed=7)
+        finite = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0).to(x.dtype)
+        for col_tiles in (False, True):
+            for src, col_sum in ((x, False), (finite, True)):
+                ref = quantize_operand(src, "1x128", elem, backend="torch", col_tiles=col_tiles)
+                got = quantize_operand(
+                    src, "1x128", elem, backend="triton", col_sum=col_sum, col_tiles=col_tiles
+                )
+                for field in FIELDS:
+                    assert same(getattr(ref, field), getattr(got, field)), (shape, field)
+                if col_sum:
+                    want = src.double().sum(0)
+                    bound = 1e-6 * src.double().abs().sum(0) + 1e-3
+                    assert bool(((got.col_sum.double() - want).abs() <= bound).all())
+
+
 @pytest.mark.parametrize("variant", ["tile", "tile-early", "tile-raw16", "chunked", "dual"])
 @pytest.mark.parametrize("elem", ELEM)
 def test_even_shapes_without_masks(monkeypatch, variant, elem):
@@ -242,3 +273,13 @@ def test_cuda_kernel_bit_exact():
         got = quantize_operand(src.cuda(), kind, backend="triton")
         for field in FIELDS:
             assert same(getattr(ref, field), getattr(got, field).cpu()), (kind, field)
+    # The output gradient's kernel: both 1x128 layouts and the bias-gradient column sums.
+    finite = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0).to(x.dtype)
+    for elem in ELEM:
+        ref = quantize_operand(finite, "1x128", elem, backend="torch")
+        got = quantize_operand(finite.cuda(), "1x128", elem, backend="triton", col_sum=True)
+        for field in FIELDS:
+            assert same(getattr(ref, field), getattr(got, field).cpu()), ("col_sum", field)
+        want = finite.double().sum(0)
+        bound = 1e-6 * finite.double().abs().sum(0) + 1e-3
+        assert bool(((got.col_sum.cpu().double() - want).abs() <= bound).all())

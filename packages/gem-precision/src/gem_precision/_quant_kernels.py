@@ -580,6 +580,49 @@ def _widen_bf16(raw, OTHER: tl.constexpr, SOFT: tl.constexpr):
 
 
 @triton.jit
+def _store_fp8_t_runs(
+    qt32_ptr,
+    v,
+    pid_r,
+    cols,
+    R,
+    SOFT: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MAX_NORMAL: tl.constexpr,
+    T_RUN: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Store the float32 tile ``v`` (tile position i = row (i % GB) * T_RUN + i // GB of the
+    program's BLOCK_R rows, GB = BLOCK_R // T_RUN) as FP8 into ``qt`` (C, R), viewed as int32:
+    the T_RUN bytes of a column's run of rows become T_RUN / 4 little-endian words."""
+    if SOFT:
+        u = _fp8_bits(_saturate(v, MAX_NORMAL), MBITS, BIAS)
+    elif MBITS == 3:
+        u = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # saturates (see _to_fp8)
+    else:
+        u = v.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    GB: tl.constexpr = BLOCK_R // T_RUN
+    BLOCK_C: tl.constexpr = v.shape[1]
+    # (T_RUN, GB, C) -> (GB, C, T_RUN): the run index moves last, then bytes pair into words.
+    u = tl.permute(tl.reshape(u.to(tl.int32), (T_RUN, GB, BLOCK_C)), (1, 2, 0))
+    u = tl.reshape(u, (GB, BLOCK_C, T_RUN // 4, 2, 2))
+    lo, hi = tl.split(u)
+    u = lo | (hi << 8)
+    lo, hi = tl.split(u)
+    words = lo | (hi << 16)
+    run = tl.arange(0, GB)
+    word = tl.arange(0, T_RUN // 4)
+    offs = (
+        cols[None, :, None].to(tl.int64) * (R // 4)
+        + pid_r * (BLOCK_R // 4)
+        + run[:, None, None] * (T_RUN // 4)
+        + word[None, None, :]
+    )
+    tl.store(qt32_ptr + offs, words)
+
+
+@triton.jit
 def blockwise_tile_kernel(
     x_ptr,
     q_ptr,
@@ -620,6 +663,7 @@ def blockwise_tile_kernel(
     GROUPS: tl.constexpr = 1,
     PAIR_SUM: tl.constexpr = False,
     SWAP_GRID: tl.constexpr = False,
+    T_RUN: tl.constexpr = 0,
 ):
     """The 1xBLOCK (or ``FIXED``, tensorwise) layouts of :func:`blockwise_dual_kernel` (same
     bits) with fewer instructions per element: one integer max per direction gives the block
@@ -636,6 +680,10 @@ def blockwise_tile_kernel(
     program, same results). ``PAIR_SUM`` (with ``COLSUM`` and 1xBLOCK blocks of x.T): the
     column maxima and the column sums come out of one two-value reduction.
     ``SWAP_GRID``: program axis 0 walks the column blocks, axis 1 the row blocks.
+    ``T_RUN`` (4, 8 or 16; needs ``EVEN``, ``qt_ptr`` an int32 view of ``qt``): the tile's rows
+    are loaded in an order that puts runs of ``T_RUN`` consecutive rows of ``x`` into one
+    thread's registers (with the load layouts Triton picks), so ``qt`` is stored as packed
+    ``T_RUN``-byte words with no transpose through shared memory (one byte load each before).
     """
     if SWAP_GRID:
         pid_r = tl.program_id(1)
@@ -644,7 +692,14 @@ def blockwise_tile_kernel(
         pid_r = tl.program_id(0)
         pid_c = tl.program_id(1)
     BLOCK_C: tl.constexpr = GROUPS * BLOCK
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    if T_RUN > 0:
+        # Tile position i holds row (i % GB) * T_RUN + i // GB: the rows a thread holds (GB
+        # apart in the tile) are consecutive in x. Any order gives the same bits.
+        GB: tl.constexpr = BLOCK_R // T_RUN
+        order = tl.arange(0, BLOCK_R)
+        rows = pid_r * BLOCK_R + (order % GB) * T_RUN + order // GB
+    else:
+        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     groups = pid_c * GROUPS + tl.arange(0, GROUPS)  # scale blocks along C of this program
     rmask = rows < R
@@ -659,10 +714,11 @@ def blockwise_tile_kernel(
             raw = tl.load(x_ptr + x_offs, mask=mask, other=0)
         x = _widen_bf16(raw, False, SOFT)
     elif EVEN:
+        x_in = tl.load(x_ptr + x_offs)
         if BF16_BITS:
-            x = (tl.load(x_ptr + x_offs).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            x = (x_in.to(tl.int32) << 16).to(tl.float32, bitcast=True)
         else:
-            x = tl.load(x_ptr + x_offs).to(tl.float32)
+            x = x_in.to(tl.float32)
     else:
         x = _load_f32(x_ptr + x_offs, mask, BF16_BITS)
     if NORM:
@@ -750,16 +806,21 @@ def blockwise_tile_kernel(
                     col_bits = col_bits.to(tl.int32) << 16
             e_c = _exponent_from_bits(col_bits, EMAX, MIN_EXP, MAX_EXP)
             qt = xc * _pow2(-e_c)[None, :]
-        t_offs = cols[:, None].to(tl.int64) * R + rows[None, :]
-        t_mask = cmask[:, None] & rmask[None, :]
-        if SOFT:
-            qt = _fp8_bits(_saturate(qt, MAX_NORMAL), MBITS, BIAS)
+        if T_RUN > 0:
+            _store_fp8_t_runs(
+                qt_ptr, qt, pid_r, cols, R, SOFT, MBITS, BIAS, MAX_NORMAL, T_RUN, BLOCK_R
+            )
         else:
-            qt = qt.to(qt_ptr.dtype.element_ty)  # saturates (see _to_fp8)
-        if EVEN:
-            tl.store(qt_ptr + t_offs, tl.trans(qt))
-        else:
-            tl.store(qt_ptr + t_offs, tl.trans(qt), mask=t_mask)
+            t_offs = cols[:, None].to(tl.int64) * R + rows[None, :]
+            t_mask = cmask[:, None] & rmask[None, :]
+            if SOFT:
+                qt = _fp8_bits(_saturate(qt, MAX_NORMAL), MBITS, BIAS)
+            else:
+                qt = qt.to(qt_ptr.dtype.element_ty)  # saturates (see _to_fp8)
+            if EVEN:
+                tl.store(qt_ptr + t_offs, tl.trans(qt))
+            else:
+                tl.store(qt_ptr + t_offs, tl.trans(qt), mask=t_mask)
         if COL_TILE:
             # (C/BLOCK, R/BLOCK_R) contiguous: the layout of a 128x128 operand's scale_t.
             n_row_blocks = (R + BLOCK_R - 1) // BLOCK_R

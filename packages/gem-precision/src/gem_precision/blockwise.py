@@ -177,6 +177,19 @@ BLOCK = 128
 # x.T 0.33 against 0.45-0.49 with 2 blocks (that run had an explicit clamp, since removed; the
 # bench sweep of the final run: dy 0.412 ms, 0.430 with pair_sum; x tiles 0.294 / 0.294 ms with
 # 4 / 8 warps; rows only 0.217 ms with 32 or 64 rows).
+# "t_run" / "t_run_colsum" / "t_run_x" (0, 4, 8 or 16): the tile kernel stores x.T as packed
+# runs of that many rows per thread instead of transposing FP8 bytes through shared memory (one
+# byte load per element); whole tiles only. H200, 65536 x 4096 / 8192 bf16 (2026-11-30,
+# benchmarks/results/h200/fp8_quant_explore.json): dy 0.415 -> 0.392 ms (62.0 -> 65.6% of HBM)
+# and 0.803 -> 0.755 ms at 8192 with runs of 4 (8: 0.407, 16: 0.406); dy without sums 0.347 ->
+# 0.327 ms (8 warps, runs of 4); x with 128x128 tiles of x.T slower with runs (0.321-0.341
+# against 0.294 ms), so "t_run_x" stays 0. Runs are used for bfloat16 x with 1x128 blocks only:
+# the tensorwise kind with runs wrote a misordered data_t on the H200 (Triton 3.6; bit-exact in
+# the interpreter), and float32 x was not checked there. Measured for dy, slower, and removed
+# (variants in fp8_quant_explore.json): an evict-first hint on the x read (0.428 ms), a register
+# cap for 3 programs per SM (168: 0.412), column sums as ones(16|64, 128) @ x on the tensor
+# cores (0.409-0.459), and a persistent grid with or without prefetching the next tile
+# (0.44-0.78 ms).
 _DUAL_OPTIONS = {
     "variant": "tile",
     "tile_warps": 8,
@@ -193,6 +206,9 @@ _DUAL_OPTIONS = {
     "chunk": 32,
     "early_col": True,
     "raw16": False,
+    "t_run": 4,
+    "t_run_colsum": 4,
+    "t_run_x": 0,
 }
 
 
@@ -357,6 +373,14 @@ def _tile_groups(cols: bool, col_tiles: bool, col_sum: bool) -> int:
     return _DUAL_OPTIONS["tile_groups_colsum" if col_sum else "tile_groups"]
 
 
+def _tile_t_run(cols: bool, col_tiles: bool, col_sum: bool) -> int:
+    if not cols:
+        return 0
+    if col_tiles:
+        return _DUAL_OPTIONS["t_run_x"]
+    return _DUAL_OPTIONS["t_run_colsum" if col_sum else "t_run"]
+
+
 def _quantize_operand_triton(
     x, kind, dtype, rows, cols, col_sum=False, col_tiles=False
 ) -> Fp8Operand:
@@ -437,18 +461,28 @@ def _quantize_operand_triton(
         n_col_programs = -(-c // block_c)
         swap = _DUAL_OPTIONS["swap_grid"]
         grid = (n_col_programs, nr) if swap else (nr, n_col_programs)
+        even = r % block_r == 0 and c % block_c == 0
+        # Packed runs of x.T need whole tiles (no masks) and an int32 view of qt. Only for the
+        # H200-checked case: 1x128 blocks of bfloat16 x (the tensorwise kind with runs wrote a
+        # misordered data_t on the H200 with Triton 3.6, though bit-exact in the interpreter).
+        t_run = 0
+        if even and not raw16 and kind == "1x128" and x.dtype == torch.bfloat16:
+            t_run = _tile_t_run(cols, col_tiles, col_sum) if x.stride(0) % 16 == 0 else 0
+        if t_run:
+            outputs = (*outputs[:2], qt.view(torch.int32), *outputs[3:])
         _triton.kernels(x).blockwise_tile_kernel[grid](
             x_arg,
             *outputs,
             **common,
             BF16_BITS=bf16_bits,
             COL_TILE=col_tiles,
-            EVEN=r % block_r == 0 and c % block_c == 0,
+            EVEN=even,
             EARLY_COL=_DUAL_OPTIONS["early_col"],
             RAW16=raw16,
             GROUPS=groups,
             PAIR_SUM=_DUAL_OPTIONS["pair_sum"],
             SWAP_GRID=swap,
+            T_RUN=t_run,
             num_warps=_tile_warps(cols, col_tiles, col_sum),
         )
     elif x.numel() and variant == "chunked":
