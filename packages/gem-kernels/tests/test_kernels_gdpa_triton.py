@@ -379,18 +379,18 @@ def test_errors(interpret, monkeypatch):
     [
         # (TMA with and without the pipelined loop: test_default_unmasked_kernels.)
         dict(fwd_one_loop=True, fwd_pipeline=True, bwd_one_loop=True, short_mask_free=True),
-        dict(short_mask_free=True, short_halves=True, fwd_programs_per_sm=2),
+        dict(short_mask_free=True, fwd_programs_per_sm=2),
     ],
 )
 def test_one_loop_and_short_kv_variants(interpret, changes):
     # Mask-free single loops with pointer loads (keys past a sample's end load as zeros), the
-    # hand-pipelined loop, the short-KV forward in two halves; windows keep the three phases.
+    # hand-pipelined loop, the mask-free short-KV forward; windows keep the three phases.
     config = _config(**changes)
     generic = replace(config, short_kv_max=0)
     _check(LONG_SKEWED, None, activation="gelu_fast", tol=1e-4, config=config)
     _check(CROSS_Q, CROSS_K, activation="silu", normalize_by_length=True, config=generic)
     _check(CROSS_Q, SHORT_K, activation="relu2", tol=1e-4, config=config)
-    _check(CROSS_Q, CROSS_K, activation="gelu_tanh", config=config)  # short KV in two halves
+    _check(CROSS_Q, CROSS_K, activation="gelu_tanh", config=config)  # mask-free short KV
     _check(SELF_LENGTHS, None, activation="silu", window=(3, None), config=config)
 
 

@@ -611,18 +611,24 @@ def gdpa_fwd_kernel(
 
 
 @triton.jit
-def _short_kv_halves(
-    q_ptr, k_ptr, v_ptr, o_ptr, items_ptr, num_items, stride_qt, stride_qh, stride_kt,
-    stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    ACT: tl.constexpr, NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, PACKED: tl.constexpr,
+def gdpa_fwd_short_kv_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, items_ptr, num_items,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    left, right, scale, part_ptr, stride_pt, stride_ph,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KV: tl.constexpr,
+    BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PACKED: tl.constexpr, MASK_FREE: tl.constexpr = False,
 ):  # fmt: skip
-    """The short-KV forward without masks, keys in two halves (``HALVES``)."""
+    """Short KV (every sample has <= BLOCK_KV keys): items are (sample, run of query tiles,
+    head). The whole K and V of the sample are loaded once and stay on chip while the item's
+    query tiles stream past them. ``MASK_FREE`` (no window): no score mask, since keys past
+    ``k_len`` load as zeros (score 0, act(0) = 0, V row 0) and rows past ``q_len`` are never
+    stored."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    SCORE_MASK: tl.constexpr = HAS_LEFT or HAS_RIGHT or not MASK_FREE
     offs_d = tl.arange(0, BLOCK_D)
-    offs_a = tl.arange(0, HALF)
-    offs_b = HALF + offs_a
+    offs_n = tl.arange(0, BLOCK_KV)
     for idx in range(tl.program_id(0), num_items, tl.num_programs(0)):
         info = items_ptr + idx * _W  # items < 2**27: int32 is enough
         q_start = tl.load(info)
@@ -633,14 +639,16 @@ def _short_kv_halves(
         head = tl.load(info + 6)
         row_end = tl.load(info + 7).to(tl.int32)
         dst_start = tl.load(info + 10)
-        k_base = k_ptr + k_start * stride_kt + head * stride_kh
-        v_base = v_ptr + k_start * stride_vt + head * stride_vh
-        a_ok = offs_a < k_len
-        b_ok = offs_b < k_len
-        kt_a = _load_tile(k_base, offs_a, a_ok, stride_kt, offs_d, HEAD_DIM, True, EVEN_D, True)
-        kt_b = _load_tile(k_base, offs_b, b_ok, stride_kt, offs_d, HEAD_DIM, True, EVEN_D, True)
-        v_a = _load_tile(v_base, offs_a, a_ok, stride_vt, offs_d, HEAD_DIM, True, EVEN_D, False)
-        v_b = _load_tile(v_base, offs_b, b_ok, stride_vt, offs_d, HEAD_DIM, True, EVEN_D, False)
+        shift = k_len - q_len
+        n_ok = offs_n < k_len
+        kt = _load_tile(
+            k_ptr + k_start * stride_kt + head * stride_kh, offs_n, n_ok, stride_kt, offs_d,
+            HEAD_DIM, True, EVEN_D, True,
+        )  # fmt: skip
+        v = _load_tile(
+            v_ptr + k_start * stride_vt + head * stride_vh, offs_n, n_ok, stride_vt, offs_d,
+            HEAD_DIM, True, EVEN_D, False,
+        )  # fmt: skip
         norm = 1.0
         if NORMALIZE:
             norm = 1.0 / tl.maximum(k_len, 1).to(tl.float32)
@@ -650,94 +658,22 @@ def _short_kv_halves(
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < q_len
             q = _load_tile(q_base, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, True, EVEN_D, False)
-            s_a = _dot(q, kt_a, None, DOT_PRECISION, UPCAST) * scale
-            p_a = _fwd_p(s_a, ACT, PACKED)
-            s_b = _dot(q, kt_b, None, DOT_PRECISION, UPCAST) * scale
-            acc = _dot(p_a.to(v_a.dtype), v_a, None, DOT_PRECISION, UPCAST)
-            p_b = _fwd_p(s_b, ACT, PACKED)
-            acc = _dot(p_b.to(v_b.dtype), v_b, acc, DOT_PRECISION, UPCAST) * norm
+            s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
+            if PACKED:  # noqa: SIM108 (constexpr branch: only one side is compiled)
+                p = _act_packed(s, PACKED)
+            else:
+                p = _act(s, ACT)
+            if SCORE_MASK:
+                visible = _visible(
+                    offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left, right,
+                    HAS_LEFT, HAS_RIGHT,
+                )  # fmt: skip
+                p = tl.where(visible, p, 0.0)
+            acc = _dot(p.to(v.dtype), v, None, DOT_PRECISION, UPCAST) * norm
             _store_tile(
                 o_base, offs_m, m_ok, stride_ot, offs_d, acc.to(o_ptr.dtype.element_ty),
                 HEAD_DIM, EVEN_D,
             )  # fmt: skip
-
-
-@triton.jit
-def gdpa_fwd_short_kv_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, items_ptr, num_items,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    left, right, scale, part_ptr, stride_pt, stride_ph,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KV: tl.constexpr,
-    BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    PACKED: tl.constexpr, MASK_FREE: tl.constexpr = False, HALVES: tl.constexpr = False,
-):  # fmt: skip
-    """Short KV (every sample has <= BLOCK_KV keys): items are (sample, run of query tiles,
-    head). The whole K and V of the sample are loaded once and stay on chip while the item's
-    query tiles stream past them. ``MASK_FREE`` (no window): no score mask, since keys past
-    ``k_len`` load as zeros (score 0, act(0) = 0, V row 0) and rows past ``q_len`` are never
-    stored. ``HALVES`` (with ``MASK_FREE``, no window): the keys in two halves, the second
-    half's ``Q K^T`` issued before the first half's activation and PV product (half the score
-    registers, and MMA work next to the element-wise work)."""
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    SCORE_MASK: tl.constexpr = HAS_LEFT or HAS_RIGHT or not MASK_FREE
-    if HALVES and not SCORE_MASK and BLOCK_KV >= 32:
-        _short_kv_halves(
-            q_ptr, k_ptr, v_ptr, o_ptr, items_ptr, num_items, stride_qt, stride_qh, stride_kt,
-            stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, scale,
-            HEAD_DIM, BLOCK_M, BLOCK_KV // 2, BLOCK_D, ACT, NORMALIZE, DOT_PRECISION, UPCAST,
-            PACKED,
-        )  # fmt: skip
-    else:
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_n = tl.arange(0, BLOCK_KV)
-        for idx in range(tl.program_id(0), num_items, tl.num_programs(0)):
-            info = items_ptr + idx * _W  # items < 2**27: int32 is enough
-            q_start = tl.load(info)
-            q_len = tl.load(info + 1).to(tl.int32)
-            k_start = tl.load(info + 2)
-            k_len = tl.load(info + 3).to(tl.int32)
-            row0 = tl.load(info + 4).to(tl.int32)
-            head = tl.load(info + 6)
-            row_end = tl.load(info + 7).to(tl.int32)
-            dst_start = tl.load(info + 10)
-            shift = k_len - q_len
-            n_ok = offs_n < k_len
-            kt = _load_tile(
-                k_ptr + k_start * stride_kt + head * stride_kh, offs_n, n_ok, stride_kt, offs_d,
-                HEAD_DIM, True, EVEN_D, True,
-            )  # fmt: skip
-            v = _load_tile(
-                v_ptr + k_start * stride_vt + head * stride_vh, offs_n, n_ok, stride_vt, offs_d,
-                HEAD_DIM, True, EVEN_D, False,
-            )  # fmt: skip
-            norm = 1.0
-            if NORMALIZE:
-                norm = 1.0 / tl.maximum(k_len, 1).to(tl.float32)
-            q_base = q_ptr + q_start * stride_qt + head * stride_qh
-            o_base = o_ptr + dst_start * stride_ot + head * stride_oh
-            for m0 in range(row0, row_end, BLOCK_M):
-                offs_m = m0 + tl.arange(0, BLOCK_M)
-                m_ok = offs_m < q_len
-                q = _load_tile(
-                    q_base, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, True, EVEN_D, False
-                )
-                s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
-                if PACKED:  # noqa: SIM108 (constexpr branch: only one side is compiled)
-                    p = _act_packed(s, PACKED)
-                else:
-                    p = _act(s, ACT)
-                if SCORE_MASK:
-                    visible = _visible(
-                        offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left, right,
-                        HAS_LEFT, HAS_RIGHT,
-                    )  # fmt: skip
-                    p = tl.where(visible, p, 0.0)
-                acc = _dot(p.to(v.dtype), v, None, DOT_PRECISION, UPCAST) * norm
-                _store_tile(
-                    o_base, offs_m, m_ok, stride_ot, offs_d, acc.to(o_ptr.dtype.element_ty),
-                    HEAD_DIM, EVEN_D,
-                )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

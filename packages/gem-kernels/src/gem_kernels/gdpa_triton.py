@@ -183,9 +183,6 @@ class GdpaTritonConfig(host.FlashTileConfig):
     short_mask_free: bool = False
     """Short-KV forward without window or causal mask: no score mask (keys past a sample's
     end load as zeros)."""
-    short_halves: bool = False
-    """With ``short_mask_free`` (no window): the short-KV forward takes the keys in two
-    halves, the second half's ``Q K^T`` issued before the first half's activation."""
 
 
 #: Longest key length (over a call's samples) for which unmasked self/cross calls take the
@@ -820,7 +817,7 @@ def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tens
         kernels.gdpa_fwd_short_kv_kernel[(plan.fwd_grid,)](
             *common, BLOCK_M=cfg.short_block_m, BLOCK_KV=plan.short_kv_block,
             num_warps=cfg.short_warps, num_stages=cfg.short_stages,
-            MASK_FREE=cfg.short_mask_free, HALVES=cfg.short_halves, **_flags(q, launch),
+            MASK_FREE=cfg.short_mask_free, **_flags(q, launch),
         )  # fmt: skip
     elif launch.num_queries is not None:
         kernels.gdpa_fwd_kernel[(plan.fwd_grid,)](
