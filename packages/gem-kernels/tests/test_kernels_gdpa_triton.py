@@ -266,6 +266,19 @@ def test_packed_gelu_fast_error_bound():
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+def _gpu_inputs(kind, q_lengths, gen, heads=4, dim=128):
+    """(k_lengths or None for self, [q, k, v] on the GPU, output gradient) for a GPU check;
+    cross keys are short (< 257 per sample)."""
+    k_lengths = None if kind == "self" else [int(n) % 257 for n in q_lengths]
+    keys = q_lengths if k_lengths is None else k_lengths
+    tensors = [
+        torch.randn(rows, heads, dim, generator=gen).cuda()
+        for rows in (sum(q_lengths), sum(keys), sum(keys))
+    ]
+    grad = torch.randn(sum(q_lengths), heads, dim, generator=gen).cuda()
+    return k_lengths, tensors, grad
+
+
 @pytest.mark.gpu
 @cuda_only
 @pytest.mark.parametrize("kind", ["self", "cross"])
@@ -275,14 +288,7 @@ def test_gpu_packed_gelu_fast_matches_reference(kind, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     gen = torch.Generator().manual_seed(0)
     q_lengths = torch.randint(1, 700, (12,), generator=gen).tolist() + [0, 1, 1500]
-    k_lengths = None if kind == "self" else [int(n) % 257 for n in q_lengths]
-    keys = q_lengths if k_lengths is None else k_lengths
-    heads, dim = 4, 128
-    tensors = [
-        torch.randn(rows, heads, dim, generator=gen).cuda()
-        for rows in (sum(q_lengths), sum(keys), sum(keys))
-    ]
-    grad = torch.randn(sum(q_lengths), heads, dim, generator=gen).cuda()
+    k_lengths, tensors, grad = _gpu_inputs(kind, q_lengths, gen)
     results = {}
     for name, config in (("ref", None), ("packed", True), ("plain", False)):
         if config is None:
@@ -292,7 +298,7 @@ def test_gpu_packed_gelu_fast_matches_reference(kind, monkeypatch):
                        activation="gelu_fast", causal=True, backend="reference")  # fmt: skip
         else:
             leaves = [t.bfloat16().requires_grad_(True) for t in tensors]
-            cfg = replace(default_config(dim), packed_gelu=config)
+            cfg = replace(default_config(128), packed_gelu=config)
             out = gdpa_from_lengths(
                 *leaves, torch.tensor(q_lengths),
                 None if k_lengths is None else torch.tensor(k_lengths),
@@ -435,14 +441,7 @@ def test_gpu_default_unmasked_matches_reference(kind, max_len, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     gen = torch.Generator().manual_seed(1)
     q_lengths = torch.randint(1, max_len, (10,), generator=gen).tolist() + [0, 1, max_len]
-    k_lengths = None if kind == "self" else [int(n) % 257 for n in q_lengths]
-    keys = q_lengths if k_lengths is None else k_lengths
-    heads, dim = 4, 128
-    tensors = [
-        torch.randn(rows, heads, dim, generator=gen).cuda()
-        for rows in (sum(q_lengths), sum(keys), sum(keys))
-    ]
-    grad = torch.randn(sum(q_lengths), heads, dim, generator=gen).cuda()
+    k_lengths, tensors, grad = _gpu_inputs(kind, q_lengths, gen)
     results = {}
     for name in ("ref", "default", "masked-config"):
         if name == "ref":
@@ -452,7 +451,7 @@ def test_gpu_default_unmasked_matches_reference(kind, max_len, monkeypatch):
                        activation="gelu_fast", backend="reference")  # fmt: skip
         else:
             leaves = [t.bfloat16().requires_grad_(True) for t in tensors]
-            cfg = default_config(dim, masked=True) if name == "masked-config" else None
+            cfg = default_config(128, masked=True) if name == "masked-config" else None
             out = gdpa_from_lengths(
                 *leaves, torch.tensor(q_lengths),
                 None if k_lengths is None else torch.tensor(k_lengths),
