@@ -308,16 +308,10 @@ def sweep(device) -> dict:
     # the candidates that were close on the H200 (2026-11-30: the "dual" kernel 0.95 ms, 8 warps
     # or two / four 128-column blocks per program 0.63-1.0 ms, raw16 0.47-0.51 ms all lost
     # against 4 warps with early_col, 0.41-0.48 ms).
-    def tag(c):
-        return ("_early" if c.get("early_col") else "") + ("_pair" if c.get("pair_sum") else "")
-
     _pick(
         opts,
-        [
-            {"variant": "tile", "tile_warps_colsum": 4, "early_col": True, "pair_sum": pair}
-            for pair in (False, True)
-        ],
-        lambda c: f"dy_tile_w{c['tile_warps_colsum']}{tag(c)}",
+        [{"variant": "tile", "tile_warps_colsum": warps, "early_col": True} for warps in (4, 8)],
+        lambda c: f"dy_tile_w{c['tile_warps_colsum']}_early",
         lambda: _exact_operand(x_small, "1x128"),
         lambda: quantize_operand(x, "1x128", col_sum=True),
         timings,

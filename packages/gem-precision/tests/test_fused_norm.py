@@ -88,7 +88,7 @@ def test_fused_module_matches_unfused_composition(monkeypatch, kind):
 
 @pytest.mark.parametrize(
     "options,kind",
-    [({}, "rms"), ({"xt_groups": 2}, "layer"), ({"xt_groups": 4, "xt_swap": True}, "rms")],
+    [({}, "rms"), ({}, "layer"), ({"xt_warps": 4}, "rms")],
 )
 def test_normed_transposed_tiles_match_reference(monkeypatch, options, kind):
     # The wgrad operand of the fused backward: norm(x).T in 128x128 tiles, recomputed from x and

@@ -65,27 +65,6 @@ else:
 
 
 @triton.jit
-def _max_and_add(a_bits, a_sum, b_bits, b_sum):
-    return tl.maximum(a_bits, b_bits), a_sum + b_sum
-
-
-if _INTERPRETED:
-
-    @triton.jit
-    def _rmax_and_sum(bits, x, axis: tl.constexpr):
-        # The interpreter runs a custom combine function element by element (far too slow for
-        # the tests): two numpy reductions instead, the same values.
-        return _rmax(bits, axis), _rsum(x, axis)
-
-else:
-
-    @triton.jit
-    def _rmax_and_sum(bits, x, axis: tl.constexpr):
-        # One reduction of the pair: the cross-warp exchange is done once for both values.
-        return tl.reduce((bits, x), axis, _max_and_add)
-
-
-@triton.jit
 def _pow2(e):
     """Exact float32 ``2**e`` for int32 ``e`` in [-127, 127] (``2**-127`` is subnormal)."""
     bits = tl.where(e <= -127, 0x400000, tl.maximum(e + 127, 1) << 23)
@@ -447,83 +426,6 @@ def blockwise_dual_kernel(
 
 
 @triton.jit
-def blockwise_dual_chunked_kernel(
-    x_ptr,
-    q_ptr,
-    s_ptr,
-    qt_ptr,
-    st_ptr,
-    cs_ptr,
-    R,
-    C,
-    stride_xr,
-    EMAX: tl.constexpr,
-    MAX_NORMAL: tl.constexpr,
-    MBITS: tl.constexpr,
-    BIAS: tl.constexpr,
-    SOFT: tl.constexpr,
-    MIN_EXP: tl.constexpr,
-    MAX_EXP: tl.constexpr,
-    ROW: tl.constexpr,
-    COL: tl.constexpr,
-    COLSUM: tl.constexpr,
-    BF16_BITS: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """The 1x128 layouts of :func:`blockwise_dual_kernel` with a small register footprint.
-
-    A program owns a BLOCK x BLOCK tile but walks it in CHUNK-row slices twice: the first walk
-    writes ``q`` (its 1xBLOCK blocks lie inside one slice) and accumulates the column maxima,
-    the second re-reads the slices (from L2) and writes ``qt``. Same bits as the other kernel.
-    """
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    cols = pid_c * BLOCK + tl.arange(0, BLOCK)
-    cmask = cols < C
-    amax_c = tl.full((BLOCK,), 0.0, tl.float32)
-    bad_c = tl.full((BLOCK,), 0, tl.int32)
-    col_sum = tl.full((BLOCK,), 0.0, tl.float32)
-    for i in range(BLOCK // CHUNK):
-        rows = pid_r * BLOCK + i * CHUNK + tl.arange(0, CHUNK)
-        rmask = rows < R
-        mask = rmask[:, None] & cmask[None, :]
-        x = _load_f32(
-            x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask, BF16_BITS
-        )
-        fin = _finite(x)
-        ax = tl.where(fin, tl.abs(x), 0.0)
-        nonfin = (fin == 0).to(tl.int32)
-        if ROW:
-            e_r = _blockwise_exponent(
-                _rmax(ax, axis=1), _rmax(nonfin, axis=1), EMAX, MIN_EXP, MAX_EXP
-            )
-            q = _saturate(x * _pow2(-e_r)[:, None], MAX_NORMAL)
-            offs = rows[:, None].to(tl.int64) * C + cols[None, :]
-            _store_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS)
-            tl.store(s_ptr + pid_c.to(tl.int64) * R + rows, _pow2(e_r), mask=rmask)
-        amax_c = tl.maximum(amax_c, _rmax(ax, axis=0))
-        bad_c = tl.maximum(bad_c, _rmax(nonfin, axis=0))
-        if COLSUM:
-            col_sum += _rsum(x, axis=0)
-    if COLSUM:
-        tl.store(cs_ptr + pid_r.to(tl.int64) * C + cols, col_sum, mask=cmask)
-    if COL:
-        e_c = _blockwise_exponent(amax_c, bad_c, EMAX, MIN_EXP, MAX_EXP)
-        inv_c = _pow2(-e_c)
-        for i in range(BLOCK // CHUNK):
-            rows = pid_r * BLOCK + i * CHUNK + tl.arange(0, CHUNK)
-            rmask = rows < R
-            mask = rmask[:, None] & cmask[None, :]
-            x = _load_f32(
-                x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask, BF16_BITS
-            )
-            qt = _saturate(x * inv_c[None, :], MAX_NORMAL)
-            _store_fp8_t(qt_ptr, qt, rows, cols, R, rmask, cmask, SOFT, MBITS, BIAS, 1)
-        tl.store(st_ptr + pid_r.to(tl.int64) * C + cols, _pow2(e_c), mask=cmask)
-
-
-@triton.jit
 def _abs_bits(x):
     """The float32 bits of ``|x|`` as int32: ordered like ``|x|`` for finite values, and
     ``>= 0x7F800000`` exactly for Inf / NaN, so one integer max gives both the block maximum
@@ -566,17 +468,6 @@ def _to_fp8(
         if SOFT:
             v = _saturate(v, MAX_NORMAL)
         _store_fp8(ptr, v, mask, SOFT, MBITS, BIAS)
-
-
-@triton.jit
-def _widen_bf16(raw, OTHER: tl.constexpr, SOFT: tl.constexpr):
-    """float32 of bfloat16 bits ``raw`` (int16), exact: a shift, or (``OTHER`` on the GPU) the
-    hardware bfloat16 conversion, so the two uses of a tile are separate values the compiler
-    does not merge into one long-lived float32 tile."""
-    if OTHER and not SOFT:
-        return raw.to(tl.bfloat16, bitcast=True).to(tl.float32)
-    else:
-        return (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -659,39 +550,23 @@ def blockwise_tile_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK: tl.constexpr,
     EARLY_COL: tl.constexpr = False,
-    RAW16: tl.constexpr = False,
-    GROUPS: tl.constexpr = 1,
-    PAIR_SUM: tl.constexpr = False,
-    SWAP_GRID: tl.constexpr = False,
     T_RUN: tl.constexpr = 0,
 ):
     """The 1xBLOCK (or ``FIXED``, tensorwise) layouts of :func:`blockwise_dual_kernel` (same
     bits) with fewer instructions per element: one integer max per direction gives the block
     maximum and the non-finite flag (:func:`_abs_bits`), and ``EVEN`` (R % BLOCK_R == 0 and
-    C % (GROUPS * BLOCK) == 0) drops the masks. ``EARLY_COL``: both block maxima are reduced
-    before the row layout is written (the bits die sooner; same results).
-    ``RAW16``: ``x`` is bfloat16 passed as int16 bits (not with ``NORM``): the block maxima are
-    taken on the 16-bit magnitudes and each layout widens the tile again, so no float32 copy
-    of the tile has to stay in registers (same results).
+    C % BLOCK == 0) drops the masks. ``EARLY_COL``: both block maxima are reduced before the row
+    layout is written (the bits die sooner; same results).
     ``COL_TILE``: ``qt`` gets one scale per BLOCK_R x BLOCK tile, ``st`` stored
     (C/BLOCK, R/BLOCK_R). The transposed tile is converted to FP8 first and transposed in
     registers (``tl.trans``), then stored: one BLOCK_R-byte run of ``qt`` per column of ``x``.
-    ``GROUPS``: a program covers GROUPS blocks of BLOCK columns (more bytes in flight per
-    program, same results). ``PAIR_SUM`` (with ``COLSUM`` and 1xBLOCK blocks of x.T): the
-    column maxima and the column sums come out of one two-value reduction.
-    ``SWAP_GRID``: program axis 0 walks the column blocks, axis 1 the row blocks.
     ``T_RUN`` (4, 8 or 16; needs ``EVEN``, ``qt_ptr`` an int32 view of ``qt``): the tile's rows
     are loaded in an order that puts runs of ``T_RUN`` consecutive rows of ``x`` into one
     thread's registers (with the load layouts Triton picks), so ``qt`` is stored as packed
     ``T_RUN``-byte words with no transpose through shared memory (one byte load each before).
     """
-    if SWAP_GRID:
-        pid_r = tl.program_id(1)
-        pid_c = tl.program_id(0)
-    else:
-        pid_r = tl.program_id(0)
-        pid_c = tl.program_id(1)
-    BLOCK_C: tl.constexpr = GROUPS * BLOCK
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
     if T_RUN > 0:
         # Tile position i holds row (i % GB) * T_RUN + i // GB: the rows a thread holds (GB
         # apart in the tile) are consecutive in x. Any order gives the same bits.
@@ -700,20 +575,12 @@ def blockwise_tile_kernel(
         rows = pid_r * BLOCK_R + (order % GB) * T_RUN + order // GB
     else:
         rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    groups = pid_c * GROUPS + tl.arange(0, GROUPS)  # scale blocks along C of this program
+    cols = pid_c * BLOCK + tl.arange(0, BLOCK)
     rmask = rows < R
     cmask = cols < C
-    gmask = groups * BLOCK < C
     mask = rmask[:, None] & cmask[None, :]
     x_offs = rows[:, None].to(tl.int64) * stride_xr + cols[None, :]
-    if RAW16:
-        if EVEN:  # noqa: SIM108 (constexpr branches, not a runtime select)
-            raw = tl.load(x_ptr + x_offs)
-        else:
-            raw = tl.load(x_ptr + x_offs, mask=mask, other=0)
-        x = _widen_bf16(raw, False, SOFT)
-    elif EVEN:
+    if EVEN:
         x_in = tl.load(x_ptr + x_offs)
         if BF16_BITS:
             x = (x_in.to(tl.int32) << 16).to(tl.float32, bitcast=True)
@@ -732,80 +599,42 @@ def blockwise_tile_kernel(
             x = x + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         if not EVEN:
             x = tl.where(mask, x, 0.0)
-    PAIR: tl.constexpr = PAIR_SUM and COLSUM and COL and not FIXED and not COL_TILE
-    if COLSUM and not PAIR:
+    if COLSUM:
         tl.store(cs_ptr + pid_r.to(tl.int64) * C + cols, _rsum(x, axis=0), mask=cmask)
     if FIXED:
         e_fixed = tl.load(exp_ptr)
-    elif RAW16:
-        bits = (raw & 0x7FFF).to(tl.int16)  # |x| as bfloat16 bits: same order as |x|
     else:
         bits = _abs_bits(x)
     if not FIXED and (ROW or COL_TILE):
-        if GROUPS == 1:
-            row_bits = _rmax(bits, axis=1)
-        else:
-            row_bits = _rmax(tl.reshape(bits, (BLOCK_R, GROUPS, BLOCK)), axis=2)
-        if RAW16:
-            row_bits = row_bits.to(tl.int32) << 16
-    if (PAIR or EARLY_COL) and COL and not FIXED and not COL_TILE:
-        if PAIR:
-            col_bits, col_sum = _rmax_and_sum(bits, x, 0)
-            tl.store(cs_ptr + pid_r.to(tl.int64) * C + cols, col_sum, mask=cmask)
-        else:
-            col_bits = _rmax(bits, axis=0)
-        if RAW16:
-            col_bits = col_bits.to(tl.int32) << 16
+        row_bits = _rmax(bits, axis=1)
+    if EARLY_COL and COL and not FIXED and not COL_TILE:
+        col_bits = _rmax(bits, axis=0)
     if ROW:
         if FIXED:
             e_r = tl.full((BLOCK_R,), 0, tl.int32) + e_fixed
-            q = x * _pow2(-e_r)[:, None]
         else:
             e_r = _exponent_from_bits(row_bits, EMAX, MIN_EXP, MAX_EXP)
-            if GROUPS == 1:
-                q = x * _pow2(-e_r)[:, None]
-            else:
-                q = tl.reshape(
-                    tl.reshape(x, (BLOCK_R, GROUPS, BLOCK)) * _pow2(-e_r)[:, :, None],
-                    (BLOCK_R, BLOCK_C),
-                )
+        q = x * _pow2(-e_r)[:, None]
         offs = rows[:, None].to(tl.int64) * C + cols[None, :]
         _to_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS, MAX_NORMAL, EVEN)
         if not FIXED:
-            if GROUPS == 1:
-                s_offs = pid_c.to(tl.int64) * R + rows
-                s_mask = rmask
-            else:
-                s_offs = groups[None, :].to(tl.int64) * R + rows[:, None]
-                s_mask = rmask[:, None] & gmask[None, :]
+            s_offs = pid_c.to(tl.int64) * R + rows
             if EVEN:
                 tl.store(s_ptr + s_offs, _pow2(e_r))
             else:
-                tl.store(s_ptr + s_offs, _pow2(e_r), mask=s_mask)
+                tl.store(s_ptr + s_offs, _pow2(e_r), mask=rmask)
     if COL:
-        if RAW16:  # noqa: SIM108 (constexpr branches)
-            xc = _widen_bf16(raw, True, SOFT)
-        else:
-            xc = x
         if FIXED:
-            qt = xc * _pow2(-(tl.full((BLOCK_C,), 0, tl.int32) + e_fixed))[None, :]
+            qt = x * _pow2(-(tl.full((BLOCK,), 0, tl.int32) + e_fixed))[None, :]
         elif COL_TILE:
             # One scale per BLOCK_R x BLOCK tile (the max of the row maxima).
             e_t = _exponent_from_bits(_rmax(row_bits, axis=0), EMAX, MIN_EXP, MAX_EXP)
-            if GROUPS == 1:
-                qt = xc * _pow2(-e_t)
-            else:
-                qt = tl.reshape(
-                    tl.reshape(xc, (BLOCK_R, GROUPS, BLOCK)) * _pow2(-e_t)[None, :, None],
-                    (BLOCK_R, BLOCK_C),
-                )
+            qt = x * _pow2(-e_t)
         else:
-            if not (PAIR or EARLY_COL):
+            if not EARLY_COL:
                 col_bits = _rmax(bits, axis=0)
-                if RAW16:
-                    col_bits = col_bits.to(tl.int32) << 16
             e_c = _exponent_from_bits(col_bits, EMAX, MIN_EXP, MAX_EXP)
-            qt = xc * _pow2(-e_c)[None, :]
+            qt = x * _pow2(-e_c)[None, :]
         if T_RUN > 0:
             _store_fp8_t_runs(
                 qt_ptr, qt, pid_r, cols, R, SOFT, MBITS, BIAS, MAX_NORMAL, T_RUN, BLOCK_R
@@ -824,11 +653,7 @@ def blockwise_tile_kernel(
         if COL_TILE:
             # (C/BLOCK, R/BLOCK_R) contiguous: the layout of a 128x128 operand's scale_t.
             n_row_blocks = (R + BLOCK_R - 1) // BLOCK_R
-            if GROUPS == 1:
-                tl.store(st_ptr + pid_c.to(tl.int64) * n_row_blocks + pid_r, _pow2(e_t))
-            else:
-                st_offs = groups.to(tl.int64) * n_row_blocks + pid_r
-                tl.store(st_ptr + st_offs, _pow2(e_t), mask=gmask)
+            tl.store(st_ptr + pid_c.to(tl.int64) * n_row_blocks + pid_r, _pow2(e_t))
         elif not FIXED:
             if EVEN:
                 tl.store(st_ptr + pid_r.to(tl.int64) * C + cols, _pow2(e_c))

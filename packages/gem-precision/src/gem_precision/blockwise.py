@@ -155,28 +155,22 @@ BLOCK = 128
 
 # Launch options of the one-pass operand kernels. ``variant`` picks the kernel of the 1x128 and
 # tensorwise kinds: "tile" (blockwise_tile_kernel, one program per 128x128 tile with the integer
-# block maximum and no explicit saturation), "dual" (blockwise_dual_kernel, the first version;
-# 31% of HBM for both layouts on the H200) or "chunked" (blockwise_dual_chunked_kernel, 128x128
-# tiles walked in "chunk"-row slices). "tile_warps" (with "tile_warps_colsum" when column sums
-# are also written, "tile_warps_x" for col_tiles) / "num_warps" are the warps of the tile / the
-# other kernels, "trans" the transpose variant of the "dual" kernel, "rows_only_block_r"
-# the rows per program when only the row layout is written. Defaults: the fastest bit-exact
-# options on an H200 (65536 x 4096 bf16, both layouts): "tile" 0.390 ms with 8 warps (0.405 with
-# 4, 0.618 with 16), but with the column sums 0.424 ms with 4 warps against 0.697 with 8; rows
-# and 128x128 tiles of x.T 0.295 ms (4 or 8 warps); "dual" 0.834 ms; "chunked" 1.57-1.67 ms (it
-# re-reads the tile). Rows only: 0.217 ms (32 or 64 rows per program). "early_col": the tile
-# kernel reduces the column maxima before writing the row layout (dy 0.413 against 0.424 ms,
-# x with 1x128 blocks of x.T 0.346 ms with 8 warps); "raw16": it reads bfloat16 x as 16-bit
-# integers, takes the block maxima on them and widens the tile once per layout (slower on the
-# H200: dy 0.47-0.51 ms).
-# "tile_groups" (with "tile_groups_colsum" / "tile_groups_x" as for the warps): 128-column
-# blocks per program of the tile kernel; "pair_sum": dy's column maxima and column sums in one
-# two-value reduction; "swap_grid": program axis 0 walks the column blocks. All bit-exact on the
-# H200, none faster (2026-11-30, same sizes): dy 0.48 ms (4 warps) against 0.52 with pair_sum,
-# 0.63-1.0 with 2 or 4 blocks per program, 0.48 with the swapped grid; x with 128x128 tiles of
-# x.T 0.33 against 0.45-0.49 with 2 blocks (that run had an explicit clamp, since removed; the
-# bench sweep of the final run: dy 0.412 ms, 0.430 with pair_sum; x tiles 0.294 / 0.294 ms with
-# 4 / 8 warps; rows only 0.217 ms with 32 or 64 rows).
+# block maximum and no explicit saturation) or "dual" (blockwise_dual_kernel, the first version;
+# 31% of HBM for both layouts on the H200; it also serves the 128x128 kind). "tile_warps" (with
+# "tile_warps_colsum" when column sums are also written, "tile_warps_x" for col_tiles) /
+# "num_warps" are the warps of the tile / the other kernels, "trans" the transpose variant of
+# the "dual" kernel, "rows_only_block_r" the rows per program when only the row layout is
+# written. Defaults: the fastest bit-exact options on an H200 (65536 x 4096 bf16, both
+# layouts): "tile" 0.390 ms with 8 warps (0.405 with 4, 0.618 with 16), but with the column
+# sums 0.424 ms with 4 warps against 0.697 with 8; rows and 128x128 tiles of x.T 0.295 ms (4 or
+# 8 warps); "dual" 0.834 ms. Rows only: 0.217 ms (32 or 64 rows per program). "early_col": the
+# tile kernel reduces the column maxima before writing the row layout (dy 0.413 against 0.424
+# ms, x with 1x128 blocks of x.T 0.346 ms with 8 warps).
+# Measured on the H200, bit-exact, slower, and removed (2026-11-30): a kernel walking each tile
+# in 32-row slices twice (1.57-1.67 ms), block maxima on the raw bfloat16 bits (dy 0.47-0.51
+# ms), 2 or 4 column blocks per program (dy 0.63-1.0 ms, x tiles 0.45-0.49 against 0.33), the
+# column maxima and sums in one two-value reduction (dy 0.430 against 0.412 ms), and a grid
+# walking column blocks first (0.48 ms, no gain).
 # "t_run" / "t_run_colsum" / "t_run_x" (0, 4, 8 or 16): the tile kernel stores x.T as packed
 # runs of that many rows per thread instead of transposing FP8 bytes through shared memory (one
 # byte load per element); whole tiles only. H200, 65536 x 4096 / 8192 bf16 (2026-11-30,
@@ -195,17 +189,10 @@ _DUAL_OPTIONS = {
     "tile_warps": 8,
     "tile_warps_colsum": 4,
     "tile_warps_x": 8,
-    "tile_groups": 1,
-    "tile_groups_colsum": 1,
-    "tile_groups_x": 1,
-    "pair_sum": False,
-    "swap_grid": False,
     "num_warps": 4,
     "trans": 1,
     "rows_only_block_r": 32,
-    "chunk": 32,
     "early_col": True,
-    "raw16": False,
     "t_run": 4,
     "t_run_colsum": 4,
     "t_run_x": 0,
@@ -365,14 +352,6 @@ def _tile_warps(cols: bool, col_tiles: bool, col_sum: bool) -> int:
     return _DUAL_OPTIONS["tile_warps_colsum" if col_sum else "tile_warps"]
 
 
-def _tile_groups(cols: bool, col_tiles: bool, col_sum: bool) -> int:
-    if not cols:
-        return 1
-    if col_tiles:
-        return _DUAL_OPTIONS["tile_groups_x"]
-    return _DUAL_OPTIONS["tile_groups_colsum" if col_sum else "tile_groups"]
-
-
 def _tile_t_run(cols: bool, col_tiles: bool, col_sum: bool) -> int:
     if not cols:
         return 0
@@ -418,8 +397,6 @@ def _quantize_operand_triton(
     variant = _DUAL_OPTIONS["variant"] if kind != "128x128" else "dual"
     if col_tiles:
         variant = "tile"  # the only kernel that writes tile scales for one layout
-    if variant == "chunked" and not (kind == "1x128" and cols):
-        variant = "dual"
     # Outputs and options shared by the tile and dual kernels (no norm: plain quantisation).
     outputs = (
         _triton.fp8_arg(q, soft) if rows else dummy,
@@ -453,24 +430,16 @@ def _quantize_operand_triton(
     )
     if x.numel() and variant == "tile":
         x_arg, bf16_bits = _triton.float_arg(x, soft)
-        raw16 = _DUAL_OPTIONS["raw16"] and x.dtype == torch.bfloat16
-        if raw16:
-            x_arg, bf16_bits = x.view(torch.int16), False
-        groups = _tile_groups(cols, col_tiles, col_sum)
-        block_c = groups * BLOCK
-        n_col_programs = -(-c // block_c)
-        swap = _DUAL_OPTIONS["swap_grid"]
-        grid = (n_col_programs, nr) if swap else (nr, n_col_programs)
-        even = r % block_r == 0 and c % block_c == 0
+        even = r % block_r == 0 and c % BLOCK == 0
         # Packed runs of x.T need whole tiles (no masks) and an int32 view of qt. Only for the
         # H200-checked case: 1x128 blocks of bfloat16 x (the tensorwise kind with runs wrote a
         # misordered data_t on the H200 with Triton 3.6, though bit-exact in the interpreter).
         t_run = 0
-        if even and not raw16 and kind == "1x128" and x.dtype == torch.bfloat16:
+        if even and kind == "1x128" and x.dtype == torch.bfloat16:
             t_run = _tile_t_run(cols, col_tiles, col_sum) if x.stride(0) % 16 == 0 else 0
         if t_run:
             outputs = (*outputs[:2], qt.view(torch.int32), *outputs[3:])
-        _triton.kernels(x).blockwise_tile_kernel[grid](
+        _triton.kernels(x).blockwise_tile_kernel[(nr, nc)](
             x_arg,
             *outputs,
             **common,
@@ -478,35 +447,8 @@ def _quantize_operand_triton(
             COL_TILE=col_tiles,
             EVEN=even,
             EARLY_COL=_DUAL_OPTIONS["early_col"],
-            RAW16=raw16,
-            GROUPS=groups,
-            PAIR_SUM=_DUAL_OPTIONS["pair_sum"],
-            SWAP_GRID=swap,
             T_RUN=t_run,
             num_warps=_tile_warps(cols, col_tiles, col_sum),
-        )
-    elif x.numel() and variant == "chunked":
-        x_arg, bf16_bits = _triton.float_arg(x, soft)
-        _triton.kernels(x).blockwise_dual_chunked_kernel[(nr, nc)](
-            x_arg,
-            _triton.fp8_arg(q, soft) if rows else dummy,
-            s,
-            _triton.fp8_arg(qt, soft),
-            st,
-            sums,
-            r,
-            c,
-            x.stride(0),
-            **_triton.fp8_constexprs(dtype, soft),
-            MIN_EXP=_MIN_SCALE_EXP,
-            MAX_EXP=_MAX_SCALE_EXP,
-            ROW=rows,
-            COL=True,
-            COLSUM=col_sum,
-            BF16_BITS=bf16_bits,
-            CHUNK=_DUAL_OPTIONS["chunk"],
-            BLOCK=BLOCK,
-            num_warps=_DUAL_OPTIONS["num_warps"],
         )
     elif x.numel():
         x_arg, bf16_bits = _triton.float_arg(x, soft)

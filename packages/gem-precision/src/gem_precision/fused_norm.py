@@ -47,18 +47,16 @@ FUSED_ON_CUDA = True
 # Launch options of the norm kernels (tuned on an H200; the benchmark sweeps them): two rows of
 # 4096 per program with 4 warps ran the fused RMSNorm -> quantise at 0.196 ms for 65536 x 4096
 # bf16 (97% of HBM), 8 warps 0.210 ms.
-# "xt_warps" / "xt_groups" / "xt_swap": warps, 128-column blocks per program and grid order of
-# the backward's kernel that recomputes norm(x).T in 128x128 tiles for wgrad. H200, 65536 x 4096
-# bf16: 8 warps 0.231 ms (81.6% of HBM), 4 warps 0.247, 2 warps 0.569; two or four 128-column
-# blocks per program or the swapped grid 0.31-0.51 ms. (The results do not depend on the warps:
-# block maxima are exact in any order and each element is scaled on its own.)
+# "xt_warps": warps of the backward's kernel that recomputes norm(x).T in 128x128 tiles for
+# wgrad. H200, 65536 x 4096 bf16: 8 warps 0.231 ms (81.6% of HBM), 4 warps 0.247, 2 warps 0.569;
+# two or four 128-column blocks per program or a column-major grid were slower (0.31-0.51 ms)
+# and are gone. (The results do not depend on the warps: block maxima are exact in any order
+# and each element is scaled on its own.)
 _NORM_OPTIONS = {
     "rows_per_program": 2,
     "num_warps": 4,
     "bwd_rows_per_program": 64,
     "xt_warps": 8,
-    "xt_groups": 1,
-    "xt_swap": False,
 }
 
 
@@ -221,18 +219,11 @@ def _normed_transposed_operand(
         x.stride(0),
     )
     if col_tiles:
-        groups = _NORM_OPTIONS["xt_groups"]
-        n_col_programs = -(-c // (groups * BLOCK))
-        swap = _NORM_OPTIONS["xt_swap"]
-        _triton.kernels(x).blockwise_tile_kernel[
-            (n_col_programs, nr) if swap else (nr, n_col_programs)
-        ](
+        _triton.kernels(x).blockwise_tile_kernel[grid](
             *args,
             **common,
             COL_TILE=True,
-            EVEN=r % BLOCK == 0 and c % (groups * BLOCK) == 0,
-            GROUPS=groups,
-            SWAP_GRID=swap,
+            EVEN=r % BLOCK == 0 and c % BLOCK == 0,
             num_warps=_NORM_OPTIONS["xt_warps"],
         )
     elif _DUAL_OPTIONS["variant"] == "tile":
