@@ -83,7 +83,9 @@ def test_fused_module_matches_unfused_composition(monkeypatch, kind):
     assert not fused._fused(x)[0]
     want = run()
     for g, w in zip(got, want, strict=True):
-        assert float((g - w).norm() / w.norm()) < 1e-4
+        # Both are the same math; a last-bit difference of the normalised x can move an FP8
+        # value or a bf16-rounded GEMM output by one step.
+        assert float((g - w).norm() / w.norm()) < 4e-3
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,9 @@ copies rather than the bf16 input. The GEMM backend depends on the device
 * Blackwell (sm100, or ``Fp8Recipe(scaling="mx")`` anywhere): MXFP8, E8M0 scales per 1x32
   block (weights in 32x32 squares, so one copy serves W and W.T), native ``_scaled_mm`` on
   sm100;
-* CPU and other GPUs: the same quantised operands, dequantised and multiplied in float32, so
-  CI checks the GPU numerics up to summation order.
+* CPU and other GPUs: the same quantised operands, dequantised and multiplied in float32, the
+  result rounded to bfloat16 like ``_scaled_mm``'s output, so CI checks the GPU numerics up to
+  summation order.
 
 ``Fp8Recipe(hadamard=True)`` keeps the high-precision x and W for backward and, per GEMM,
 rotates both operands along that GEMM's reduction dim (a PyTorch pass, not fused into the
@@ -205,6 +206,18 @@ def fp8_gemm_emulated(
     return a_q @ b_q.T
 
 
+# Every FP8 GEMM result is rounded to bfloat16 once, on every path: torch._scaled_mm on
+# Hopper/Blackwell returns bfloat16 (float32 accumulation), and the CPU emulation must give the
+# same numerics, or CPU quality runs would not predict GPU ones (the emulation kept float32
+# until 2026-11-30 while the GPU rounded every output and gradient to bfloat16).
+_GEMM_OUT_DTYPE = torch.bfloat16
+
+
+def _fp8_gemm_emulated_rounded(*args, **kwargs) -> torch.Tensor:
+    """:func:`fp8_gemm_emulated` rounded like a native GEMM's bfloat16 output."""
+    return fp8_gemm_emulated(*args, **kwargs).to(_GEMM_OUT_DTYPE).float()
+
+
 class _Fp8LinearRotatedFunction(torch.autograd.Function):
     """Quantise per GEMM from the saved high-precision operands (the Hadamard path): each GEMM
     rotates its operands along its own reduction dim."""
@@ -214,7 +227,7 @@ class _Fp8LinearRotatedFunction(torch.autograd.Function):
         ctx.save_for_backward(x2d, weight)
         ctx.recipe = recipe
         ctx.sr_offset = sr_offset
-        ctx.gemm = _fp8_gemm_native if native else fp8_gemm_emulated
+        ctx.gemm = _fp8_gemm_native if native else _fp8_gemm_emulated_rounded
         return ctx.gemm(x2d, weight, _ACT_BLOCK, _WEIGHT_BLOCK, recipe)
 
     @staticmethod
@@ -281,7 +294,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             col_tiles=fp8_wgrad and recipe.wgrad_x_tiles and act_kind == "1x128",
         )
         wq = quantize_operand(weight, w_kind, recipe.fp8_dtype, rows=True, cols=x2d.requires_grad)
-        out_dtype = torch.bfloat16 if native else torch.float32
+        out_dtype = _GEMM_OUT_DTYPE
         out = scaled_mm_nt(
             xq.data,
             xq.scale,
@@ -319,7 +332,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             offset=ctx.sr_offset,
             col_sum=need_b and bias is not None,
         )
-        out_dtype = torch.bfloat16 if ctx.native else torch.float32
+        out_dtype = _GEMM_OUT_DTYPE
         grad_x = grad_w = None
         if need_x:
             # dgrad: dy (M, N) @ W (N, K) = dy @ (W.T).T, reduction over N.
@@ -388,7 +401,7 @@ class _MxLinearFunction(torch.autograd.Function):
         # 32x32 weight squares: one quantisation serves W (forward) and W.T (dgrad).
         wq = _mx(weight, recipe, recipe.fp8_dtype, square=True)
         xq = _mx(x2d, recipe, recipe.fp8_dtype)
-        out_dtype = torch.bfloat16 if native else torch.float32
+        out_dtype = _GEMM_OUT_DTYPE
         out = mx_scaled_mm_nt(xq, wq, out_dtype=out_dtype, native=native)
         if bias is not None:
             out = out + bias.to(out.dtype)
@@ -402,7 +415,7 @@ class _MxLinearFunction(torch.autograd.Function):
         x2d, bias = ctx.saved_tensors
         recipe: Fp8Recipe = ctx.recipe
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        out_dtype = torch.bfloat16 if ctx.native else torch.float32
+        out_dtype = _GEMM_OUT_DTYPE
         grad_x = grad_w = None
         if need_x:
             gq = _mx(grad_out, recipe, recipe.grad_dtype)
