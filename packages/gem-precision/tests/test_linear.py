@@ -61,8 +61,9 @@ def test_forward_equals_independent_emulation():
     ref, fp8 = pair(in_f=256, out_f=256)
     x = torch.randn(16, 256)
     want = fake_quantize_blockwise(x, (1, 128)) @ fake_quantize_blockwise(ref.weight, (128, 128)).T
-    # One rounding to bfloat16, as torch._scaled_mm's output on a GPU.
-    want = (want + ref.bias).to(torch.bfloat16).float()
+    # Rounded to bfloat16 as torch._scaled_mm's output on a GPU, then the (float32) bias added
+    # in bfloat16, as the native path does when the bias cannot go into cuBLAS's epilogue.
+    want = (want.to(torch.bfloat16) + ref.bias.to(torch.bfloat16)).float()
     torch.testing.assert_close(fp8(x), want, rtol=2**-8, atol=1e-5)
 
 

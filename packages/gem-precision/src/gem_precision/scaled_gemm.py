@@ -210,9 +210,11 @@ def scaled_mm_nt(
     a = dequantize_operand(a_data, a_scale, a_kind)
     b = dequantize_operand(b_data, b_scale, b_kind)
     out = (a @ b.T)[:rows]
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    return out.to(out_dtype)
+    if bias is None:
+        return out.to(out_dtype)
+    if bias.dtype == out_dtype:  # native: bias in cuBLAS's epilogue, one rounding
+        return (out + bias.to(torch.float32)).to(out_dtype)
+    return out.to(out_dtype) + bias.to(out_dtype)  # native: rounded output, then the bias
 
 
 def swizzle_mx_scales(scale: torch.Tensor) -> torch.Tensor:
