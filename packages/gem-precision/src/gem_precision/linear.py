@@ -31,6 +31,7 @@ Blackwell, emulated elsewhere.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -122,6 +123,13 @@ class Fp8Recipe:
             )
 
 
+# Every FP8 GEMM result is rounded to bfloat16 once, on every path: torch._scaled_mm on
+# Hopper/Blackwell returns bfloat16 (float32 accumulation), and the CPU emulation must give the
+# same numerics, or CPU quality runs would not predict GPU ones (the emulation kept float32
+# until 2026-11-30 while the GPU rounded every output and gradient to bfloat16).
+_GEMM_OUT_DTYPE = torch.bfloat16
+
+
 def _rotated_operands(
     a: torch.Tensor, b: torch.Tensor, recipe: Fp8Recipe
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,20 +148,23 @@ def _rotated_operands(
     return a32, b32
 
 
-def _fp8_gemm_native(
+def _fp8_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
     a_block: tuple[int, int] | None,
     b_block: tuple[int, int] | None,
     recipe: Fp8Recipe,
     *,
+    native: bool,
     a_dtype: torch.dtype | None = None,
     b_dtype: torch.dtype | None = None,
     a_stochastic_offset: int | None = None,
 ) -> torch.Tensor:
-    """:func:`fp8_gemm_emulated` with the GEMM on ``torch._scaled_mm``: the same rotation and
-    the same quantised values (``quantize_operand`` equals ``fake_quantize_blockwise`` bit for
-    bit), float32 accumulation, the result rounded to bfloat16 and returned as float32."""
+    """:func:`fp8_gemm_emulated` as the linear layers run it: the same rotation and the same
+    quantised values (``quantize_operand`` equals ``fake_quantize_blockwise`` bit for bit), the
+    GEMM on ``torch._scaled_mm`` with ``native`` (else emulated by :func:`scaled_mm_nt`), float32
+    accumulation, the result rounded to bfloat16 like every FP8 GEMM output (see
+    ``_GEMM_OUT_DTYPE``) and returned as float32."""
     a32, b32 = _rotated_operands(a, b, recipe)
 
     def kind(block):
@@ -171,7 +182,10 @@ def _fp8_gemm_native(
         offset=a_stochastic_offset or 0,
     )
     b_q = quantize_operand(b32, b_kind, b_dtype or recipe.fp8_dtype, cols=False)
-    out = scaled_mm_nt(a_q.data, a_q.scale, a_kind, b_q.data, b_q.scale, b_kind, native=True)
+    out = scaled_mm_nt(
+        a_q.data, a_q.scale, a_kind, b_q.data, b_q.scale, b_kind,
+        out_dtype=_GEMM_OUT_DTYPE, native=native,
+    )  # fmt: skip
     return out.float()
 
 
@@ -206,18 +220,6 @@ def fp8_gemm_emulated(
     return a_q @ b_q.T
 
 
-# Every FP8 GEMM result is rounded to bfloat16 once, on every path: torch._scaled_mm on
-# Hopper/Blackwell returns bfloat16 (float32 accumulation), and the CPU emulation must give the
-# same numerics, or CPU quality runs would not predict GPU ones (the emulation kept float32
-# until 2026-11-30 while the GPU rounded every output and gradient to bfloat16).
-_GEMM_OUT_DTYPE = torch.bfloat16
-
-
-def _fp8_gemm_emulated_rounded(*args, **kwargs) -> torch.Tensor:
-    """:func:`fp8_gemm_emulated` rounded like a native GEMM's bfloat16 output."""
-    return fp8_gemm_emulated(*args, **kwargs).to(_GEMM_OUT_DTYPE).float()
-
-
 class _Fp8LinearRotatedFunction(torch.autograd.Function):
     """Quantise per GEMM from the saved high-precision operands (the Hadamard path): each GEMM
     rotates its operands along its own reduction dim."""
@@ -227,7 +229,7 @@ class _Fp8LinearRotatedFunction(torch.autograd.Function):
         ctx.save_for_backward(x2d, weight)
         ctx.recipe = recipe
         ctx.sr_offset = sr_offset
-        ctx.gemm = _fp8_gemm_native if native else _fp8_gemm_emulated_rounded
+        ctx.gemm = functools.partial(_fp8_gemm, native=native)
         return ctx.gemm(x2d, weight, _ACT_BLOCK, _WEIGHT_BLOCK, recipe)
 
     @staticmethod
