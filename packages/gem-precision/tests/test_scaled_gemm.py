@@ -310,10 +310,11 @@ def test_cuda_native_gemms_match_emulation(m, k, n):
 
 
 def test_padding_for_native_block_scaled_gemms_keeps_the_product():
-    """The zero columns and unit scales added for cuBLAS change nothing: the emulated product
-    of the padded operands equals the unpadded one (up to summation order)."""
+    """The zero rows / columns and unit scales added for cuBLAS change nothing: the emulated
+    product of the padded operands equals the unpadded one (up to summation order) in its
+    first M rows and is zero in the padded ones."""
     from gem_precision.blockwise import dequantize_operand, quantize_operand
-    from gem_precision.scaled_gemm import _pad_k_for_block_scales
+    from gem_precision.scaled_gemm import _pad_for_block_scales
 
     gen = torch.Generator().manual_seed(3)
     m, k, n = 301, 300, 144  # ragged M, K of 3 partial-ish blocks (padded to 4)
@@ -323,17 +324,18 @@ def test_padding_for_native_block_scaled_gemms_keeps_the_product():
         dequantize_operand(a.data, a.scale, "1x128")
         @ dequantize_operand(b.data, b.scale, "128x128").T
     )
-    a_data, a_scale, b_data, b_scale = _pad_k_for_block_scales(
+    a_data, a_scale, b_data, b_scale = _pad_for_block_scales(
         a.data, a.scale, "1x128", b.data, b.scale, "128x128"
     )
-    assert a_data.shape == (m, 512) and b_data.shape == (n, 512)
-    assert a_scale.shape == (m, 4) and a_scale.stride() == (1, m)  # outer-dim-major kept
+    assert a_data.shape == (304, 512) and b_data.shape == (n, 512)  # M to a multiple of 4
+    assert a_scale.shape == (304, 4) and a_scale.stride() == (1, 304)  # outer-dim-major kept
     assert b_scale.shape == (2, 4) and b_scale.is_contiguous()
     got = (
         dequantize_operand(a_data, a_scale, "1x128")
         @ dequantize_operand(b_data, b_scale, "128x128").T
     )
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(got[:m], want, rtol=1e-6, atol=1e-5)
+    assert not got[m:].any()
 
 
 @pytest.mark.gpu

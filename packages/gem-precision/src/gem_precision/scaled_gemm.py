@@ -74,20 +74,22 @@ def _native_shape_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 _K_BLOCKS_MULTIPLE = 4
+_ROWS_MULTIPLE = 4
 
 
-def _pad_columns(data: torch.Tensor, cols: int) -> torch.Tensor:
-    """FP8 ``data`` (R, K) zero-padded to (R, cols) (through uint8: copies work for any torch)."""
-    out = torch.zeros((data.shape[0], cols), dtype=torch.uint8, device=data.device)
-    out[:, : data.shape[1]] = data.view(torch.uint8)
+def _pad_data(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """FP8 ``data`` zero-padded to (rows, cols) (through uint8: copies work for any torch)."""
+    out = torch.zeros((rows, cols), dtype=torch.uint8, device=data.device)
+    out[: data.shape[0], : data.shape[1]] = data.view(torch.uint8)
     return out.view(data.dtype)
 
 
-def _pad_scale(scale: torch.Tensor, kind: str, k_blocks: int) -> torch.Tensor:
-    """Scales of one operand with ``k_blocks`` blocks along K (new blocks: scale 1, data 0)."""
+def _pad_scale(scale: torch.Tensor, kind: str, rows: int, k_blocks: int) -> torch.Tensor:
+    """Scales of one operand padded to ``rows`` (1x128 kind) and ``k_blocks`` blocks along K
+    (new entries 1: their data is 0)."""
     if kind == "1x128":  # (R, Kb) outer-dim-major
-        out = torch.ones((k_blocks, scale.shape[0]), dtype=scale.dtype, device=scale.device)
-        out[: scale.shape[1]] = scale.t()
+        out = torch.ones((k_blocks, rows), dtype=scale.dtype, device=scale.device)
+        out[: scale.shape[1], : scale.shape[0]] = scale.t()
         return out.t()
     if kind == "128x128":  # (ceil(R/128), Kb) contiguous
         out = torch.ones((scale.shape[0], k_blocks), dtype=scale.dtype, device=scale.device)
@@ -96,49 +98,35 @@ def _pad_scale(scale: torch.Tensor, kind: str, k_blocks: int) -> torch.Tensor:
     return scale
 
 
-def _pad_k_for_block_scales(a_data, a_scale, a_kind, b_data, b_scale, b_kind):
-    """Blockwise operands with K padded so that K/128 is a multiple of 4 (and K of 16).
+def _pad_for_block_scales(a_data, a_scale, a_kind, b_data, b_scale, b_kind):
+    """Blockwise operands padded (zero data, unit scales: they add nothing) to what the H200's
+    cuBLAS handles, in one copy per operand.
 
-    cuBLAS reads block scales as if the count of 128-blocks along K were rounded up to a
-    multiple of 4: with 2 blocks (K=256) the H200 returned garbage (dgrad of a layer with 256
-    outputs: relative error 0.7 to 3e4 against the emulation, varying with what lay in memory),
-    while K=512, 1024, 4096 matched. Zero data and unit scales in the padding add nothing.
+    * K: K/128 a multiple of 4 (and K of 16). cuBLAS reads block scales as if the count of
+      128-blocks along K were rounded up to a multiple of 4: with 2 blocks (K=256) the H200
+      returned garbage (dgrad of a layer with 256 outputs: relative error 0.7 to 3e4 against
+      the emulation, varying with what lay in memory), while K=512, 1024, 4096 matched.
+    * M of a 1x128-scaled ``a``: a multiple of 4. Other M are rejected
+      (CUBLAS_STATUS_NOT_SUPPORTED, measured with M = 301, 4099, 45001, 45002; 1000, 4096 and
+      45004 run), and a jagged batch has any token count. The extra output rows are cut off.
     """
+    if not {a_kind, b_kind} & {"1x128", "128x128"}:
+        return a_data, a_scale, b_data, b_scale
     k = a_data.shape[1]
     k_blocks = -(-k // 128)
     padded_blocks = -(-k_blocks // _K_BLOCKS_MULTIPLE) * _K_BLOCKS_MULTIPLE
-    blockwise = {a_kind, b_kind} & {"1x128", "128x128"}
-    if not blockwise or (padded_blocks == k_blocks and k % 16 == 0):
-        return a_data, a_scale, b_data, b_scale
-    cols = padded_blocks * 128
-    return (
-        _pad_columns(a_data, cols),
-        _pad_scale(a_scale, a_kind, padded_blocks),
-        _pad_columns(b_data, cols),
-        _pad_scale(b_scale, b_kind, padded_blocks),
-    )
-
-
-_ROWS_MULTIPLE = 4
-
-
-def _pad_rows_for_block_scales(a_data, a_scale, a_kind):
-    """A 1x128-scaled ``a`` with its rows (M) padded to a multiple of 4 (zero data, unit scales).
-
-    On the H200 cuBLAS rejects 1x128 ``scale_a`` for any M that is not a multiple of 4
-    (CUBLAS_STATUS_NOT_SUPPORTED, measured with M = 301, 4099, 45001, 45002; 1000, 4096 and
-    45004 run), and a jagged batch has any token count. The extra output rows are cut off.
-    """
+    cols = k if padded_blocks == k_blocks and k % 16 == 0 else padded_blocks * 128
     rows = a_data.shape[0]
-    padded = -(-rows // _ROWS_MULTIPLE) * _ROWS_MULTIPLE
-    if a_kind != "1x128" or padded == rows:
-        return a_data, a_scale
-    data = torch.zeros((padded, a_data.shape[1]), dtype=torch.uint8, device=a_data.device)
-    data[:rows] = a_data.view(torch.uint8)
-    # (M, Kb) outer-dim-major, as _pad_scale keeps it.
-    scale = torch.ones((a_scale.shape[1], padded), dtype=a_scale.dtype, device=a_scale.device)
-    scale[:, :rows] = a_scale.t()
-    return data.view(a_data.dtype), scale.t()
+    if a_kind == "1x128":
+        rows = -(-rows // _ROWS_MULTIPLE) * _ROWS_MULTIPLE
+    scale_blocks = -(-cols // 128)
+    if (rows, cols) != tuple(a_data.shape):
+        a_data = _pad_data(a_data, rows, cols)
+        a_scale = _pad_scale(a_scale, a_kind, rows, scale_blocks)
+    if cols != k:
+        b_data = _pad_data(b_data, b_data.shape[0], cols)
+        b_scale = _pad_scale(b_scale, b_kind, b_data.shape[0], scale_blocks)
+    return a_data, a_scale, b_data, b_scale
 
 
 def _native_scaled_mm(a_data, a_scale, a_kind, b_data, b_scale, b_kind, out_dtype, bias):
@@ -191,10 +179,9 @@ def scaled_mm_nt(
         # Block-scaled operands: K padded to a multiple of 4 blocks of 128, which also makes
         # it a multiple of 16, so any token count works as the K of the wgrad GEMM; M padded
         # to a multiple of 4, so any token count works as the M of forward and dgrad.
-        a_data, a_scale, b_data, b_scale = _pad_k_for_block_scales(
+        a_data, a_scale, b_data, b_scale = _pad_for_block_scales(
             a_data, a_scale, a_kind, b_data, b_scale, b_kind
         )
-        a_data, a_scale = _pad_rows_for_block_scales(a_data, a_scale, a_kind)
         if _native_shape_ok(a_data, b_data):
             out = _native_scaled_mm(
                 a_data, a_scale, a_kind, b_data, b_scale, b_kind, out_dtype, bias
