@@ -1,17 +1,21 @@
 """GPU probe: per small Fp8Linear shape, whether a GEMM falls back to the emulation (cuBLAS
 rejects the layout) and the eager forward+backward time against bf16 nn.Linear, per recipe.
 
-A diagnostic, not a benchmark of record: `python benchmarks/probe_fp8_shapes.py` on a GPU
-(no install needed); output in results/h200/fp8_probe.txt.
+`python benchmarks/probe_fp8_shapes.py --out benchmarks/results/h200/fp8_probe.json` on a GPU
+(no install needed). Rows: case ``M<m>xK<k>xN<n>``, provider ``gem-<recipe>`` or ``bf16_linear``
+(measured in the same run on the same tensors), mode ``fwd_bwd``, metrics ``ms`` (eager, per
+call) and ``first_ms`` (the first call, compiles included); the ``fallbacks`` field lists the
+emulation warnings the call raised.
 """
 
 import sys
 import time
 import warnings
 from functools import partial
+from pathlib import Path
 
 import torch
-from _results import ROOT
+from _results import ROOT, meta, require_cuda, results_parser, write_results
 
 for _package in ("gem-kernels", "gem-precision"):
     sys.path.insert(0, str(ROOT / "packages" / _package / "src"))
@@ -63,20 +67,35 @@ def eager_ms(layer, x, dy):
     return 1e3 * seconds(call, 10)
 
 
-for rname, recipe in RECIPES.items():
-    for m, k, n in SHAPES:
-        sg._WARNED.clear()
-        fp8 = Fp8Linear.from_linear(torch.nn.Linear(k, n, device="cuda"), recipe=recipe)
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            first = seconds(partial(step, fp8, x, dy))  # compiles the kernels
-            ms = eager_ms(fp8, x, dy)
-        ms16 = eager_ms(torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16), x, dy)
-        msgs = sorted({str(w.message).split(":")[0][:90] for w in caught})
-        print(
-            f"{rname:4} M{m:6} K{k:5} N{n:4} first {first * 1e3:8.1f} ms  fp8 {ms:7.3f} ms  "
-            f"bf16 {ms16:7.3f} ms  {msgs}",
-            flush=True,
-        )
+def main() -> None:
+    args = results_parser(__doc__, "h200/fp8_probe.json").parse_args()
+    require_cuda()
+    rows = []
+    for rname, recipe in RECIPES.items():
+        for m, k, n in SHAPES:
+            sg._WARNED.clear()
+            fp8 = Fp8Linear.from_linear(torch.nn.Linear(k, n, device="cuda"), recipe=recipe)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                first = seconds(partial(step, fp8, x, dy))  # compiles the kernels
+                ms = eager_ms(fp8, x, dy)
+            ms16 = eager_ms(torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16), x, dy)
+            fallbacks = sorted({str(w.message).split(":")[0][:90] for w in caught})
+            case = f"M{m}xK{k}xN{n}"
+            rows += [
+                dict(case=case, provider=f"gem-{rname}", mode="fwd_bwd", metric="ms", value=ms,
+                     fallbacks=fallbacks),
+                dict(case=case, provider=f"gem-{rname}", mode="fwd_bwd", metric="first_ms",
+                     value=1e3 * first),
+                dict(case=case, provider="bf16_linear", mode="fwd_bwd", metric="ms", value=ms16,
+                     recipe_run=rname),
+            ]  # fmt: skip
+            print(f"{rname:4} {case:18} fp8 {ms:7.3f} ms  bf16 {ms16:7.3f} ms  {fallbacks}")
+    command = "python benchmarks/probe_fp8_shapes.py " + " ".join(sys.argv[1:])
+    write_results(Path(args.out), meta("fp8_probe", command.strip(), device="cuda"), rows)
+
+
+if __name__ == "__main__":
+    main()
