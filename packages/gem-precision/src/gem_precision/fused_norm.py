@@ -29,7 +29,7 @@ from gem_precision.blockwise import (
     Fp8Operand,
     quantize_operand,
 )
-from gem_precision.linear import Fp8Linear, Fp8Recipe, _path
+from gem_precision.linear import Fp8Linear, Fp8Recipe, _gemm_out_dtype, _path
 from gem_precision.mx import MX_ELEMENT_DTYPES
 from gem_precision.scaled_gemm import scaled_mm_nt
 
@@ -308,11 +308,11 @@ class _FusedNormFp8LinearFunction(torch.autograd.Function):
             wq.data,
             wq.scale,
             "128x128",
-            out_dtype=torch.bfloat16 if native else torch.float32,
+            out_dtype=_gemm_out_dtype(x2d.dtype),
             native=native,
             bias=bias,
         )
-        ctx.recipe, ctx.native = recipe, native
+        ctx.recipe, ctx.native, ctx.w_dtype = recipe, native, weight.dtype
         ctx.save_for_backward(x2d, norm_w, norm_b, mean, rstd, wq.data_t, wq.scale_t, bias)
         return out.to(x2d.dtype)
 
@@ -333,7 +333,6 @@ class _FusedNormFp8LinearFunction(torch.autograd.Function):
             backend="triton",
             col_sum=need_bias,
         )
-        out_dtype = torch.bfloat16 if ctx.native else torch.float32
         grads = [None] * 9
         if need[3]:
             xn_t = _normed_transposed_operand(
@@ -346,9 +345,9 @@ class _FusedNormFp8LinearFunction(torch.autograd.Function):
                 xn_t.data_t,
                 xn_t.scale_t,
                 xn_t.kind_t or "1x128",
-                out_dtype=out_dtype,
+                out_dtype=_gemm_out_dtype(ctx.w_dtype),
                 native=ctx.native,
-            )
+            ).to(ctx.w_dtype)
         if need_norm:
             grad_xn = scaled_mm_nt(
                 gq.data,
@@ -357,7 +356,7 @@ class _FusedNormFp8LinearFunction(torch.autograd.Function):
                 w_t,
                 w_t_scale,
                 "128x128",
-                out_dtype=out_dtype,
+                out_dtype=_gemm_out_dtype(x2d.dtype),
                 native=ctx.native,
             )
             grads[0], grads[1], grads[2] = _norm_backward(grad_xn, x2d, norm_w, norm_b, mean, rstd)

@@ -123,11 +123,15 @@ class Fp8Recipe:
             )
 
 
-# Every FP8 GEMM result is rounded to bfloat16 once, on every path: torch._scaled_mm on
-# Hopper/Blackwell returns bfloat16 (float32 accumulation), and the CPU emulation must give the
-# same numerics, or CPU quality runs would not predict GPU ones (the emulation kept float32
-# until 2026-11-30 while the GPU rounded every output and gradient to bfloat16).
-_GEMM_OUT_DTYPE = torch.bfloat16
+def _gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an FP8 GEMM writes: that of the tensor its result stands for (the activation
+    for forward and dgrad, the weight for wgrad), so an FP8 layer differs from a bf16-GEMM one
+    only in its operands' format. float32 master weights get float32 weight gradients (like
+    Transformer Engine's main-grad). cuBLAS on the H200 writes float32 and bfloat16 for all
+    three scalings (1x128 x 128x128, 1x128 x 1x128, tensorwise; probed 2026-12-01); other
+    dtypes get bfloat16. Every path, native or emulated, rounds the same way, or CPU quality
+    runs would not predict GPU ones."""
+    return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
 
 
 def _rotated_operands(
@@ -159,12 +163,13 @@ def _fp8_gemm(
     a_dtype: torch.dtype | None = None,
     b_dtype: torch.dtype | None = None,
     a_stochastic_offset: int | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """:func:`fp8_gemm_emulated` as the linear layers run it: the same rotation and the same
     quantised values (``quantize_operand`` equals ``fake_quantize_blockwise`` bit for bit), the
     GEMM on ``torch._scaled_mm`` with ``native`` (else emulated by :func:`scaled_mm_nt`), float32
-    accumulation, the result rounded to bfloat16 like every FP8 GEMM output (see
-    ``_GEMM_OUT_DTYPE``) and returned as float32."""
+    accumulation, the result rounded to ``out_dtype`` (see :func:`_gemm_out_dtype`) and
+    returned as float32."""
     a32, b32 = _rotated_operands(a, b, recipe)
 
     def kind(block):
@@ -184,7 +189,7 @@ def _fp8_gemm(
     b_q = quantize_operand(b32, b_kind, b_dtype or recipe.fp8_dtype, cols=False)
     out = scaled_mm_nt(
         a_q.data, a_q.scale, a_kind, b_q.data, b_q.scale, b_kind,
-        out_dtype=_GEMM_OUT_DTYPE, native=native,
+        out_dtype=out_dtype, native=native,
     )  # fmt: skip
     return out.float()
 
@@ -230,7 +235,9 @@ class _Fp8LinearRotatedFunction(torch.autograd.Function):
         ctx.recipe = recipe
         ctx.sr_offset = sr_offset
         ctx.gemm = functools.partial(_fp8_gemm, native=native)
-        return ctx.gemm(x2d, weight, _ACT_BLOCK, _WEIGHT_BLOCK, recipe)
+        ctx.native = native
+        out_dtype = _gemm_out_dtype(x2d.dtype)
+        return ctx.gemm(x2d, weight, _ACT_BLOCK, _WEIGHT_BLOCK, recipe, out_dtype=out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -248,11 +255,12 @@ class _Fp8LinearRotatedFunction(torch.autograd.Function):
                 recipe,
                 a_dtype=recipe.grad_dtype,
                 a_stochastic_offset=ctx.sr_offset if sr else None,
+                out_dtype=_gemm_out_dtype(x2d.dtype),
             )
         if ctx.needs_input_grad[1]:
             # wgrad: dy.T (N, M) @ x (M, K), reduction over tokens M.
             if recipe.wgrad_in_bf16:
-                grad_w = grad_out.to(torch.bfloat16).float().T @ x2d.to(torch.bfloat16).float()
+                grad_w = _bf16_wgrad(grad_out, x2d, ctx.native)
             else:
                 grad_w = ctx.gemm(
                     grad_out.T,
@@ -263,6 +271,7 @@ class _Fp8LinearRotatedFunction(torch.autograd.Function):
                     a_dtype=recipe.grad_dtype,
                     # A second, disjoint range of counters: dgrad used numel of grad_out.
                     a_stochastic_offset=ctx.sr_offset + grad_out.numel() if sr else None,
+                    out_dtype=_gemm_out_dtype(weight.dtype),
                 )
         return (
             None if grad_x is None else grad_x.to(x2d.dtype),
@@ -271,6 +280,16 @@ class _Fp8LinearRotatedFunction(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _bf16_wgrad(grad_out: torch.Tensor, x: torch.Tensor, native: bool) -> torch.Tensor:
+    """``grad_out.T @ x`` as a bf16 GEMM (the ``wgrad_in_bf16`` option): bf16 operands, float32
+    accumulation, a bf16 result (what ``torch.mm`` of bf16 tensors returns on the GPU; the
+    emulation rounds the same way)."""
+    g, x = grad_out.to(torch.bfloat16), x.to(torch.bfloat16)
+    if native:
+        return g.T @ x
+    return (g.float().T @ x.float()).to(torch.bfloat16)
 
 
 def _bias_grad(grad_out: torch.Tensor, bias: torch.Tensor | None, needed: bool):
@@ -296,7 +315,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             col_tiles=fp8_wgrad and recipe.wgrad_x_tiles and act_kind == "1x128",
         )
         wq = quantize_operand(weight, w_kind, recipe.fp8_dtype, rows=True, cols=x2d.requires_grad)
-        out_dtype = _GEMM_OUT_DTYPE
+        out_dtype = _gemm_out_dtype(x2d.dtype)
         out = scaled_mm_nt(
             xq.data,
             xq.scale,
@@ -311,7 +330,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.recipe, ctx.sr_offset, ctx.native = recipe, sr_offset, native
         ctx.act_kind, ctx.w_kind = act_kind, w_kind
         ctx.x_t_kind = xq.kind_t or act_kind
-        ctx.x_dtype, ctx.has_bias = x2d.dtype, bias is not None
+        ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x2d.dtype, weight.dtype, bias is not None
         saved_x = x2d if (weight.requires_grad and recipe.wgrad_in_bf16) else None
         ctx.save_for_backward(xq.data_t, xq.scale_t, saved_x, wq.data_t, wq.scale_t, bias)
         return out.to(x2d.dtype)
@@ -334,7 +353,6 @@ class _Fp8LinearFunction(torch.autograd.Function):
             offset=ctx.sr_offset,
             col_sum=need_b and bias is not None,
         )
-        out_dtype = _GEMM_OUT_DTYPE
         grad_x = grad_w = None
         if need_x:
             # dgrad: dy (M, N) @ W (N, K) = dy @ (W.T).T, reduction over N.
@@ -345,17 +363,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 w_t,
                 w_t_scale,
                 ctx.w_kind,
-                out_dtype=out_dtype,
+                out_dtype=_gemm_out_dtype(ctx.x_dtype),
                 native=ctx.native,
             ).to(ctx.x_dtype)
         if need_w:
             if recipe.wgrad_in_bf16:
-                if ctx.native:
-                    grad_w = grad_out.to(torch.bfloat16).T @ x_saved.to(torch.bfloat16)
-                else:
-                    grad_w = (
-                        grad_out.to(torch.bfloat16).float().T @ x_saved.to(torch.bfloat16).float()
-                    )
+                grad_w = _bf16_wgrad(grad_out, x_saved, ctx.native).to(ctx.w_dtype)
             else:
                 # wgrad: dy.T (N, M) @ x (M, K) = dy.T @ (x.T).T, reduction over tokens M.
                 grad_w = scaled_mm_nt(
@@ -365,9 +378,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
                     x_t,
                     x_t_scale,
                     ctx.x_t_kind,
-                    out_dtype=out_dtype,
+                    out_dtype=_gemm_out_dtype(ctx.w_dtype),
                     native=ctx.native,
-                )
+                ).to(ctx.w_dtype)
         grad_b = None
         if need_b and bias is not None:
             grad_b = gq.col_sum.to(bias.dtype)  # summed in the quantisation pass
@@ -403,8 +416,7 @@ class _MxLinearFunction(torch.autograd.Function):
         # 32x32 weight squares: one quantisation serves W (forward) and W.T (dgrad).
         wq = _mx(weight, recipe, recipe.fp8_dtype, square=True)
         xq = _mx(x2d, recipe, recipe.fp8_dtype)
-        out_dtype = _GEMM_OUT_DTYPE
-        out = mx_scaled_mm_nt(xq, wq, out_dtype=out_dtype, native=native)
+        out = mx_scaled_mm_nt(xq, wq, out_dtype=_gemm_out_dtype(x2d.dtype), native=native)
         if bias is not None:
             out = out + bias.to(out.dtype)
         ctx.recipe, ctx.native, ctx.x_dtype = recipe, native, x2d.dtype
@@ -417,16 +429,17 @@ class _MxLinearFunction(torch.autograd.Function):
         x2d, bias = ctx.saved_tensors
         recipe: Fp8Recipe = ctx.recipe
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        out_dtype = _GEMM_OUT_DTYPE
         grad_x = grad_w = None
         if need_x:
             gq = _mx(grad_out, recipe, recipe.grad_dtype)
             w_t = _mx_transposed_square(ctx.wq)
+            out_dtype = _gemm_out_dtype(ctx.x_dtype)
             grad_x = mx_scaled_mm_nt(gq, w_t, out_dtype=out_dtype, native=ctx.native)
             grad_x = grad_x.to(ctx.x_dtype)
         if need_w:
             gtq = _mx(grad_out.t(), recipe, recipe.grad_dtype)
             xtq = _mx(x2d.t(), recipe, recipe.fp8_dtype)
+            out_dtype = _gemm_out_dtype(ctx.wq.orig_dtype)
             grad_w = mx_scaled_mm_nt(gtq, xtq, out_dtype=out_dtype, native=ctx.native)
         return grad_x, grad_w, _bias_grad(grad_out, bias, need_b), None, None
 
