@@ -30,7 +30,7 @@ bandwidth-bound forwards (PMA split-KV items vs the streamed kernel, BlockAttent
 options) eagerly, from CUDA graphs and for their host time, after a correctness check.
 ``--explore-self-cross [--explore-set 2] --workers N --out X.json`` checks and times the
 self/cross forward and backward variants (one loop, TMA, hand pipelining, tiles, programs per
-SM; round 2 combines round 1's winners) on the protocol shapes.
+SM; round 2 combines round 1's winners; round 3 the fused backward, round 4 its tiles) on the protocol shapes.
 Without ``--config`` gem runs through the public entry point, so each call gets the default
 configuration of its lengths and masks (``gdpa_triton.default_config``).
 ``--kinds pma --merge benchmarks/results/h200/gdpa.json`` reruns only the PMA cases and keeps
@@ -788,6 +788,50 @@ def _self_cross_variants2(base: gt.GdpaTritonConfig) -> dict:
     }
 
 
+def _self_cross_variants3() -> dict:
+    """Third round of ``--explore-self-cross`` (``--explore-set 3``): the fused backward
+    (``bwd_fused``: dQ by float32 atomics inside the dK/dV kernel) and its tiles, against the
+    default. Values are overrides of each case's own default config (short/long tiles)."""
+    both = ("fwd", "fwd_bwd")
+    fused = dict(bwd_fused=True)
+    return {
+        "default": ({}, ("self", "cross"), both),
+        "fused": (fused, ("self", "cross"), ("fwd_bwd",)),
+        "fused-x1": (fused | dict(bwd_programs_per_sm=1), ("self", "cross"), ("fwd_bwd",)),
+        "fused-s2": (fused | dict(bwd_stages=2), ("self", "cross"), ("fwd_bwd",)),
+        "fused-n64": (fused | dict(dkdv_block_n=64), ("self", "cross"), ("fwd_bwd",)),
+        "fused-n64m128": (
+            fused | dict(dkdv_block_n=64, dkdv_block_m=128),
+            ("self", "cross"),
+            ("fwd_bwd",),
+        ),
+        "fused-n64w4": (
+            fused | dict(dkdv_block_n=64, bwd_warps=4, bwd_stages=2),
+            ("self", "cross"),
+            ("fwd_bwd",),
+        ),  # fmt: skip
+        "fused-m32": (fused | dict(dkdv_block_m=32), ("self", "cross"), ("fwd_bwd",)),
+    }
+
+
+def _self_cross_variants4() -> dict:
+    """Fourth round (``--explore-set 4``): tiles of the fused backward (the default since
+    round 3): pipelining depth and, for cross attention, the query rows per dK/dV item."""
+    kinds = ("self", "cross")
+    return {
+        "default": ({}, kinds, ("fwd_bwd",)),
+        "s4": (dict(bwd_stages=4), kinds, ("fwd_bwd",)),
+        "qc1024": (dict(dkdv_q_chunk=1024), ("cross",), ("fwd_bwd",)),
+        "qc0": (dict(dkdv_q_chunk=0), ("cross",), ("fwd_bwd",)),
+    }
+
+
+def _round3_config(overrides: dict, spec) -> gt.GdpaTritonConfig:
+    """The case's default config (by its longest key length) with ``overrides``."""
+    max_len = CROSS_KV if spec[0] == "cross" else (spec[2] if len(spec) > 2 else None)
+    return replace(gt.default_config(D, max_len=max_len), **overrides)
+
+
 def _check_problems(device) -> list:
     """Small jagged self and cross problems (bf16 inputs, gelu_fast, with and without a
     window) with the float32 reference's output and gradients."""
@@ -836,22 +880,31 @@ def explore_self_cross(device, out_path: Path, workers: int, budget_s: float, ro
     every variant (bf16, gelu_fast, forward and all gradients against the float32 reference,
     self and cross, with and without a window) and its time on the protocol shapes."""
     start = time.time()
-    make = _self_cross_variants2 if round_ == 2 else _self_cross_variants
-    variants = make(gt.default_config(D, masked=True))  # the defaults before this round
     shapes = [("self", b, n) for b, n in SELF_SHAPES] + [("cross", b, n) for b, n in ASYM_SHAPES]
+    if round_ >= 3:
+        variants = _self_cross_variants3() if round_ == 3 else _self_cross_variants4()
+        config_of = _round3_config
+    else:
+        make = _self_cross_variants2 if round_ == 2 else _self_cross_variants
+        variants = make(gt.default_config(D, masked=True))  # the defaults before this round
+
+        def config_of(cfg, spec):
+            return cfg
+
     jobs = [
-        (spec, cfg, ACT, modes)
+        (spec, config_of(cfg, spec), ACT, modes)
         for _, (cfg, kinds, modes) in variants.items()
         for spec in shapes
         if spec[0] in kinds
     ]
-    jobs += [(("xcheck",), cfg, ACT, ()) for cfg, _, _ in variants.values()]
+    # The check problems reach 2500 keys: the long-sequence tiles.
+    jobs += [(("xcheck",), config_of(cfg, ("check",)), ACT, ()) for cfg, _, _ in variants.values()]
     precompile(jobs, workers)
     print(f"precompiled at {time.time() - start:.0f} s", flush=True)
     problems = _check_problems(device)
     checks = {}
     for name, (cfg, _, _) in variants.items():
-        checks[name] = _variant_errors(cfg, problems)
+        checks[name] = _variant_errors(config_of(cfg, ("check",)), problems)
         print(f"check {name}: {checks[name]}", flush=True)
     rows = []
     for spec in shapes:
@@ -862,7 +915,7 @@ def explore_self_cross(device, out_path: Path, workers: int, budget_s: float, ro
         for name, (cfg, kinds, modes) in variants.items():
             if spec[0] not in kinds or not isinstance(checks[name].get(spec[0]), list):
                 continue
-            times = _time_config(case, cfg, modes)
+            times = _time_config(case, config_of(cfg, spec), modes)
             for mode, ms in times.items():
                 flops = case.fwd_flops * (3.5 if mode == "fwd_bwd" else 1.0)
                 rows.append(dict(case=case.name, provider=f"gem-{name}", mode=mode,
@@ -874,7 +927,8 @@ def explore_self_cross(device, out_path: Path, workers: int, budget_s: float, ro
         del case
         torch.cuda.empty_cache()
         command = f"bench_gdpa.py --explore-self-cross --explore-set {round_}"
-        write_results(out_path, meta("gdpa_explore2", command,
+        name = f"gdpa_explore{round_}" if round_ >= 3 else "gdpa_explore2"
+        write_results(out_path, meta(name, command,
                                      device=torch.cuda.get_device_name(), checks=checks,
                                      variants={k: str(v[0]) for k, v in variants.items()}),
                       rows)  # fmt: skip
@@ -982,7 +1036,7 @@ def main() -> None:
         "--explore-self-cross", action="store_true",
         help="check and time the self/cross forward and backward variants (to --out)",
     )  # fmt: skip
-    parser.add_argument("--explore-set", type=int, default=1, help="variant round (1 or 2)")
+    parser.add_argument("--explore-set", type=int, default=1, help="variant round (1 to 4)")
     parser.add_argument(
         "--workers", type=int, default=0, help="processes that pre-compile the kernels in parallel"
     )

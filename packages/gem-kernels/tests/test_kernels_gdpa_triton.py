@@ -400,8 +400,23 @@ def test_one_loop_and_short_kv_variants(interpret, changes):
     _check(SELF_LENGTHS, None, activation="silu", window=(3, None), config=config)
 
 
+@pytest.mark.parametrize("one_loop", [True, False], ids=["one-loop", "three-phase"])
+def test_fused_backward(interpret, one_loop):
+    # dQ added by float32 atomics inside the dK/dV kernel (no dQ kernel): self, cross with
+    # split query ranges (partial dK/dV), lengths 0/1/odd, normalisation, a window; PMA keeps
+    # its dQ kernel under the same flag.
+    config = _config(bwd_fused=True, bwd_one_loop=one_loop, short_kv_max=0)
+    _check(LONG_SKEWED, None, activation="gelu_fast", tol=1e-4, config=config)
+    _check(CROSS_Q, CROSS_K, activation="silu", normalize_by_length=True, config=config)
+    _check(SELF_LENGTHS, None, activation="relu2", window=(3, 1), config=config)
+    _check(None, PMA_K, num_queries=3, activation="silu", config=config, tol=1e-4)
+
+
 # The fields the production default sets for unmasked calls (tiles differ under the interpreter).
-_DEFAULT_FLAGS = ("fwd_one_loop", "fwd_kv_tma", "fwd_pipeline", "bwd_one_loop", "short_mask_free")
+_DEFAULT_FLAGS = (
+    "fwd_one_loop", "fwd_kv_tma", "fwd_pipeline", "bwd_one_loop", "short_mask_free", "bwd_fused",
+    "dkdv_q_chunk",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("max_len", [SHORT_SEQUENCE_LEN, None], ids=["short", "long"])
@@ -410,6 +425,7 @@ def test_default_unmasked_kernels(interpret, max_len):
     # (one loop, TMA, pipelined forward; one-loop backward; mask-free short KV) vs the oracle.
     production = default_config(128, max_len=max_len)
     assert production.fwd_one_loop and production.fwd_kv_tma and production.bwd_one_loop
+    assert production.bwd_fused
     config = _config(**{name: getattr(production, name) for name in _DEFAULT_FLAGS})
     _check(LONG_SKEWED, None, activation="gelu_fast", tol=1e-4, config=config)
     _check(CROSS_Q, CROSS_K, activation="gelu_fast", tol=1e-4, config=config)
@@ -424,6 +440,8 @@ def test_default_config_choice():
     assert default_config(128) == long  # unknown length: the long-sequence tiles
     masked = default_config(128, max_len=100, masked=True)
     assert not (masked.fwd_one_loop or masked.bwd_one_loop or masked.short_mask_free)
+    assert short.bwd_fused and long.bwd_fused and not masked.bwd_fused
+    assert short.dkdv_q_chunk == long.dkdv_q_chunk == 0 and masked.dkdv_q_chunk > 0
     assert masked == default_config(128, masked=True)
     # Unmeasured head dims and dtypes keep their tiles whatever the length.
     for kwargs in (dict(dtype=torch.float32), dict(dtype=torch.float16), dict()):

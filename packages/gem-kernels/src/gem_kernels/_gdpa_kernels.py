@@ -25,6 +25,8 @@ Conventions shared by the kernels:
   ``right = 0``); ``HAS_LEFT`` / ``HAS_RIGHT`` are false for unbounded sides.
 * No softmax, so no running max, no log-sum-exp and no backward preprocess: the backward
   recomputes ``S`` and uses ``dS = dP * act'(S)``. Masked pairs get ``P = 0`` and ``dS = 0``.
+* ``FUSED_DQ`` (dK/dV kernel): the one exception to "no atomics": dQ is added per (query
+  tile, key tile) into a zeroed float32 buffer, so dQ's float32 summation order varies.
 * Each KV (or Q) loop runs in three phases: masked tiles, tiles fully inside the visible band
   (no mask arithmetic), masked tiles. Tiles outside the band are never visited.
 """
@@ -788,6 +790,7 @@ def _dkdv_inner(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, NO_SCORE_MASK: tl.constexpr,
+    dq_base=None, stride_dqt=0, dq_scale=1.0, FUSED_DQ: tl.constexpr = False,
 ):  # fmt: skip
     for start in range(start_m, end_m, BLOCK_M):
         offs_m = start + tl.arange(0, BLOCK_M)
@@ -808,8 +811,17 @@ def _dkdv_inner(
             )  # fmt: skip
             pt = tl.where(visible, pt, 0.0)
             dst = tl.where(visible, dst, 0.0)
+        dst = dst.to(qt.dtype)
         dv = _dot(pt.to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
-        dk = _dot(dst.to(qt.dtype), tl.trans(qt), dk, DOT_PRECISION, UPCAST)
+        dk = _dot(dst, tl.trans(qt), dk, DOT_PRECISION, UPCAST)
+        if FUSED_DQ:  # this key tile's share of dQ rows, added in float32 (order not fixed)
+            dq = _dot(tl.trans(dst), k, None, DOT_PRECISION, UPCAST) * dq_scale
+            ptrs = dq_base + offs_m.to(tl.int64)[:, None] * stride_dqt + offs_d[None, :]
+            if EVEN_D:  # noqa: SIM108 (constexpr branch in a Triton kernel)
+                dq_ok = m_ok[:, None]
+            else:
+                dq_ok = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+            tl.atomic_add(ptrs, dq, mask=dq_ok, sem="relaxed")
     return dk, dv
 
 
@@ -823,9 +835,12 @@ def gdpa_bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     PACKED: tl.constexpr, ONE_LOOP: tl.constexpr = False,
+    dq_ptr=None, stride_dqt=0, stride_dqh=0, FUSED_DQ: tl.constexpr = False,
 ):  # fmt: skip
     """Items are (key tile, head); each loops over the query tiles that see its keys and
-    writes its dK, dV rows once (no atomics)."""
+    writes its dK, dV rows once (no atomics). ``FUSED_DQ``: the same loop also adds each
+    tile's dQ rows into a zeroed float32 ``dq_ptr`` (atomics; no separate dQ kernel, S and dP
+    computed once)."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     USE_ONE_LOOP: tl.constexpr = ONE_LOOP and not HAS_LEFT and not HAS_RIGHT
     offs_d = tl.arange(0, BLOCK_D)
@@ -861,31 +876,37 @@ def gdpa_bwd_dkdv_kernel(
         )
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dq_base = dq_ptr
+        dq_scale = scale
+        if FUSED_DQ:
+            dq_base = dq_ptr + q_start * stride_dqt + head * stride_dqh
+            if NORMALIZE:
+                dq_scale = scale / tl.maximum(k_len, 1).to(tl.float32)
         if USE_ONE_LOOP:  # every query tile in one loop, loads masked, no score mask
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, lo_t, hi_t, offs_n,
                 offs_d, shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
-                PACKED, True,
+                PACKED, True, dq_base, stride_dqt, dq_scale, FUSED_DQ,
             )  # fmt: skip
         else:
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, lo_t, full_lo, offs_n, offs_d,
                 shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
-                PACKED, False,
+                PACKED, False, dq_base, stride_dqt, dq_scale, FUSED_DQ,
             )  # fmt: skip
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, full_lo, full_hi, offs_n,
                 offs_d, shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_M, ACT, False, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
-                PACKED, False,
+                PACKED, False, dq_base, stride_dqt, dq_scale, FUSED_DQ,
             )  # fmt: skip
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, full_hi, hi_t, offs_n, offs_d,
                 shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
-                PACKED, False,
+                PACKED, False, dq_base, stride_dqt, dq_scale, FUSED_DQ,
             )  # fmt: skip
         dk_scale = scale
         if NORMALIZE:

@@ -19,7 +19,9 @@ max/mean). Shapes: self (queries and keys share lengths), cross (own key lengths
 most ``short_kv_max`` keys use a short-KV forward that loads a sample's whole K and V once and
 streams a run of query tiles past them. Backward, without atomics: dK/dV per key tile (loop
 over the query tiles that see it), dQ per query tile (loop over key tiles); for PMA each
-sample's dQ is written to its own rows and the samples are summed on the host.
+sample's dQ is written to its own rows and the samples are summed on the host. The unmasked
+self/cross default (``bwd_fused``) instead adds dQ from the dK/dV loop with float32 atomics
+(one kernel, S and dP computed once; dQ's summation order is not fixed).
 
 Split work with deterministic combines (float32 partials, summed in a fixed order by
 ``segment_sum_kernel``, never atomics): the PMA dQ (and the PMA forward with a mask) split every
@@ -183,6 +185,11 @@ class GdpaTritonConfig(host.FlashTileConfig):
     short_mask_free: bool = False
     """Short-KV forward without window or causal mask: no score mask (keys past a sample's
     end load as zeros)."""
+    bwd_fused: bool = False
+    """Self/cross backward in one kernel: each (key tile, head) program keeps dK, dV on chip,
+    computes S and dP once per query tile and adds that tile's dQ rows to a zeroed float32
+    buffer with atomic adds (summation order not fixed), cast to the input dtype after; no dQ
+    kernel. PMA keeps its dQ kernel."""
 
 
 #: Longest key length (over a call's samples) for which unmasked self/cross calls take the
@@ -204,7 +211,8 @@ def default_config(
     ``max_len`` (the longest key length of the call, ``None``: unknown) and ``masked`` (a
     causal or window mask; :func:`gdpa_from_lengths` also passes it for PMA, whose kernels
     keep that configuration) pick the D=128 bfloat16 kernels: unmasked calls take the one-loop
-    forward with TMA key/value loads and the one-loop backward with 2 programs per SM, with
+    forward with TMA key/value loads and the fused one-loop backward (``bwd_fused``: dQ by
+    float32 atomics inside the dK/dV kernel) with 2 programs per SM, with
     64x32 tiles, 4 warps and 3 programs per SM up to ``SHORT_SEQUENCE_LEN`` keys and the
     hand-pipelined 128x64 loop (4 stages, 2 programs per SM) beyond; the short-KV forward
     (cross) drops its score mask and streams 1024 query rows per item. Masked calls keep the
@@ -212,7 +220,12 @@ def default_config(
     runs); ``gdpa.json`` then measured, forward / forward+backward TFLOP/s, before -> after:
     self B512xL1024 307/275 -> 412/297, B1152xL1000 307/272 -> 379/298 (64x32 tiles),
     B128xL4096 429/357 -> 521/377 (pipelined 128x64); cross L1024 224/224 -> 266/246, L4096
-    264/253 -> 317/275.
+    264/253 -> 317/275. The fused backward (``gdpa_explore3.json``, 2026-12-01, one H200 run,
+    forward+backward TFLOP/s, two kernels -> fused): self B512xL1024 298 -> 315, B128xL4096
+    374 -> 400, B1152xL1000 290 -> 306; cross L1024 248 -> 253, L4096 275 -> 279 (its 64-key
+    tiles, 4 warps, 2 stages or 32-query tiles were 5-40% slower). With it, cross dK/dV items
+    no longer split long query ranges (``dkdv_q_chunk=0``: 279 -> 294 at L4096; 4 stages and
+    1024-row chunks no better, same file, round r4).
     """
     if masked:
         tiles = "masked"
@@ -240,7 +253,7 @@ def _default_config(head_dim: int, interpret: bool, dtype: torch.dtype, tiles: s
             return base
         unmasked = dict(
             fwd_one_loop=True, fwd_kv_tma=True, bwd_one_loop=True, bwd_programs_per_sm=2,
-            short_mask_free=True, short_rows_per_item=1024,
+            short_mask_free=True, short_rows_per_item=1024, bwd_fused=True, dkdv_q_chunk=0,
         )  # fmt: skip
         if tiles == "short":
             return replace(
@@ -887,7 +900,10 @@ def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
     pma_m = 0 if launch.num_queries is None else _pma_block_m(launch.num_queries, cfg)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    if launch.num_queries is None:
+    fused_dq = cfg.bwd_fused and launch.num_queries is None
+    if fused_dq:  # float32 atomics target of the dK/dV kernel
+        dq_rows = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    elif launch.num_queries is None:
         dq_rows = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     else:  # PMA: one float32 dQ row block per (sample, key chunk), summed below
         rows = plan.dq_partial_blocks * launch.num_queries
@@ -906,9 +922,11 @@ def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
             dk_part, dv_part, dk_part.stride(0), dk_part.stride(1),
             BLOCK_M=pma_m or cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
             num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
-            ONE_LOOP=cfg.bwd_one_loop and not pma_m, **flags,
+            ONE_LOOP=cfg.bwd_one_loop and not pma_m, dq_ptr=dq_rows,
+            stride_dqt=dq_rows.stride(0), stride_dqh=dq_rows.stride(1), FUSED_DQ=fused_dq,
+            **flags,
         )  # fmt: skip
-    if plan.dq_grid > 0:
+    if plan.dq_grid > 0 and not fused_dq:
         kernels.gdpa_bwd_dq_kernel[(plan.dq_grid,)](
             q, k, v, grad_out, dq_rows, plan.dq, plan.dq.shape[0],
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -924,7 +942,7 @@ def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
         for part, grad in ((dk_part, dk), (dv_part, dv)):
             _segment_sum(part.view(-1, width), grad.view(-1, width), plan.dkdv_combine, launch)
     if launch.num_queries is None:
-        dq = dq_rows
+        dq = dq_rows.to(q.dtype)  # no copy unless fused (float32 atomics buffer)
     else:
         nq = launch.num_queries
         if nq == 0:
