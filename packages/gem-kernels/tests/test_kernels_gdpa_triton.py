@@ -412,6 +412,30 @@ def test_fused_backward(interpret, one_loop):
     _check(None, PMA_K, num_queries=3, activation="silu", config=config, tol=1e-4)
 
 
+def test_deterministic_mode_takes_the_dq_kernel(interpret, monkeypatch):
+    # The fused backward's float32 atomics have no fixed order: with
+    # torch.use_deterministic_algorithms(True) the same config launches the dQ kernel instead.
+    kernels = gdpa_triton._kernels(True)
+    real, launches = kernels.gdpa_bwd_dq_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(kernels, "gdpa_bwd_dq_kernel", Spy())
+    config = _config(bwd_fused=True, short_kv_max=0)
+    _check(CROSS_Q, CROSS_K, activation="silu", config=config)
+    assert launches == []
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        _check(CROSS_Q, CROSS_K, activation="silu", config=config)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert launches
+
+
 # The fields the production default sets for unmasked calls (tiles differ under the interpreter).
 _DEFAULT_FLAGS = (
     "fwd_one_loop", "fwd_kv_tma", "fwd_pipeline", "bwd_one_loop", "short_mask_free", "bwd_fused",

@@ -189,7 +189,8 @@ class GdpaTritonConfig(host.FlashTileConfig):
     """Self/cross backward in one kernel: each (key tile, head) program keeps dK, dV on chip,
     computes S and dP once per query tile and adds that tile's dQ rows to a zeroed float32
     buffer with atomic adds (summation order not fixed), cast to the input dtype after; no dQ
-    kernel. PMA keeps its dQ kernel."""
+    kernel. PMA, and every call under ``torch.use_deterministic_algorithms(True)``, keeps the
+    dQ kernel."""
 
 
 #: Longest key length (over a call's samples) for which unmasked self/cross calls take the
@@ -900,7 +901,13 @@ def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
     pma_m = 0 if launch.num_queries is None else _pma_block_m(launch.num_queries, cfg)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    fused_dq = cfg.bwd_fused and launch.num_queries is None
+    # Under torch.use_deterministic_algorithms(True) dQ comes from its own kernel (a fixed
+    # summation order) instead of the fused kernel's float32 atomics.
+    fused_dq = (
+        cfg.bwd_fused
+        and launch.num_queries is None
+        and not torch.are_deterministic_algorithms_enabled()
+    )
     if fused_dq:  # float32 atomics target of the dK/dV kernel
         dq_rows = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     elif launch.num_queries is None:
