@@ -292,7 +292,7 @@ def merge_seeds(paths: list[Path], out: Path) -> None:
     """One file from several single-seed runs: each run's rows with ``/seed<k>`` appended to the
     case, and per provider and task the mean and sample std over seeds of NE and of the relative
     NE difference vs bf16 (case ``<task>``, metrics ``ne_mean``, ``ne_rel_diff_vs_bf16_mean``,
-    ``..._std``, ``seeds``)."""
+    ``..._std``, ``..._sem`` (standard error of the mean), ``seeds``)."""
     import json
     import statistics
 
@@ -340,11 +340,14 @@ def merge_seeds(paths: list[Path], out: Path) -> None:
                 "value": diff,
             }
         )
-    print(f"{'provider':>14} {'task':>4} {'seeds':>5}  NE diff vs bf16 (mean +- std)")
+    print(f"{'provider':>14} {'task':>4} {'seeds':>5}  NE diff vs bf16 (mean +- std, sem)")
     for (task, provider, metric), values in sorted(per.items()):
         mean = statistics.fmean(values)
         std = statistics.stdev(values) if len(values) > 1 else float("nan")
-        for name, value in (("mean", mean), ("std", std)):
+        # Standard error of the mean: what the seed count can resolve (a 0.1% target needs it
+        # well below 0.1%).
+        sem = std / len(values) ** 0.5
+        for name, value in (("mean", mean), ("std", std), ("sem", sem)):
             rows.append(
                 {
                     "case": task,
@@ -367,6 +370,7 @@ def merge_seeds(paths: list[Path], out: Path) -> None:
         else:
             print(
                 f"{provider:>14} {task:>4} {len(values):5d}  {100 * mean:+.3f}% +- {100 * std:.3f}%"
+                f", sem {100 * sem:.3f}%"
             )
     command = "python benchmarks/bench_fp8_quality.py " + " ".join(sys.argv[1:])
     write_results(out, meta("fp8_quality", command.strip(), runs=runs), rows)
