@@ -131,7 +131,9 @@ def _gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
     three scalings (1x128 x 128x128, 1x128 x 1x128, tensorwise; probed 2026-12-01); other
     dtypes get bfloat16. Every path, native or emulated, rounds the same way, or CPU quality
     runs would not predict GPU ones."""
-    return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
+    return (
+        dtype if dtype in (torch.float32, torch.bfloat16) else torch.bfloat16
+    )  # float16: not probed
 
 
 def _rotated_operands(
