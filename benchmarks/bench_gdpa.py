@@ -791,7 +791,9 @@ def _self_cross_variants2(base: gt.GdpaTritonConfig) -> dict:
 def _self_cross_variants3() -> dict:
     """Third round of ``--explore-self-cross`` (``--explore-set 3``): the fused backward
     (``bwd_fused``: dQ by float32 atomics inside the dK/dV kernel) and its tiles, against the
-    default. Values are overrides of each case's own default config (short/long tiles)."""
+    default (when round 3 ran the default was the two-kernel backward; rerun now, "default" is
+    the fused one and ``bwd_fused=False`` is the old). Values are overrides of each case's own
+    default config (short/long tiles)."""
     both = ("fwd", "fwd_bwd")
     fused = dict(bwd_fused=True)
     return {
