@@ -24,8 +24,8 @@ Writes the JSON (schema in BENCHMARKS.md) and prints a table. gem's kernels are 
 in parallel worker processes (one small call per mask and bias variant); the bias variants are
 timed before the other cases, and ``--warmup-ms`` / ``--rep-ms`` set do_bench's times.
 ``--sweep`` first times a few tile configurations of gem's kernels at B128xL4096 and uses the
-fastest. ``--bias-sweep`` only checks and times the bias variants under a few tile
-configurations (no JSON). A full run takes about 4 minutes on an H200 (the
+fastest. ``--bias-sweep`` only checks ``rel_pos_bias`` against the reference and times the bias
+variants of ``_bias_sweep_configs`` (causal, every shape) into ``--out``. A full run takes about 4 minutes on an H200 (the
 ``--budget-s`` guard stops starting new cases after that many seconds).
 """
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -490,17 +491,29 @@ def _bias_inputs(case: Case, device, jagged: bool):
     return rel, torch.randn(H, pairs, generator=gen, device=device, dtype=DTYPE)
 
 
-def _bias_sweep(device) -> None:
-    """Check the bias variants against the reference and time them under a few tile configs."""
+def _bias_sweep_configs() -> dict[str, tuple[JfaTritonConfig, str]]:
+    """Tile variants of the biased paths (``--bias-sweep``): name -> (config, bias), bias
+    ``rel_pos_bias`` or ``jagged_bias``. Edit to explore; the rounds run so far are in
+    ``results/h200/jagged_attention_bias_explore.json``."""
+    biased = default_config(D, with_bias=True)
+    jagged = default_config(D, with_jagged_bias=True)
+    return {
+        "default": (biased, "rel_pos_bias"),
+        "s2": (replace(biased, bwd_stages=2), "rel_pos_bias"),
+        "m64": (replace(biased, dkdv_block_m=64), "rel_pos_bias"),
+        "jagged_default": (jagged, "jagged_bias"),
+        "jagged_s2": (replace(jagged, bwd_stages=2), "jagged_bias"),
+    }
+
+
+def _bias_sweep(device, out_path: Path, shapes) -> None:
+    """Check the ``rel_pos_bias`` variants against the reference on odd lengths, then time
+    every variant (and the unbiased kernel) causal at ``shapes``; rows go to ``out_path``."""
     from gem_kernels.jfa_triton import jagged_flash_attention_from_lengths
     from gem_kernels.reference import jagged_flash_attention_reference
 
-    base = default_config(D)
-    configs = {
-        "default": default_config(D, with_bias=True),
-        "unbiased_tiles": base,
-        "f128x64_s3": JfaTritonConfig(128, 64, 8, 3, *_bwd_fields(base)),
-    }
+    start = time.time()
+    configs = _bias_sweep_configs()
     gen = torch.Generator().manual_seed(0)
     q_len = [0, 1, 300, 77, 513, 64, 1000]
     k_len = [5, 0, 129, 600, 513, 1, 1000]
@@ -511,51 +524,48 @@ def _bias_sweep(device) -> None:
     v = torch.randn(sum(k_len), H, D, generator=gen).to(device, DTYPE)
     g = torch.randn(sum(q_len), H, D, generator=gen).to(device, DTYPE)
     rel = torch.randn(H, 257, generator=gen).to(device, DTYPE)
-    jb = torch.randn(H, sum(a * b for a, b in zip(q_len, k_len, strict=True)), generator=gen).to(
-        device, DTYPE
-    )
-    for window in ((200, None),):
-        ref_leaves = [t.float().requires_grad_(True) for t in (q, k, v, rel, jb)]
+    checks, errors, rows = {}, [], []
+    for window in (None, (200, None)):
+        ref_leaves = [t.float().requires_grad_(True) for t in (q, k, v, rel)]
         ref = jagged_flash_attention_reference(
             *ref_leaves[:3], qo.to(device), ko.to(device), causal=True, window=window,
-            rel_pos_bias=ref_leaves[3], jagged_bias=ref_leaves[4],
+            rel_pos_bias=ref_leaves[3],
         )  # fmt: skip
         ref.backward(g.float())
-        for name, config in configs.items():
+        for name, (config, bias) in configs.items():
+            if bias != "rel_pos_bias":
+                continue
             try:
-                leaves = [t.clone().requires_grad_(True) for t in (q, k, v, rel, jb)]
+                leaves = [t.clone().requires_grad_(True) for t in (q, k, v, rel)]
                 out = jagged_flash_attention_from_lengths(
                     *leaves[:3], torch.tensor(q_len), torch.tensor(k_len), causal=True,
-                    window=window, rel_pos_bias=leaves[3], jagged_bias=leaves[4], config=config,
+                    window=window, rel_pos_bias=leaves[3], config=config,
                 )  # fmt: skip
                 out.backward(g)
                 errs = [rel_error(out, ref)] + [
                     rel_error(a.grad, b.grad) for a, b in zip(leaves, ref_leaves, strict=True)
                 ]
+                checks[f"{name}/window={window}"] = errs
                 print(f"check {name} window={window}: " + " ".join(f"{e:.1e}" for e in errs))
             except Exception as error:  # noqa: BLE001
-                print(f"check {name}: {error!r}"[:300])
-    for batch, max_len in ((512, 1024),):
+                errors.append(f"check {name}: {error!r}"[:300])
+                print(errors[-1])
+    for batch, max_len in shapes:
         case = Case(batch, max_len, True, None, device)
-        rel, jagged = _bias_inputs(case, device, jagged=True)
-        for name, config in configs.items():
-            for variant, extra in (
-                ("none", {}),
-                ("rel", dict(rel=rel)),
-                ("jagged", dict(jagged=jagged)),
-            ):
-                if variant == "none" and name != "unbiased_tiles":
-                    continue
-                try:
-                    fwd, fwd_bwd, leaves = provider_gem(case, config=config, **extra)
-                    ms_f = _bench(fwd)
-                    ms_b = _bench(fwd_bwd, grad_to_none=leaves)
-                    print(f"{case.name} {name:16s} {variant:7s} fwd {ms_f:7.3f} ms "
-                          f"fwd_bwd {ms_b:7.3f} ms")  # fmt: skip
-                except Exception as error:  # noqa: BLE001
-                    print(f"{case.name} {name} {variant}: {error!r}"[:300])
-        del case, jagged
+        rel_table, jagged = _bias_inputs(case, device, jagged=True)
+        inputs = {"rel_pos_bias": dict(rel=rel_table), "jagged_bias": dict(jagged=jagged)}
+        variants = [("gem", lambda c=case: provider_gem(c))]
+        variants += [
+            (f"gem-{bias}-{name}",
+             lambda c=case, cfg=config, e=inputs[bias]: provider_gem(c, config=cfg, **e))
+            for name, (config, bias) in configs.items()
+        ]  # fmt: skip
+        for provider, make in variants:
+            _measure(rows, errors, case, provider, make)
+        del case, inputs, jagged
         torch.cuda.empty_cache()
+        _write(out_path, None, None, checks, errors, rows, start)
+    _print_table(rows)
 
 
 def _fwd_fields(c: JfaTritonConfig):
@@ -595,20 +605,22 @@ def main() -> None:
         "--config", default="", help="gem tiles: 10 comma-separated JfaTritonConfig fields"
     )
     parser.add_argument("--budget-s", type=float, default=360.0, help="stop starting new cases")
-    parser.add_argument("--bias-sweep", action="store_true", help="only time bias variants")
+    parser.add_argument(
+        "--bias-sweep", action="store_true", help="only check and time rel_pos_bias variants"
+    )
     parser.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up")
     parser.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time")
     args = parser.parse_args()
     TIMING.update(warmup=args.warmup_ms, rep=args.rep_ms)
     require_cuda()
     device = torch.device("cuda")
-    if args.bias_sweep:
-        _bias_sweep(device)
-        return
     start = time.time()
     shapes = SHAPES
     if args.shapes != "all":
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    if args.bias_sweep:
+        _bias_sweep(device, Path(args.out), shapes)
+        return
     rows, errors, checks = [], [], {}
     config = None
     if args.config:

@@ -258,6 +258,20 @@ def test_other_tile_shapes(interpret):
     _check_grads(CROSS_Q, CROSS_K, tensors, tol=2e-5, causal=True, window=(7, None), config=config)
 
 
+@pytest.mark.parametrize("dkdv_block_m", [16, 32])
+def test_rel_bias_gradient_reductions(interpret, dkdv_block_m):
+    """The reductions of dS tiles in one clamped bucket (per key row, summed once per program)
+    and of tiles spanning several buckets (diagonal sums) give the oracle's gradient, with
+    square and rectangular dK/dV tiles; 5 buckets make most tiles fall in one clamped bucket,
+    40 make most span several."""
+    config = JfaTritonConfig(16, 16, 1, 1, 32, dkdv_block_m, 16, 16, 1, 1)
+    lengths = [70, 3, 0, 45]
+    for num_buckets in (5, 40):
+        tensors = _inputs(lengths, lengths, seed=13, rel=num_buckets)
+        _check_grads(lengths, lengths, tensors, tol=2e-5, config=config)
+        _check_grads(lengths, lengths, tensors, tol=2e-5, causal=True, config=config)
+
+
 def test_default_config_choices():
     long = jfa_triton.default_config(128)
     short = jfa_triton.default_config(128, max_len=jfa_triton.SHORT_SEQUENCE_LEN)

@@ -78,9 +78,11 @@ def default_config(
     """Tile configuration for a head dimension (small tiles under the interpreter).
 
     ``with_bias``: bias tiles are loaded in the loops too; the 128x128 forward tile then needs
-    more shared memory than an H200 has, so biased calls use 128x64, 2 backward stages and
-    32 query rows per dK/dV step (its registers hold dK, dV and the bias tile; fastest of an
-    H200 sweep at B512xL1024 and B32xL16384, causal). ``with_jagged_bias`` (implies
+    more shared memory than an H200 has, so biased calls use 128x64 and 32 query rows per
+    dK/dV step (its registers hold dK, dV and the bias tile; fastest of an H200 sweep at
+    B512xL1024 and B32xL16384, causal). They keep 3 backward stages (H200, causal, against 2:
+    forward+backward 1.03-1.18x faster with ``rel_pos_bias``, 1.10x with ``jagged_bias``;
+    ``benchmarks/results/h200/jagged_attention_bias_explore.json``). ``with_jagged_bias`` (implies
     ``with_bias``): the dQ kernel also steps 32 keys at a time (it loads the bias tile and
     stores its gradient; 64 keys spill registers; H200: 1.02-1.05x faster forward+backward).
     ``max_len``: the longest sample of the batch; up to ``SHORT_SEQUENCE_LEN`` unbiased
@@ -102,7 +104,6 @@ def default_config(
             config,
             fwd_block_n=min(config.fwd_block_n, 64),
             dkdv_block_m=min(config.dkdv_block_m, 32),
-            bwd_stages=min(config.bwd_stages, 2),
         )
     if with_jagged_bias:
         config = replace(config, dq_block_n=min(config.dq_block_n, 32))
