@@ -34,7 +34,6 @@ from __future__ import annotations
 import sys
 import time
 import traceback
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -499,10 +498,7 @@ def _bias_sweep_configs() -> dict[str, tuple[JfaTritonConfig, str]]:
     jagged = default_config(D, with_jagged_bias=True)
     return {
         "default": (biased, "rel_pos_bias"),
-        "s2": (replace(biased, bwd_stages=2), "rel_pos_bias"),
-        "m64": (replace(biased, dkdv_block_m=64), "rel_pos_bias"),
         "jagged_default": (jagged, "jagged_bias"),
-        "jagged_s2": (replace(jagged, bwd_stages=2), "jagged_bias"),
     }
 
 

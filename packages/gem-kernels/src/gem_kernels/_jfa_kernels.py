@@ -56,15 +56,9 @@ def _visible(rows, cols, shift, q_len, k_len, left, right, HAS_LEFT, HAS_RIGHT):
 def _scores(
     a,
     b,
-    rows,
-    cols,
-    shift,
-    q_len,
-    k_len,
     qk_scale,
-    rel_base,
-    num_buckets,
     rel_value,
+    rel_tile,
     jb_tile,
     HAS_REL: tl.constexpr,
     REL_CONST: tl.constexpr,
@@ -72,32 +66,43 @@ def _scores(
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Scores ``log2(e) * (scale * a @ b + bias)`` of a (rows x cols) tile.
+    """Scores ``log2(e) * (scale * a @ b + bias)`` of a tile.
 
-    ``rows`` / ``cols`` are sample-local query / key indices already shaped to broadcast (one of
-    them (n, 1), the other (1, m)), so per-row / per-column terms are computed on 1-D data.
-    The bias tile enters as the accumulator of the dot (in units of ``1 / scale``: the host
-    pre-divides the ``rel_pos_bias`` table, the jagged tile ``jb_tile``, loaded one iteration
-    ahead by the caller, is multiplied here): its load then
-    converts to the dot's register layout once, and everything after the dot stays in that
-    layout (adding it after the dot made the compiler run the softmax in the load's layout as
-    well, twice the exponentials plus register spills). ``REL_CONST``: every pair of the tile
-    falls in one clamped bucket whose (pre-divided) value is ``rel_value``: no load at all.
+    The bias tiles (``rel_tile`` from the ``rel_pos_bias`` strip, ``jb_tile`` from the jagged
+    bias, both raw values loaded one iteration ahead by the caller) enter as the accumulator of
+    the dot, in units of ``1 / scale``: their loads then convert to the dot's register layout
+    once, and everything after the dot stays in that layout (adding them after the dot made the
+    compiler run the softmax in the load's layout as well, twice the exponentials plus register
+    spills). ``REL_CONST``: every pair of the tile falls in one clamped bucket whose value,
+    pre-divided by the scale on the host, is ``rel_value``: no load at all.
     """
-    if HAS_JAGGED or (HAS_REL and not REL_CONST):
-        bias = tl.zeros(rows.shape, tl.float32) + tl.zeros(cols.shape, tl.float32)
-        if HAS_REL and not REL_CONST:
-            bucket = (rows + (shift + num_buckets // 2)) - cols
-            bucket = tl.minimum(tl.maximum(bucket, 0), num_buckets - 1)
-            bias += tl.load(rel_base + bucket)
+    inv_scale = 1.4426950408889634 / qk_scale
+    if HAS_REL and not REL_CONST:
+        bias = rel_tile.to(tl.float32)
         if HAS_JAGGED:
-            bias += jb_tile.to(tl.float32) * (1.4426950408889634 / qk_scale)
-        s = _dot(a, b, bias, DOT_PRECISION, UPCAST)
+            bias += jb_tile.to(tl.float32)
+        s = _dot(a, b, bias * inv_scale, DOT_PRECISION, UPCAST)
+    elif HAS_JAGGED:
+        s = _dot(a, b, jb_tile.to(tl.float32) * inv_scale, DOT_PRECISION, UPCAST)
     else:
         s = _dot(a, b, None, DOT_PRECISION, UPCAST)
     if HAS_REL and REL_CONST:
         s += rel_value
     return s * qk_scale
+
+
+@triton.jit
+def _strip_load(rs_base, g, offsets, num_buckets, live, STRIP_P: tl.constexpr,
+                STRIP_W: tl.constexpr):  # fmt: skip
+    """The ``rel_pos_bias`` tile whose (row 0, column 0) pair has unclamped bucket ``g``, from
+    the host's strip ``A[y, x] = table[clamp(y - STRIP_P - x)]`` (``rs_base`` is its row
+    ``STRIP_P``; ``offsets`` = tile row * STRIP_W + tile column, int32). A tile's values depend
+    on g only while some pair's bucket lies inside the table, so g is clamped to the range
+    where they do, which keeps every row inside the strip: one plain 2-D load instead of a
+    per-element bucket computation and gather. ``live`` false (prefetch past the last tile):
+    nothing is loaded and the result is never used."""
+    g = tl.minimum(tl.maximum(g, -STRIP_P), num_buckets + STRIP_W - 2)
+    return tl.load(rs_base + g * STRIP_W + offsets, mask=live)
 
 
 @triton.jit
@@ -170,7 +175,7 @@ def _fwd_inner(
     left,
     right,
     qk_scale,
-    rel_base,
+    rs_base,
     num_buckets,
     rel_value,
     jb_base,
@@ -186,9 +191,13 @@ def _fwd_inner(
     HAS_JAGGED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    STRIP_P: tl.constexpr,
+    STRIP_W: tl.constexpr,
 ):
     d_ok = offs_d < HEAD_DIM
     jb_next = 0.0
+    rel_next = 0.0
+    HAS_BAND: tl.constexpr = HAS_REL and not REL_CONST
     if HAS_JAGGED:
         rows_local = (offs_m - m0)[:, None]
         # Rows past the sample read row 0 (their scores are never stored): no row mask.
@@ -198,13 +207,26 @@ def _fwd_inner(
             jb_base + start_n, tile_offsets, (start_n + tl.arange(0, BLOCK_N))[None, :], k_len,
             start_n < end_n, MASKED,
         )  # fmt: skip
+    if HAS_BAND:
+        # Bucket of (query m0 + r, key start + c): g0 - start + r - c.
+        g0 = m0 + shift + num_buckets // 2
+        strip_offsets = (offs_m - m0)[:, None] * STRIP_W + tl.arange(0, BLOCK_N)[None, :]
+        rel_next = _strip_load(
+            rs_base, g0 - start_n, strip_offsets, num_buckets, start_n < end_n, STRIP_P, STRIP_W
+        )
     for start in range(start_n, end_n, BLOCK_N):
         jb_tile = jb_next
+        rel_tile = rel_next
         if HAS_JAGGED:
             jb_next = _jagged_load(
                 jb_base + (start + BLOCK_N), tile_offsets,
                 (start + BLOCK_N + tl.arange(0, BLOCK_N))[None, :], k_len,
                 start + BLOCK_N < end_n, MASKED,
+            )  # fmt: skip
+        if HAS_BAND:
+            rel_next = _strip_load(
+                rs_base, g0 - start - BLOCK_N, strip_offsets, num_buckets,
+                start + BLOCK_N < end_n, STRIP_P, STRIP_W,
             )  # fmt: skip
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < k_len
@@ -232,9 +254,8 @@ def _fwd_inner(
                 other=0.0,
             )
         s = _scores(
-            q, kt, offs_m[:, None], offs_n[None, :], shift, q_len, k_len, qk_scale, rel_base,
-            num_buckets, rel_value, jb_tile, HAS_REL, REL_CONST, HAS_JAGGED, DOT_PRECISION,
-            UPCAST,
+            q, kt, qk_scale, rel_value, rel_tile, jb_tile, HAS_REL, REL_CONST, HAS_JAGGED,
+            DOT_PRECISION, UPCAST,
         )  # fmt: skip
         if MASKED:
             visible = _visible(
@@ -287,6 +308,8 @@ def jfa_fwd_kernel(
     left,
     right,
     qk_scale,
+    rs_ptr,
+    stride_rs_h,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -297,6 +320,8 @@ def jfa_fwd_kernel(
     HAS_JAGGED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    STRIP_P: tl.constexpr,
+    STRIP_W: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tile = pid // num_heads
@@ -323,6 +348,7 @@ def jfa_fwd_kernel(
     k_base = k_ptr + k_start * stride_kt + head * stride_kh
     v_base = v_ptr + k_start * stride_vt + head * stride_vh
     rel_base = rel_ptr + head * stride_rel_h
+    rs_base = rs_ptr + head * stride_rs_h + STRIP_P * STRIP_W
     # Row m0 of the sample's bias block: the tile's loads use int32 offsets from it.
     jb_base = jb_ptr + head * stride_jb_h + jb_start + m0.to(tl.int64) * k_len
 
@@ -356,9 +382,9 @@ def jfa_fwd_kernel(
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo_t, full_lo, offs_m, offs_d,
-        shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, 0.0, jb_base, m0,
+        shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0, jb_base, m0,
         HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
-        DOT_PRECISION, UPCAST,
+        DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
     )  # fmt: skip
     if HAS_REL:
         # Key tiles far below the diagonal (all distances clamp to the last bucket), the band
@@ -369,38 +395,38 @@ def jfa_fwd_kernel(
         )  # fmt: skip
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, far_hi, offs_m,
-            offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets,
+            offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets,
             tl.load(rel_base + num_buckets - 1), jb_base, m0,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True, HAS_JAGGED,
-            DOT_PRECISION, UPCAST,
+            DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
         )  # fmt: skip
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, far_hi, near_lo, offs_m,
-            offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, 0.0,
+            offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0,
             jb_base, m0,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
-            DOT_PRECISION, UPCAST,
+            DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
         )  # fmt: skip
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, near_lo, full_hi, offs_m,
-            offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets,
+            offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets,
             tl.load(rel_base), jb_base, m0,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True, HAS_JAGGED,
-            DOT_PRECISION, UPCAST,
+            DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
         )  # fmt: skip
     else:
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m,
-            offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, 0.0,
+            offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0,
             jb_base, m0,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
-            DOT_PRECISION, UPCAST,
+            DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
         )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m, offs_d,
-        shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, 0.0, jb_base, m0,
+        shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0, jb_base, m0,
         HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
-        DOT_PRECISION, UPCAST,
+        DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
     )  # fmt: skip
 
     empty = l_i == 0.0
@@ -530,7 +556,7 @@ def _dkdv_inner(
     left,
     right,
     qk_scale,
-    rel_base,
+    rs_base,
     num_buckets,
     rel_value,
     jb_base,
@@ -548,9 +574,21 @@ def _dkdv_inner(
     BUCKETS_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    STRIP_P: tl.constexpr,
+    STRIP_W: tl.constexpr,
 ):
     d_ok = offs_d < HEAD_DIM
     jb_next = 0.0
+    rel_next = 0.0
+    HAS_BAND: tl.constexpr = HAS_REL and not REL_CONST
+    if HAS_BAND:
+        # Bucket of (query start + c, key n0 + r): g0 + start + c - r; the transposed tile
+        # reads the strip with queries as its rows and keys as its columns.
+        g0 = shift + num_buckets // 2 - n0
+        strip_offsets = tl.arange(0, BLOCK_M)[None, :] * STRIP_W + (offs_n - n0)[:, None]
+        rel_next = _strip_load(
+            rs_base, g0 + start_m, strip_offsets, num_buckets, start_m < end_m, STRIP_P, STRIP_W
+        )
     if HAS_JAGGED:
         k_len64 = k_len.to(tl.int64)
         # Transposed bias tile (keys x queries): contiguous along the keys. Keys past the
@@ -563,6 +601,12 @@ def _dkdv_inner(
         )  # fmt: skip
     for start in range(start_m, end_m, BLOCK_M):
         jb_tile = jb_next
+        rel_tile = rel_next
+        if HAS_BAND:
+            rel_next = _strip_load(
+                rs_base, g0 + start + BLOCK_M, strip_offsets, num_buckets,
+                start + BLOCK_M < end_m, STRIP_P, STRIP_W,
+            )  # fmt: skip
         if HAS_JAGGED:
             jb_next = _jagged_load(
                 jb_base + (start + BLOCK_M) * k_len64, tile_offsets, start + BLOCK_M + queries,
@@ -599,9 +643,8 @@ def _dkdv_inner(
             delta = tl.load(delta_base + offs_m)
         # Transposed tile: rows are keys (offs_n), columns are queries (offs_m).
         s_t = _scores(
-            k, q_t, offs_m[None, :], offs_n[:, None], shift, q_len, k_len, qk_scale, rel_base,
-            num_buckets, rel_value, jb_tile, HAS_REL, REL_CONST, HAS_JAGGED, DOT_PRECISION,
-            UPCAST,
+            k, q_t, qk_scale, rel_value, rel_tile, jb_tile, HAS_REL, REL_CONST, HAS_JAGGED,
+            DOT_PRECISION, UPCAST,
         )  # fmt: skip
         p_t = tl.math.exp2(s_t - lse[None, :])
         if MASKED:
@@ -670,6 +713,8 @@ def jfa_bwd_dkdv_kernel(
     right,
     qk_scale,
     scale,
+    rs_ptr,
+    stride_rs_h,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -682,6 +727,8 @@ def jfa_bwd_dkdv_kernel(
     BUCKETS_PAD: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    STRIP_P: tl.constexpr,
+    STRIP_W: tl.constexpr,
 ):
     """One program per (KV tile, head): loops over the query tiles that see the tile."""
     pid = tl.program_id(0)
@@ -717,6 +764,7 @@ def jfa_bwd_dkdv_kernel(
     lse_base = lse_ptr + head * stride_lse_h + q_start
     delta_base = delta_ptr + head * stride_lse_h + q_start
     rel_base = rel_ptr + head * stride_rel_h
+    rs_base = rs_ptr + head * stride_rs_h + STRIP_P * STRIP_W
     jb_base = jb_ptr + head * stride_jb_h + jb_start
 
     # Query rows that see any key of this tile, and the sub-range that sees all of them.
@@ -752,9 +800,9 @@ def jfa_bwd_dkdv_kernel(
     dk, dv, rel_acc, zero = _dkdv_inner(
         dk, dv, rel_acc, zero, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
         stride_dot, lo_t, full_lo, n0, offs_n, offs_d, shift, q_len, k_len, left, right,
-        qk_scale, rel_base, num_buckets, 0.0, jb_base,
+        qk_scale, rs_base, num_buckets, 0.0, jb_base,
         HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False,
-        HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST,
+        HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
     )  # fmt: skip
     if HAS_REL:
         # Query tiles far above the diagonal (first bucket), the band, far below (last bucket).
@@ -765,38 +813,38 @@ def jfa_bwd_dkdv_kernel(
         dk, dv, rel_acc, lo_sum = _dkdv_inner(
             dk, dv, rel_acc, lo_sum, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
             stride_dot, full_lo, near_hi, n0, offs_n, offs_d, shift, q_len, k_len, left, right,
-            qk_scale, rel_base, num_buckets, tl.load(rel_base), jb_base,
+            qk_scale, rs_base, num_buckets, tl.load(rel_base), jb_base,
             HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True,
-            HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST,
+            HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
         )  # fmt: skip
         dk, dv, rel_acc, zero = _dkdv_inner(
             dk, dv, rel_acc, zero, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
             stride_dot, near_hi, far_lo, n0, offs_n, offs_d, shift, q_len, k_len, left, right,
-            qk_scale, rel_base, num_buckets, 0.0, jb_base,
+            qk_scale, rs_base, num_buckets, 0.0, jb_base,
             HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False,
-            HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST,
+            HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
         )  # fmt: skip
         dk, dv, rel_acc, hi_sum = _dkdv_inner(
             dk, dv, rel_acc, hi_sum, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
             stride_dot, far_lo, full_hi, n0, offs_n, offs_d, shift, q_len, k_len, left, right,
-            qk_scale, rel_base, num_buckets, tl.load(rel_base + num_buckets - 1), jb_base,
+            qk_scale, rs_base, num_buckets, tl.load(rel_base + num_buckets - 1), jb_base,
             HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True,
-            HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST,
+            HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
         )  # fmt: skip
     else:
         dk, dv, rel_acc, zero = _dkdv_inner(
             dk, dv, rel_acc, zero, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
             stride_dot, full_lo, full_hi, n0, offs_n, offs_d, shift, q_len, k_len, left, right,
-            qk_scale, rel_base, num_buckets, 0.0, jb_base,
+            qk_scale, rs_base, num_buckets, 0.0, jb_base,
             HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False,
-            HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST,
+            HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
         )  # fmt: skip
     dk, dv, rel_acc, zero = _dkdv_inner(
         dk, dv, rel_acc, zero, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
         stride_dot, full_hi, hi_t, n0, offs_n, offs_d, shift, q_len, k_len, left, right,
-        qk_scale, rel_base, num_buckets, 0.0, jb_base,
+        qk_scale, rs_base, num_buckets, 0.0, jb_base,
         HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False,
-        HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST,
+        HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
     )  # fmt: skip
 
     tl.store(
@@ -837,7 +885,7 @@ def _dq_inner(
     left,
     right,
     qk_scale,
-    rel_base,
+    rs_base,
     num_buckets,
     rel_value,
     jb_base,
@@ -854,9 +902,13 @@ def _dq_inner(
     HAS_JAGGED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    STRIP_P: tl.constexpr,
+    STRIP_W: tl.constexpr,
 ):
     d_ok = offs_d < HEAD_DIM
     jb_next = 0.0
+    rel_next = 0.0
+    HAS_BAND: tl.constexpr = HAS_REL and not REL_CONST
     if HAS_JAGGED:
         rows_local = (offs_m - m0)[:, None]
         # Rows past the sample read row 0 (their scores are never stored): no row mask.
@@ -866,13 +918,26 @@ def _dq_inner(
             jb_base + start_n, tile_offsets, (start_n + tl.arange(0, BLOCK_N))[None, :], k_len,
             start_n < end_n, MASKED,
         )  # fmt: skip
+    if HAS_BAND:
+        # Bucket of (query m0 + r, key start + c): g0 - start + r - c.
+        g0 = m0 + shift + num_buckets // 2
+        strip_offsets = (offs_m - m0)[:, None] * STRIP_W + tl.arange(0, BLOCK_N)[None, :]
+        rel_next = _strip_load(
+            rs_base, g0 - start_n, strip_offsets, num_buckets, start_n < end_n, STRIP_P, STRIP_W
+        )
     for start in range(start_n, end_n, BLOCK_N):
         jb_tile = jb_next
+        rel_tile = rel_next
         if HAS_JAGGED:
             jb_next = _jagged_load(
                 jb_base + (start + BLOCK_N), tile_offsets,
                 (start + BLOCK_N + tl.arange(0, BLOCK_N))[None, :], k_len,
                 start + BLOCK_N < end_n, MASKED,
+            )  # fmt: skip
+        if HAS_BAND:
+            rel_next = _strip_load(
+                rs_base, g0 - start - BLOCK_N, strip_offsets, num_buckets,
+                start + BLOCK_N < end_n, STRIP_P, STRIP_W,
             )  # fmt: skip
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < k_len
@@ -888,9 +953,8 @@ def _dq_inner(
             v_base + rows64[None, :] * stride_vt + offs_d[:, None], mask=load_mask, other=0.0
         )
         s = _scores(
-            q, kt, offs_m[:, None], offs_n[None, :], shift, q_len, k_len, qk_scale, rel_base,
-            num_buckets, rel_value, jb_tile, HAS_REL, REL_CONST, HAS_JAGGED, DOT_PRECISION,
-            UPCAST,
+            q, kt, qk_scale, rel_value, rel_tile, jb_tile, HAS_REL, REL_CONST, HAS_JAGGED,
+            DOT_PRECISION, UPCAST,
         )  # fmt: skip
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
@@ -955,6 +1019,8 @@ def jfa_bwd_dq_kernel(
     right,
     qk_scale,
     scale,
+    rs_ptr,
+    stride_rs_h,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -965,6 +1031,8 @@ def jfa_bwd_dq_kernel(
     HAS_JAGGED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    STRIP_P: tl.constexpr,
+    STRIP_W: tl.constexpr,
 ):
     """One program per (Q tile, head): loops over the KV tiles the tile sees."""
     pid = tl.program_id(0)
@@ -1000,6 +1068,7 @@ def jfa_bwd_dq_kernel(
     k_base = k_ptr + k_start * stride_kt + head * stride_kh
     v_base = v_ptr + k_start * stride_vt + head * stride_vh
     rel_base = rel_ptr + head * stride_rel_h
+    rs_base = rs_ptr + head * stride_rs_h + STRIP_P * STRIP_W
     # Row m0 of the sample's bias block: the tile's loads use int32 offsets from it.
     jb_base = jb_ptr + head * stride_jb_h + jb_start + m0.to(tl.int64) * k_len
     jb_grad_base = jb_grad_ptr + head * stride_jb_h + jb_start + m0.to(tl.int64) * k_len
@@ -1037,10 +1106,10 @@ def jfa_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _dq_inner(
         dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, lo_t, full_lo, offs_m,
-        offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, 0.0, jb_base, m0,
+        offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0, jb_base, m0,
         jb_grad_base,
         HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
-        DOT_PRECISION, UPCAST,
+        DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
     )  # fmt: skip
     if HAS_REL:
         # Same split as the forward.
@@ -1050,39 +1119,39 @@ def jfa_bwd_dq_kernel(
         )  # fmt: skip
         dq = _dq_inner(
             dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, far_hi,
-            offs_m, offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets,
+            offs_m, offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets,
             tl.load(rel_base + num_buckets - 1), jb_base, m0, jb_grad_base,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True, HAS_JAGGED,
-            DOT_PRECISION, UPCAST,
+            DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
         )  # fmt: skip
         dq = _dq_inner(
             dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, far_hi, near_lo,
-            offs_m, offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets,
+            offs_m, offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets,
             0.0, jb_base, m0, jb_grad_base,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
-            DOT_PRECISION, UPCAST,
+            DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
         )  # fmt: skip
         dq = _dq_inner(
             dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, near_lo, full_hi,
-            offs_m, offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets,
+            offs_m, offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets,
             tl.load(rel_base), jb_base, m0, jb_grad_base,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True, HAS_JAGGED,
-            DOT_PRECISION, UPCAST,
+            DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
         )  # fmt: skip
     else:
         dq = _dq_inner(
             dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi,
-            offs_m, offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets,
+            offs_m, offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets,
             0.0, jb_base, m0, jb_grad_base,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
-            DOT_PRECISION, UPCAST,
+            DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
         )  # fmt: skip
     dq = _dq_inner(
         dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m,
-        offs_d, shift, q_len, k_len, left, right, qk_scale, rel_base, num_buckets, 0.0, jb_base, m0,
+        offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0, jb_base, m0,
         jb_grad_base,
         HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
-        DOT_PRECISION, UPCAST,
+        DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
     )  # fmt: skip
     tl.store(
         dq_ptr + q_start * stride_dqt + head * stride_dqh + rows64 * stride_dqt + offs_d[None, :],

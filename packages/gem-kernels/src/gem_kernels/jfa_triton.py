@@ -20,6 +20,7 @@ after ``gem_kernels`` was imported.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -287,14 +288,38 @@ def _flags(q: torch.Tensor, launch: _Launch) -> dict:
 
 
 def _bias_args(q, rel_pos_bias, jagged_bias, scale: float):
-    # The kernels read the (small) table in float32, pre-divided by the score scale: the bias
-    # tile is the accumulator of the q.k dot, which is multiplied by scale * log2(e) after.
+    # The kernels read the (small) table in float32, pre-divided by the score scale, for tiles
+    # whose pairs all fall in one clamped bucket: the bias enters the q.k dot as its
+    # accumulator, which is multiplied by scale * log2(e) after.
     rel = q if rel_pos_bias is None else (rel_pos_bias.float() / scale).contiguous()
     jb = q if jagged_bias is None else jagged_bias
     num_buckets = 1 if rel_pos_bias is None else rel_pos_bias.shape[1]
     stride_rel = 0 if rel_pos_bias is None else rel.stride(0)
     stride_jb = 0 if jagged_bias is None else jagged_bias.stride(0)
     return rel, jb, num_buckets, stride_rel, stride_jb
+
+
+@functools.lru_cache(maxsize=16)
+def _strip_index(num_buckets: int, pad: int, width: int, device: torch.device) -> torch.Tensor:
+    rows = num_buckets + width + 2 * pad - 1
+    y = torch.arange(rows, device=device)[:, None]
+    x = torch.arange(width, device=device)[None, :]
+    return (y - pad - x).clamp_(0, num_buckets - 1)
+
+
+def _rel_strip(q, rel_pos_bias, config: JfaTritonConfig) -> dict:
+    """Kernel arguments of the ``rel_pos_bias`` strip ``A[h, y, x] = table[h, clamp(y - P - x)]``
+    (raw table values): any tile of buckets ``g + row - col`` is the 2-D block at rows
+    ``g + P ..``, columns ``0 ..``, so the kernels load tiles that span several buckets as
+    plain blocks instead of computing and gathering a bucket per element. P (rows a tile can
+    have, minus one) and the width (columns a tile can have) cover the three kernels' tiles;
+    the strip holds H * (buckets + width + 2P - 1) * width values, independent of the lengths."""
+    if rel_pos_bias is None:
+        return {"rs_ptr": q, "stride_rs_h": 0, "STRIP_P": 0, "STRIP_W": 1}
+    pad = max(config.fwd_block_m, config.dq_block_m, config.dkdv_block_m) - 1
+    width = max(config.fwd_block_n, config.dq_block_n, config.dkdv_block_n)
+    strip = rel_pos_bias[:, _strip_index(rel_pos_bias.shape[1], pad, width, q.device)]
+    return {"rs_ptr": strip, "stride_rs_h": strip.stride(0), "STRIP_P": pad, "STRIP_W": width}
 
 
 def _forward(q, k, v, rel_pos_bias, jagged_bias, plan: _Plan, launch: _Launch):
@@ -316,7 +341,7 @@ def _forward(q, k, v, rel_pos_bias, jagged_bias, plan: _Plan, launch: _Launch):
         BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
         HAS_REL=rel_pos_bias is not None, HAS_JAGGED=jagged_bias is not None,
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
-        **_flags(q, launch),
+        **_rel_strip(q, rel_pos_bias, cfg), **_flags(q, launch),
     )  # fmt: skip
     return out, lse
 
@@ -336,6 +361,7 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
     rel, jb, num_buckets, stride_rel, stride_jb = _bias_args(
         q, rel_pos_bias, jagged_bias, launch.scale
     )
+    strip = _rel_strip(q, rel_pos_bias, cfg)
     buckets_pad = host.padded_block(num_buckets)
     rel_partial = None
     if rel_pos_bias is not None:
@@ -365,7 +391,7 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
             DIAG_W=1 << (cfg.dkdv_block_m + cfg.dkdv_block_n - 2).bit_length(),
             BUCKETS_PAD=buckets_pad,
             num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
-            **flags,
+            **strip, **flags,
         )  # fmt: skip
     num_query_tiles = plan.dq.shape[0]
     if num_query_tiles > 0:
@@ -380,7 +406,7 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
             BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
             HAS_REL=rel_pos_bias is not None, HAS_JAGGED=jagged_bias is not None,
             num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
-            **flags,
+            **strip, **flags,
         )  # fmt: skip
     if rel_pos_bias is not None:
         # Fixed-order reduction of the per-program partials: deterministic.
