@@ -527,6 +527,9 @@ def _norm_linear_case(rows, errors, k, n, device) -> None:
 # overrides apply on top of the defaults with EXPLORE_BASE (the defaults before the packed
 # transposes), so a name means the same kernel whatever the defaults are now.
 EXPLORE_BASE = {"t_run": 0, "t_run_colsum": 0, "t_run_x": 0}
+# fp8_quant_explore2.json (2026-12-01) holds variants of kernels and options removed since (a
+# strip kernel with TMA / pipelining, timing probes, per-warp column sums, register caps): its
+# meta.variants lists their options; they do not run with this tree.
 EXPLORE_VARIANTS = [
     ("base_w4", "dy", {}),
     ("trun8_w4", "dy", {"t_run_colsum": 8}),
@@ -558,6 +561,30 @@ def _operand_bytes(operand: str, elems: int) -> int:
     return 4 * elems + 4 * elems // 128
 
 
+def _compiled_resources(seen: set) -> list[str]:
+    """``name warps regs spills`` of the quantise kernels compiled since the last call (best
+    effort: Triton's cache layout differs between versions)."""
+    found = []
+    try:
+        from gem_precision import _triton as gp_triton
+
+        module = gp_triton.load_kernel_module(gp_triton._KERNEL_FILE, interpret=False)
+        for name in ("blockwise_tile_kernel",):
+            fn = getattr(module, name, None)
+            for caches in getattr(fn, "device_caches", {}).values():
+                cache = caches[0] if isinstance(caches, tuple) else caches
+                for kernel in cache.values():
+                    if id(kernel) in seen:
+                        continue
+                    seen.add(id(kernel))
+                    kernel._init_handles()
+                    warps = kernel.metadata.num_warps
+                    found.append(f"{name} w{warps} regs {kernel.n_regs} spills {kernel.n_spills}")
+    except Exception as err:
+        found.append(f"unavailable: {err!r}"[:200])
+    return found
+
+
 def explore(device, out: Path, sizes=(4096, 8192), only=None) -> None:
     """Check (bit-exact against the PyTorch reference, E4M3 and E5M2) and time every variant of
     :data:`EXPLORE_VARIANTS` (or those named ``operand/name`` in ``only``) at M=65536, writing
@@ -578,7 +605,7 @@ def explore(device, out: Path, sizes=(4096, 8192), only=None) -> None:
     def write():
         block = meta(
             "fp8_quant_explore",
-            "python benchmarks/bench_fp8_linear.py --explore " + " ".join(sys.argv[1:]),
+            "python benchmarks/bench_fp8_linear.py " + " ".join(sys.argv[1:]),
             device=torch.cuda.get_device_name(),
             triton=triton.__version__,
             m=M,
@@ -591,6 +618,7 @@ def explore(device, out: Path, sizes=(4096, 8192), only=None) -> None:
         )
         write_results(out, block, rows)
 
+    seen: set = set()
     for name, operand, overrides in EXPLORE_VARIANTS:
         if only and f"{operand}/{name}" not in only:
             continue
@@ -630,6 +658,7 @@ def explore(device, out: Path, sizes=(4096, 8192), only=None) -> None:
                 info[key][f"pct_{n}"] = round(100.0 * gbps / HBM_GBPS, 1)
         except Exception as err:
             info[key] = {"error": str(err).splitlines()[0][:300] if str(err) else repr(err)}
+        info.setdefault(key, {})["kernels"] = _compiled_resources(seen)
         print(f"{time.time() - start:6.1f}s {key:36s} {info[key]}", flush=True)
         write()
     opts.clear()

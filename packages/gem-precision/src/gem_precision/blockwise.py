@@ -184,6 +184,13 @@ BLOCK = 128
 # cap for 3 programs per SM (168: 0.412), column sums as ones(16|64, 128) @ x on the tensor
 # cores (0.409-0.459), and a persistent grid with or without prefetching the next tile
 # (0.44-0.78 ms).
+# Measured for dy on the H200, bit-exact, slower, and removed (2026-12-01, fp8_quant_explore2.
+# json; default 0.389-0.392 / 0.750-0.754 ms at N 4096 / 8192 in the same runs): a strip kernel
+# (8-16 row tiles per program, column sums kept in registers across the strip: 0.48-0.51 ms),
+# the same with the loop pipelined (cp.async, 2 stages: 0.76) or with TMA tensor-descriptor
+# loads and/or stores (x.T transposed in shared memory: 0.67-1.13 ms), per-warp partial column
+# sums with no cross-warp reduction (0.46 ms, 4 or 8 warps), and 8 warps capped at 128
+# registers for 2 programs per SM (0.50-0.51 ms, no spills; 8 warps uncapped 0.50).
 _DUAL_OPTIONS = {
     "variant": "tile",
     "tile_warps": 8,
