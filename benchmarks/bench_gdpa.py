@@ -31,6 +31,9 @@ options) eagerly, from CUDA graphs and for their host time, after a correctness 
 ``--explore-self-cross [--explore-set 2] --workers N --out X.json`` checks and times the
 self/cross forward and backward variants (one loop, TMA, hand pipelining, tiles, programs per
 SM; round 2 combines round 1's winners; round 3 the fused backward, round 4 its tiles) on the protocol shapes.
+``--explore-pma-cross [--explore-set 2] --workers N --out X.json`` (issue 4, round 4): the
+one-launch PMA forward against the two-launch one (eager medians repeated, CUDA-graph and host
+times, bit-equality) and cross forward variants (rows per item, the chunked short-KV kernel).
 Without ``--config`` gem runs through the public entry point, so each call gets the default
 configuration of its lengths and masks (``gdpa_triton.default_config``).
 ``--kinds pma --merge benchmarks/results/h200/gdpa.json`` reruns only the PMA cases and keeps
@@ -937,6 +940,228 @@ def explore_self_cross(device, out_path: Path, workers: int, budget_s: float, ro
     print(f"explore done in {time.time() - start:.0f} s")
 
 
+def _cross_variants(base: gt.GdpaTritonConfig, round_: int = 1) -> dict:
+    """Cross forward variants of ``--explore-pma-cross`` (overrides of the cross default): the
+    whole-KV short kernel's rows per item, the chunked short-KV kernel (``short_kv_split``)
+    with TMA / hand pipelining / stages / rows per item, and the generic pipelined TMA
+    forward with the long-sequence tiles. Round 2: rows per item of the round-1 winners. When
+    both ran (``gdpa_explore4.json``, ``gdpa_explore4b.json``), "default" streamed 1024 query
+    rows per item (4096 since)."""
+    split = dict(short_kv_split=4, short_tma=True, short_pipeline=True)
+    if round_ == 2:
+        return {
+            "default": base,
+            "r2048": replace(base, short_rows_per_item=2048),
+            "r4096": replace(base, short_rows_per_item=4096),
+            "s4-ptr-pipe-r2048": replace(
+                base, **split | dict(short_tma=False), short_rows_per_item=2048
+            ),
+            "s4-ptr-r2048": replace(
+                base,
+                **split | dict(short_tma=False, short_pipeline=False),
+                short_rows_per_item=2048,
+            ),  # fmt: skip
+        }
+    long_tiles = gt.default_config(D, max_len=4096)
+    return {
+        "default": base,
+        "r2048": replace(base, short_rows_per_item=2048),
+        "s4-tma-pipe": replace(base, **split),
+        "s4-tma": replace(base, **split | dict(short_pipeline=False)),
+        "s4-tma-pipe-st1": replace(base, **split, short_stages=1),
+        "s4-tma-pipe-r512": replace(base, **split, short_rows_per_item=512),
+        "s4-tma-pipe-r2048": replace(base, **split, short_rows_per_item=2048),
+        "s2-tma-pipe": replace(base, **split | dict(short_kv_split=2)),
+        "s4-ptr-pipe": replace(base, **split | dict(short_tma=False)),
+        "generic-long": replace(long_tiles, short_kv_max=0),
+    }
+
+
+def _pma_wrapper_call(case: Case, cfg: gt.GdpaTritonConfig):
+    """The PMA forward's launch wrapper alone (plan and launch resolved once, no checks)."""
+    launch = gt._Launch(1.0 / D**0.5, None, None, gt._ACTIVATION_CODES[ACT], False,
+                        NUM_QUERIES, cfg, False)  # fmt: skip
+    plan = gt._cached_plan(
+        None,
+        case.k_lengths.to(torch.int64),
+        NUM_QUERIES,
+        H,
+        None,
+        None,
+        cfg,
+        case.q.device,
+        False,
+        False,
+        gt._pma_block_m(NUM_QUERIES, cfg),
+    )
+    out_rows = case.batch * NUM_QUERIES
+
+    def call():
+        with torch.no_grad():
+            return gt._forward(case.q, case.k, case.v, plan, launch, out_rows)
+
+    return call
+
+
+def _eager_repeats(fn, repeats: int) -> list[float]:
+    return [_bench(fn) for _ in range(repeats)]
+
+
+def _host_profile(label: str, fn, calls: int = 300) -> None:
+    """Prints the 15 most expensive functions (own time) of ``calls`` host calls of ``fn``."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
+    print(f"host profile {label} ({calls} calls):\n" + text.getvalue()[-3500:], flush=True)
+
+
+def explore_pma_cross(
+    device, out_path: Path, workers: int, repeats: int = 5, round_: int = 1
+) -> None:
+    """Issue 4, round 4 (one H200 call): (1) the PMA forward in one launch
+    (``pma_fused_combine``) against the two-launch stream + combine, same inputs: GPU check
+    (reference, bit-equality with the two-launch path, repeat calls), eager median ``repeats``
+    times, CUDA-graph time and host enqueue time of the kernel wrapper, of
+    ``gdpa_from_lengths`` and of the public ``gdpa``; (2) the cross forward variants of
+    :func:`_cross_variants` at L1024 and L4096 after a GPU check against the reference."""
+    start = time.time()
+    pma_base = gt.default_config(D, masked=True)
+    pma = {"two-launch": replace(pma_base, pma_fused_combine=False),
+           "fused": replace(pma_base, pma_fused_combine=True)}  # fmt: skip
+    cross_base = gt.default_config(D, max_len=CROSS_KV)
+    cross = _cross_variants(cross_base, round_)
+    jobs = [(("pma", *shape), cfg, ACT, ("fwd",)) for shape in ASYM_SHAPES for cfg in pma.values()]
+    jobs += [(("cross", *shape), cfg, ACT, ("fwd",)) for shape in ASYM_SHAPES
+             for cfg in cross.values()]  # fmt: skip
+    precompile(jobs, workers)
+    print(f"precompiled at {time.time() - start:.0f} s", flush=True)
+    checks, rows = {}, []
+
+    def row(case, provider, metric, value, mode="fwd"):
+        rows.append(dict(case=case, provider=provider, mode=mode, metric=metric, value=value))
+
+    # PMA check: long keys (segments split over programs), an empty sample, normalised.
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([0, 1, 300, 77, 2500, 64, 1000, 129, 5000] * 8)
+    q, k, v = (torch.randn(n, H, D, generator=gen).to(device, DTYPE)
+               for n in (NUM_QUERIES, int(lengths.sum()), int(lengths.sum())))  # fmt: skip
+    ref = gdpa(q.float(), k.float(), v.float(), None, _offsets(lengths).to(device),
+               activation=ACT, normalize_by_length=True, backend="reference")  # fmt: skip
+    outs = {}
+    for name, cfg in pma.items():
+        outs[name] = [gt.gdpa_from_lengths(q, k, v, None, lengths, activation=ACT, config=cfg,
+                                           normalize_by_length=True) for _ in range(3)]  # fmt: skip
+        checks[f"pma-{name}"] = round(rel_error(outs[name][0], ref), 6)
+    torch.cuda.synchronize()
+    same = all(torch.equal(o, outs["two-launch"][0]) for o in outs["fused"] + outs["two-launch"])
+    checks["pma-fused-bit-equal-two-launch-3-calls"] = bool(same)
+    checks["pma-counters-zero-after"] = all(int(c.abs().sum()) == 0
+                                            for c in gt._COUNTERS.values())  # fmt: skip
+    print("pma checks:", checks, flush=True)
+    for shape in ASYM_SHAPES:
+        case = Case("pma", *shape, device)
+        outs = []
+        for name, cfg in pma.items():
+            fwd, _, _ = provider_gem(case, cfg)
+            outs.append(fwd())
+            times = _eager_repeats(fwd, repeats)
+            graph = _graph_ms(fwd)
+            host = [_host_us(fwd) for _ in range(3)]
+            kernel_only = [_host_us(_pma_wrapper_call(case, cfg)) for _ in range(3)]
+            for i, ms in enumerate(times):
+                row(case.name, f"gem-{name}", f"ms_repeat{i}", ms)
+            row(case.name, f"gem-{name}", "ms", float(np.median(times)))
+            row(case.name, f"gem-{name}", "ms_min", min(times))
+            row(case.name, f"gem-{name}", "gbps", case.bytes / float(np.median(times)) * 1e-6)
+            row(case.name, f"gem-{name}", "graph_ms", graph)
+            row(case.name, f"gem-{name}", "graph_gbps", case.bytes / graph * 1e-6)
+            row(case.name, f"gem-{name}", "host_us", float(np.median(host)))
+            row(case.name, f"gem-{name}", "host_us_kernel_wrapper", float(np.median(kernel_only)))
+            print(f"{case.name:16s} {name:11s} eager " + " ".join(f"{t:.4f}" for t in times)
+                  + f" ms | graph {graph:.4f} ms {case.bytes / graph * 1e-6 / 4270:.1%} | host "
+                  f"{np.median(host):.0f} us (wrapper {np.median(kernel_only):.0f} us)",
+                  flush=True)  # fmt: skip
+        checks[f"{case.name}-fused-bit-equal"] = bool(torch.equal(outs[0], outs[1]))
+        # The public entry point (default config of the call, validation included).
+        fwd, _, _ = provider_gem(case)
+        times = _eager_repeats(fwd, repeats)
+        host = [_host_us(fwd) for _ in range(3)]
+        for i, ms in enumerate(times):
+            row(case.name, "gem-public-default", f"ms_repeat{i}", ms)
+        row(case.name, "gem-public-default", "ms", float(np.median(times)))
+        row(case.name, "gem-public-default", "host_us", float(np.median(host)))
+        print(f"{case.name:16s} public      eager " + " ".join(f"{t:.4f}" for t in times)
+              + f" ms | host {np.median(host):.0f} us", flush=True)  # fmt: skip
+        if round_ >= 2 and case.batch == 128:  # where the host time goes
+            _host_profile(f"public {case.name}", fwd)
+        del case
+        torch.cuda.empty_cache()
+    # Cross: check every variant (forward, bf16, against the float32 reference).
+    gen = torch.Generator().manual_seed(1)
+    q_len = [0, 1, 300, 77, 513, 64, 1000, 129, 2500]
+    k_len = [5, 0, 129, 200, 256, 1, 17, 256, 100]
+    tensors = [torch.randn(n, H, D, generator=gen).to(device, DTYPE)
+               for n in (sum(q_len), sum(k_len), sum(k_len))]  # fmt: skip
+    for opts in (dict(), dict(normalize_by_length=True)):
+        ref = gdpa(
+            *(t.float() for t in tensors),
+            _offsets(torch.tensor(q_len)),
+            _offsets(torch.tensor(k_len)),
+            activation=ACT,
+            backend="reference",
+            **opts,
+        )
+        for name, cfg in cross.items():
+            try:
+                got = gt.gdpa_from_lengths(*tensors, torch.tensor(q_len), torch.tensor(k_len),
+                                           activation=ACT, config=cfg, **opts)  # fmt: skip
+                checks[f"cross-{name}{'-norm' if opts else ''}"] = round(rel_error(got, ref), 6)
+            except Exception as error:  # noqa: BLE001
+                checks[f"cross-{name}{'-norm' if opts else ''}"] = repr(error)[:300]
+    print("cross checks:", {k: v for k, v in checks.items() if k.startswith("cross")}, flush=True)
+    for shape in ASYM_SHAPES:
+        case = Case("cross", *shape, device)
+        base_out = None
+        for name, cfg in cross.items():
+            if not isinstance(checks.get(f"cross-{name}"), float) or checks[f"cross-{name}"] > 1e-2:
+                continue
+            try:
+                fwd, _, _ = provider_gem(case, cfg)
+                out = fwd()
+                base_out = out if base_out is None else base_out
+                checks[f"{case.name}-{name}-vs-default"] = round(rel_error(out, base_out), 6)
+                times = _eager_repeats(fwd, 2)
+            except Exception as error:  # noqa: BLE001
+                checks[f"{case.name}-{name}"] = repr(error)[:300]
+                print(f"{case.name} {name}: {error!r}"[:300], flush=True)
+                continue
+            ms = min(times)
+            row(case.name, f"gem-{name}", "ms", ms)
+            row(case.name, f"gem-{name}", "tflops", case.fwd_flops / ms * 1e-9)
+            print(f"{case.name:18s} {name:20s} fwd " + " ".join(f"{t:.4f}" for t in times)
+                  + f" ms {case.fwd_flops / ms * 1e-9:6.1f} TFLOP/s", flush=True)  # fmt: skip
+        del case
+        torch.cuda.empty_cache()
+    print("checks:", checks)
+    command = f"bench_gdpa.py --explore-pma-cross --explore-set {round_} --workers {workers}"
+    write_results(out_path, meta("gdpa_explore4", command, device=torch.cuda.get_device_name(),
+                                 checks=checks, pma_variants={k: str(v) for k, v in pma.items()},
+                                 cross_variants={k: str(v) for k, v in cross.items()}),
+                  rows)  # fmt: skip
+    print(f"explore done in {time.time() - start:.0f} s")
+
+
 def quick_sweep(device, deadline, rows) -> gt.GdpaTritonConfig:
     """A few variants per group (self fwd tiles, PMA split-KV, cross short-KV, backward tiles);
     each group's winner is kept. Every timing goes to ``rows`` (provider ``gem-sweep-...``)."""
@@ -1040,6 +1265,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--explore-set", type=int, default=1, help="variant round (1 to 4)")
     parser.add_argument(
+        "--explore-pma-cross", action="store_true",
+        help="one-launch PMA forward and cross forward variants, checked and timed (to --out)",
+    )  # fmt: skip
+    parser.add_argument(
         "--workers", type=int, default=0, help="processes that pre-compile the kernels in parallel"
     )
     parser.add_argument(
@@ -1059,6 +1288,9 @@ def main() -> None:
         return
     if args.explore_self_cross:
         explore_self_cross(device, Path(args.out), args.workers, args.budget_s, args.explore_set)
+        return
+    if args.explore_pma_cross:
+        explore_pma_cross(device, Path(args.out), args.workers, round_=args.explore_set)
         return
     # No --config: gem runs through the public entry point, whose default configuration
     # depends on the call (sequence length, masks), as in a model.
