@@ -32,8 +32,10 @@ options) eagerly, from CUDA graphs and for their host time, after a correctness 
 self/cross forward and backward variants (one loop, TMA, hand pipelining, tiles, programs per
 SM; round 2 combines round 1's winners; round 3 the fused backward, round 4 its tiles) on the protocol shapes.
 ``--explore-pma-cross [--explore-set 2] --workers N --out X.json`` (issue 4, round 4): the
-one-launch PMA forward against the two-launch one (eager medians repeated, CUDA-graph and host
-times, bit-equality) and cross forward variants (rows per item, the chunked short-KV kernel).
+streamed PMA forward (eager medians repeated, CUDA-graph and host times, repeat-call
+bit-equality) and cross forward variants (query rows per item). The one-launch PMA forward and
+the chunked short-KV kernel this mode also timed (``gdpa_explore4.json``, ``gdpa_explore4b.json``)
+were slower and have been removed.
 Without ``--config`` gem runs through the public entry point, so each call gets the default
 configuration of its lengths and masks (``gdpa_triton.default_config``).
 ``--kinds pma --merge benchmarks/results/h200/gdpa.json`` reruns only the PMA cases and keeps
@@ -942,39 +944,20 @@ def explore_self_cross(device, out_path: Path, workers: int, budget_s: float, ro
 
 def _cross_variants(base: gt.GdpaTritonConfig, round_: int = 1) -> dict:
     """Cross forward variants of ``--explore-pma-cross`` (overrides of the cross default): the
-    whole-KV short kernel's rows per item, the chunked short-KV kernel (``short_kv_split``)
-    with TMA / hand pipelining / stages / rows per item, and the generic pipelined TMA
-    forward with the long-sequence tiles. Round 2: rows per item of the round-1 winners. When
-    both ran (``gdpa_explore4.json``, ``gdpa_explore4b.json``), "default" streamed 1024 query
-    rows per item (4096 since)."""
-    split = dict(short_kv_split=4, short_tma=True, short_pipeline=True)
-    if round_ == 2:
-        return {
-            "default": base,
-            "r2048": replace(base, short_rows_per_item=2048),
-            "r4096": replace(base, short_rows_per_item=4096),
-            "s4-ptr-pipe-r2048": replace(
-                base, **split | dict(short_tma=False), short_rows_per_item=2048
-            ),
-            "s4-ptr-r2048": replace(
-                base,
-                **split | dict(short_tma=False, short_pipeline=False),
-                short_rows_per_item=2048,
-            ),  # fmt: skip
-        }
-    long_tiles = gt.default_config(D, max_len=4096)
-    return {
+    short-KV kernel's query rows per item and, in round 1, the generic pipelined TMA forward
+    with the long-sequence tiles. When the rounds ran (``gdpa_explore4.json``,
+    ``gdpa_explore4b.json``), "default" streamed 1024 query rows per item (4096 since); their
+    chunked short-KV variants (``s2-*``, ``s4-*``) were slower and were removed with that
+    kernel."""
+    variants = {
         "default": base,
+        "r1024": replace(base, short_rows_per_item=1024),
         "r2048": replace(base, short_rows_per_item=2048),
-        "s4-tma-pipe": replace(base, **split),
-        "s4-tma": replace(base, **split | dict(short_pipeline=False)),
-        "s4-tma-pipe-st1": replace(base, **split, short_stages=1),
-        "s4-tma-pipe-r512": replace(base, **split, short_rows_per_item=512),
-        "s4-tma-pipe-r2048": replace(base, **split, short_rows_per_item=2048),
-        "s2-tma-pipe": replace(base, **split | dict(short_kv_split=2)),
-        "s4-ptr-pipe": replace(base, **split | dict(short_tma=False)),
-        "generic-long": replace(long_tiles, short_kv_max=0),
     }
+    if round_ == 1:
+        long_tiles = gt.default_config(D, max_len=4096)
+        variants["generic-long"] = replace(long_tiles, short_kv_max=0)
+    return variants
 
 
 def _pma_wrapper_call(case: Case, cfg: gt.GdpaTritonConfig):
@@ -1029,16 +1012,15 @@ def _host_profile(label: str, fn, calls: int = 300) -> None:
 def explore_pma_cross(
     device, out_path: Path, workers: int, repeats: int = 5, round_: int = 1
 ) -> None:
-    """Issue 4, round 4 (one H200 call): (1) the PMA forward in one launch
-    (``pma_fused_combine``) against the two-launch stream + combine, same inputs: GPU check
-    (reference, bit-equality with the two-launch path, repeat calls), eager median ``repeats``
+    """Issue 4, round 4 (one H200 call): (1) the streamed PMA forward (stream + combine
+    kernels): GPU check (reference, bit-equality over repeat calls), eager median ``repeats``
     times, CUDA-graph time and host enqueue time of the kernel wrapper, of
     ``gdpa_from_lengths`` and of the public ``gdpa``; (2) the cross forward variants of
-    :func:`_cross_variants` at L1024 and L4096 after a GPU check against the reference."""
+    :func:`_cross_variants` at L1024 and L4096 after a GPU check against the reference. (The
+    rounds recorded in ``gdpa_explore4.json`` / ``gdpa_explore4b.json`` also timed a one-launch
+    PMA forward, ``gem-fused``: slower, removed.)"""
     start = time.time()
-    pma_base = gt.default_config(D, masked=True)
-    pma = {"two-launch": replace(pma_base, pma_fused_combine=False),
-           "fused": replace(pma_base, pma_fused_combine=True)}  # fmt: skip
+    pma = {"two-launch": gt.default_config(D, masked=True)}
     cross_base = gt.default_config(D, max_len=CROSS_KV)
     cross = _cross_variants(cross_base, round_)
     jobs = [(("pma", *shape), cfg, ACT, ("fwd",)) for shape in ASYM_SHAPES for cfg in pma.values()]
@@ -1064,17 +1046,15 @@ def explore_pma_cross(
                                            normalize_by_length=True) for _ in range(3)]  # fmt: skip
         checks[f"pma-{name}"] = round(rel_error(outs[name][0], ref), 6)
     torch.cuda.synchronize()
-    same = all(torch.equal(o, outs["two-launch"][0]) for o in outs["fused"] + outs["two-launch"])
-    checks["pma-fused-bit-equal-two-launch-3-calls"] = bool(same)
-    checks["pma-counters-zero-after"] = all(int(c.abs().sum()) == 0
-                                            for c in gt._COUNTERS.values())  # fmt: skip
+    checks["pma-bit-equal-3-calls"] = all(
+        torch.equal(o, outs["two-launch"][0]) for o in outs["two-launch"]
+    )
     print("pma checks:", checks, flush=True)
     for shape in ASYM_SHAPES:
         case = Case("pma", *shape, device)
-        outs = []
         for name, cfg in pma.items():
             fwd, _, _ = provider_gem(case, cfg)
-            outs.append(fwd())
+            fwd()
             times = _eager_repeats(fwd, repeats)
             graph = _graph_ms(fwd)
             host = [_host_us(fwd) for _ in range(3)]
@@ -1092,7 +1072,6 @@ def explore_pma_cross(
                   + f" ms | graph {graph:.4f} ms {case.bytes / graph * 1e-6 / 4270:.1%} | host "
                   f"{np.median(host):.0f} us (wrapper {np.median(kernel_only):.0f} us)",
                   flush=True)  # fmt: skip
-        checks[f"{case.name}-fused-bit-equal"] = bool(torch.equal(outs[0], outs[1]))
         # The public entry point (default config of the call, validation included).
         fwd, _, _ = provider_gem(case)
         times = _eager_repeats(fwd, repeats)
@@ -1266,7 +1245,7 @@ def main() -> None:
     parser.add_argument("--explore-set", type=int, default=1, help="variant round (1 to 4)")
     parser.add_argument(
         "--explore-pma-cross", action="store_true",
-        help="one-launch PMA forward and cross forward variants, checked and timed (to --out)",
+        help="streamed PMA forward and cross forward variants, checked and timed (to --out)",
     )  # fmt: skip
     parser.add_argument(
         "--workers", type=int, default=0, help="processes that pre-compile the kernels in parallel"

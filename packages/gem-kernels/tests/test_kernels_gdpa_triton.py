@@ -178,50 +178,6 @@ def test_pma_stream_segments_split_over_programs(interpret, monkeypatch, program
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("programs", [7])
-def test_pma_stream_fused_combine(interpret, monkeypatch, programs):
-    # One launch: the last program to flush a shared segment sums its partials. Same function
-    # as the oracle, bit-identical to the two-launch path (same float32 summation order), no
-    # combine-kernel launch, and the arrival counters are back to zero afterwards.
-    gt = gdpa_triton
-    lengths = [200, 0, 33, 50, 1]  # 44 steps over 7 programs: segments shared by 2 or 3
-    monkeypatch.setattr(gt, "_num_programs", lambda device, per_sm, interpret: programs)
-    kernels = gt._kernels(True)
-    real, launches = kernels.gdpa_pma_combine_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(kernels, "gdpa_pma_combine_kernel", Spy())
-    two_launch = _config(short_kv_max=0, pma_stream=True, pma_programs_per_sm=programs)
-    fused = replace(two_launch, pma_fused_combine=True)
-    samples = gt._samples(None, torch.tensor(lengths), 3)
-    plan = gt._plan(samples, H, None, None, fused, torch.device("cpu"), False, True, 16)
-    combine, entries = plan.fwd_combine.numpy(), plan.stream_entries.numpy()
-    assert combine.shape[0] > 0 and combine[:, 3].max() >= 3  # segments really are shared
-    # Every shared segment is listed by exactly the programs that share it (its count).
-    listed = entries[entries >= 0]
-    assert sorted(listed.tolist()) == sorted(
-        e for e, count in enumerate(combine[:, 3].tolist()) for _ in range(count)
-    )
-    for normalize in (True, False):
-        out = _check(
-            None, lengths, num_queries=3, activation="gelu", normalize_by_length=normalize,
-            config=fused, tol=1e-4,
-        )  # fmt: skip
-        assert launches == []
-        counters = gt._arrival_counters(1, torch.device("cpu"))
-        assert int(counters.abs().sum()) == 0
-        again = _check(
-            None, lengths, num_queries=3, activation="gelu", normalize_by_length=normalize,
-            config=two_launch, tol=1e-4,
-        )  # fmt: skip
-        assert launches and torch.equal(out, again)
-        launches.clear()
-
-
 def test_pma_stream_needs_no_mask_and_one_query_tile(interpret):
     # Windows, causal masks and more queries than one tile take the split-KV items instead.
     gt = gdpa_triton
@@ -444,24 +400,6 @@ def test_one_loop_and_short_kv_variants(interpret, changes):
     _check(SELF_LENGTHS, None, activation="silu", window=(3, None), config=config)
 
 
-@pytest.mark.parametrize(("split", "tma", "pipeline"), [(2, False, False), (4, True, True)])
-def test_short_kv_split_forward(interpret, split, tma, pipeline):
-    # The short-KV forward over 2 or 4 resident key chunks (chunks past a sample's keys are
-    # zeros), with and without TMA descriptors (also for Q and O) and the hand-pipelined
-    # chunk loop: samples without keys or queries, KV shorter than a chunk, normalisation,
-    # PMA; a window falls back to the whole-KV kernel.
-    config = _config(short_kv_split=split, short_tma=tma, short_pipeline=pipeline)
-    _check(CROSS_Q, CROSS_K, activation="gelu_fast", tol=1e-4, config=config)
-    _check(CROSS_Q, SHORT_K, activation="silu", normalize_by_length=True, config=config)
-    _check(None, PMA_K, num_queries=5, activation="relu2", tol=1e-4, config=config)
-    _check(CROSS_Q, CROSS_K, activation="gelu", window=(4, 1), config=config)
-    samples = gdpa_triton._samples(torch.tensor(CROSS_Q), torch.tensor(SHORT_K), None)
-    plan = gdpa_triton._plan(samples, H, None, None, config, torch.device("cpu"), False, True)
-    assert plan.short_kv_block == 16 * split  # 15 keys: chunks of 16 keys at least
-    with pytest.raises(ValueError, match="short_kv_split"):
-        _check(CROSS_Q, CROSS_K, config=_config(short_kv_split=3))
-
-
 @pytest.mark.parametrize("one_loop", [True, False], ids=["one-loop", "three-phase"])
 def test_fused_backward(interpret, one_loop):
     # dQ added by float32 atomics inside the dK/dV kernel (no dQ kernel): self, cross with
@@ -544,11 +482,8 @@ def test_default_config_choice():
     assert not (masked.fwd_one_loop or masked.bwd_one_loop or masked.short_mask_free)
     assert short.bwd_fused and long.bwd_fused and not masked.bwd_fused
     assert short.dkdv_q_chunk == long.dkdv_q_chunk == 0 and masked.dkdv_q_chunk > 0
-    # Cross (short KV): 4096 query rows per item; the chunked kernel and the one-launch PMA
-    # forward were not faster on the H200 and stay off.
+    # Cross (short KV): 4096 query rows per item.
     assert short.short_rows_per_item == long.short_rows_per_item == 4096
-    for config in (short, long, masked):
-        assert config.short_kv_split == 0 and not config.pma_fused_combine
     assert masked == default_config(128, masked=True)
     # Unmeasured head dims and dtypes keep their tiles whatever the length.
     for kwargs in (dict(dtype=torch.float32), dict(dtype=torch.float16), dict()):

@@ -678,147 +678,6 @@ def gdpa_fwd_short_kv_kernel(
             )  # fmt: skip
 
 
-@triton.jit
-def _kv_chunk(k_desc, v_desc, k_base, v_base, c, k_len, stride_kt, stride_vt, offs_d,
-              HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, EVEN_D: tl.constexpr,
-              KV_TMA: tl.constexpr):  # fmt: skip
-    """Keys ``[c * CHUNK, (c + 1) * CHUNK)`` of a sample: K^T (D x CHUNK) and V (CHUNK x D),
-    rows past ``k_len`` as zeros (TMA: straight to shared memory, no registers)."""
-    offs_n = tl.arange(0, CHUNK)
-    kt = _kv_tile(k_desc, k_base, c * CHUNK, offs_n, k_len, stride_kt, offs_d, HEAD_DIM, EVEN_D,
-                  True, KV_TMA)  # fmt: skip
-    v = _kv_tile(v_desc, v_base, c * CHUNK, offs_n, k_len, stride_vt, offs_d, HEAD_DIM, EVEN_D,
-                 False, KV_TMA)  # fmt: skip
-    return kt, v
-
-
-@triton.jit
-def _chunk_step(acc, q, s, kt_next, v, scale, ACT: tl.constexpr, PACKED: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PIPELINE: tl.constexpr):  # fmt: skip
-    """One key chunk of a query tile: ``acc += act(s) V`` and the next chunk's scores, issued
-    before this chunk's activation with ``PIPELINE`` (after it otherwise)."""
-    if PIPELINE:
-        s_next = _dot(q, kt_next, None, DOT_PRECISION, UPCAST) * scale
-        p = _fwd_p(s, ACT, PACKED)
-        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
-    else:
-        p = _fwd_p(s, ACT, PACKED)
-        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
-        s_next = _dot(q, kt_next, None, DOT_PRECISION, UPCAST) * scale
-    return acc, s_next
-
-
-@triton.jit
-def gdpa_fwd_short_kv_split_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, items_ptr, num_items,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    left, right, scale, part_ptr, stride_pt, stride_ph,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KV: tl.constexpr,
-    BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    PACKED: tl.constexpr, KV_SPLIT: tl.constexpr = 2, PIPELINE: tl.constexpr = True,
-    KV_TMA: tl.constexpr = False, Q_TMA: tl.constexpr = False,
-):  # fmt: skip
-    """The short-KV forward without window or causal mask, with the sample's K and V held on
-    chip as ``KV_SPLIT`` (2 or 4) chunks of ``BLOCK_KV / KV_SPLIT`` keys: each query tile runs
-    the chunks one after the other, so only one chunk's scores are live (a whole 128 x 256
-    float32 score tile does not fit the registers next to the accumulator). ``PIPELINE``: the
-    next chunk's ``Q K^T`` is issued before this chunk's activation. Keys past ``k_len`` load
-    as zeros (score 0, act(0) = 0, V row 0); rows past ``q_len`` are never stored.
-
-    ``KV_TMA`` / ``Q_TMA``: K, V / Q and O through per-item TMA descriptors that end at the
-    sample's last key / query row (16-byte aligned rows, ``HEAD_DIM == BLOCK_D``; the host
-    checks). A sample without keys then reads a row of the tensor (its own start, clamped to
-    row 0) and writes zeros instead."""
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    CHUNK: tl.constexpr = BLOCK_KV // KV_SPLIT
-    offs_d = tl.arange(0, BLOCK_D)
-    for idx in range(tl.program_id(0), num_items, tl.num_programs(0)):
-        info = items_ptr + idx * _W  # items < 2**27: int32 is enough
-        q_start = tl.load(info)
-        q_len = tl.load(info + 1).to(tl.int32)
-        k_start = tl.load(info + 2)
-        k_len = tl.load(info + 3).to(tl.int32)
-        row0 = tl.load(info + 4).to(tl.int32)
-        head = tl.load(info + 6)
-        row_end = tl.load(info + 7).to(tl.int32)
-        dst_start = tl.load(info + 10)
-        k_base = k_ptr + k_start * stride_kt + head * stride_kh
-        v_base = v_ptr + k_start * stride_vt + head * stride_vh
-        k_desc = None
-        v_desc = None
-        if KV_TMA:
-            # No keys: a valid 1-row view (row 0 when the sample starts past the end).
-            k_row = tl.where(k_len > 0, k_start, 0)
-            k_desc = tl.make_tensor_descriptor(
-                k_ptr + k_row * stride_kt + head * stride_kh, shape=[tl.maximum(k_len, 1),
-                HEAD_DIM], strides=[stride_kt, 1], block_shape=[CHUNK, BLOCK_D],
-            )  # fmt: skip
-            v_desc = tl.make_tensor_descriptor(
-                v_ptr + k_row * stride_vt + head * stride_vh, shape=[tl.maximum(k_len, 1),
-                HEAD_DIM], strides=[stride_vt, 1], block_shape=[CHUNK, BLOCK_D],
-            )  # fmt: skip
-        kt0, v0 = _kv_chunk(k_desc, v_desc, k_base, v_base, 0, k_len, stride_kt, stride_vt,
-                            offs_d, HEAD_DIM, CHUNK, EVEN_D, KV_TMA)  # fmt: skip
-        kt1, v1 = _kv_chunk(k_desc, v_desc, k_base, v_base, 1, k_len, stride_kt, stride_vt,
-                            offs_d, HEAD_DIM, CHUNK, EVEN_D, KV_TMA)  # fmt: skip
-        if KV_SPLIT == 4:
-            kt2, v2 = _kv_chunk(k_desc, v_desc, k_base, v_base, 2, k_len, stride_kt, stride_vt,
-                                offs_d, HEAD_DIM, CHUNK, EVEN_D, KV_TMA)  # fmt: skip
-            kt3, v3 = _kv_chunk(k_desc, v_desc, k_base, v_base, 3, k_len, stride_kt, stride_vt,
-                                offs_d, HEAD_DIM, CHUNK, EVEN_D, KV_TMA)  # fmt: skip
-        norm = 1.0
-        if NORMALIZE:
-            norm = 1.0 / tl.maximum(k_len, 1).to(tl.float32)
-        if KV_TMA:
-            norm = tl.where(k_len > 0, norm, 0.0)  # (x * 0 is not 0 for inf; see the store)
-        q_base = q_ptr + q_start * stride_qt + head * stride_qh
-        o_base = o_ptr + dst_start * stride_ot + head * stride_oh
-        q_desc = None
-        o_desc = None
-        if Q_TMA:
-            q_desc = tl.make_tensor_descriptor(
-                q_base, shape=[q_len, HEAD_DIM], strides=[stride_qt, 1],
-                block_shape=[BLOCK_M, BLOCK_D],
-            )  # fmt: skip
-            o_desc = tl.make_tensor_descriptor(
-                o_base, shape=[q_len, HEAD_DIM], strides=[stride_ot, 1],
-                block_shape=[BLOCK_M, BLOCK_D],
-            )  # fmt: skip
-        for m0 in range(row0, row_end, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < q_len
-            if Q_TMA:
-                q = q_desc.load([m0, 0])
-            else:
-                q = _load_tile(
-                    q_base, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, True, EVEN_D, False
-                )  # fmt: skip
-            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-            s = _dot(q, kt0, None, DOT_PRECISION, UPCAST) * scale
-            acc, s = _chunk_step(acc, q, s, kt1, v0, scale, ACT, PACKED, DOT_PRECISION, UPCAST,
-                                 PIPELINE)  # fmt: skip
-            if KV_SPLIT == 4:
-                acc, s = _chunk_step(acc, q, s, kt2, v1, scale, ACT, PACKED, DOT_PRECISION,
-                                     UPCAST, PIPELINE)  # fmt: skip
-                acc, s = _chunk_step(acc, q, s, kt3, v2, scale, ACT, PACKED, DOT_PRECISION,
-                                     UPCAST, PIPELINE)  # fmt: skip
-                v_last = v3
-            else:
-                v_last = v1
-            p = _fwd_p(s, ACT, PACKED)
-            acc = _dot(p.to(v_last.dtype), v_last, acc, DOT_PRECISION, UPCAST) * norm
-            if KV_TMA:
-                acc = tl.where(k_len > 0, acc, 0.0)
-            if Q_TMA:
-                o_desc.store([m0, 0], acc.to(o_ptr.dtype.element_ty))
-            else:
-                _store_tile(
-                    o_base, offs_m, m_ok, stride_ot, offs_d, acc.to(o_ptr.dtype.element_ty),
-                    HEAD_DIM, EVEN_D,
-                )  # fmt: skip
-
-
 # ---------------------------------------------------------------------------------------------
 # PMA forward, streamed: one pipelined loop per program over an equal share of every
 # (sample, head, key tile) step (no window or causal mask).
@@ -832,51 +691,20 @@ _SW = tl.constexpr(STREAM_WIDTH)
 
 
 @triton.jit
-def _pma_combine_segment(part_ptr, o_ptr, meta, num_queries, stride_ot, stride_oh, offs_m,
-                         offs_d, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BYPASS_L1: tl.constexpr):  # fmt: skip
-    """``out[row + i, head] = sum_c part[(slot + c) * Nq + i]`` for the combine entry at
-    ``meta`` (``[row, head, slot, count]``), summed in slot order (float32, deterministic).
-    ``BYPASS_L1``: read the partials from L2 (other programs wrote them)."""
-    row = tl.load(meta)
-    head = tl.load(meta + 1)
-    slot = tl.load(meta + 2)
-    count = tl.load(meta + 3).to(tl.int32)
-    mask = (offs_m < num_queries)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    tile = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for c in range(0, count):
-        src = part_ptr + (slot + c) * num_queries * HEAD_DIM
-        if BYPASS_L1:
-            acc += tl.load(src + tile, mask=mask, other=0.0, cache_modifier=".cg")
-        else:
-            acc += tl.load(src + tile, mask=mask, other=0.0)
-    dst = o_ptr + row * stride_ot + head * stride_oh
-    ptrs = dst + offs_m.to(tl.int64)[:, None] * stride_ot + offs_d[None, :]
-    tl.store(ptrs, acc.to(o_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def gdpa_pma_fwd_stream_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, part_ptr, steps_ptr, bounds_ptr, num_queries,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    scale, combine_ptr, counter_ptr, entries_ptr,
+    scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, ACT: tl.constexpr, NORMALIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, FUSED_COMBINE: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """Program ``p`` runs steps ``[bounds[p], bounds[p + 1])`` of the host-built step list
     (sample-major, then head, then key tile), so every program gets the same number of key
     tiles and the loads of the next tile overlap this one's math across segment boundaries. A
     step with a flush row ends its (sample, head) segment on this program: the accumulator
     goes to the output, or to a float32 partial slot when the segment is shared with the next
-    or previous program. Those are summed in a fixed order by ``gdpa_pma_combine_kernel``, or,
-    with ``FUSED_COMBINE`` (one launch), by the last of the segment's programs to finish: a
-    program shares at most its first and its last segment (combine entries
-    ``entries_ptr[2 p], entries_ptr[2 p + 1]``, -1 for none); after its loop it takes a ticket
-    from each one's arrival counter (``counter_ptr``, int32, zero on entry), and the program
-    that draws ``count - 1`` sums the partials in slot order (deterministic whichever program
-    arrives last) and sets the counter back to zero for the next launch."""
+    or previous program (``gdpa_pma_combine_kernel`` sums those in a fixed order)."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     offs_d = tl.arange(0, BLOCK_D)
     offs_m = tl.arange(0, BLOCK_M)
@@ -924,21 +752,6 @@ def gdpa_pma_fwd_stream_kernel(
                     stride_ot, offs_d, result.to(o_ptr.dtype.element_ty), HEAD_DIM, EVEN_D,
                 )  # fmt: skip
         acc = acc * (flush < 0).to(tl.float32)  # a flushed segment restarts from zero
-    if FUSED_COMBINE:  # after the loop: no registers taken from it
-        for i in tl.static_range(2):
-            entry = tl.load(entries_ptr + pid * 2 + i)
-            if entry >= 0:
-                meta = combine_ptr + entry * 4
-                # Every thread's partial stores land before the ticket (release) ...
-                tl.debug_barrier()
-                ticket = tl.atomic_add(counter_ptr + entry, 1, sem="acq_rel", scope="gpu")
-                if ticket == tl.load(meta + 3).to(tl.int32) - 1:
-                    # ... and the last arrival reads every partial after it (acquire).
-                    _pma_combine_segment(
-                        part_ptr, o_ptr, meta, num_queries, stride_ot, stride_oh, offs_m,
-                        offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, True,
-                    )  # fmt: skip
-                    tl.atomic_xchg(counter_ptr + entry, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -950,10 +763,21 @@ def gdpa_pma_combine_kernel(
     c) * Nq + i]`` for each ``meta`` entry ``[row, head, slot, count]``, in slot order (float32,
     deterministic). Grid: one program per entry."""
     meta = meta_ptr + tl.program_id(0).to(tl.int64) * 4
-    _pma_combine_segment(
-        part_ptr, o_ptr, meta, num_queries, stride_ot, stride_oh, tl.arange(0, BLOCK_M),
-        tl.arange(0, BLOCK_D), HEAD_DIM, BLOCK_M, BLOCK_D, False,
-    )  # fmt: skip
+    row = tl.load(meta)
+    head = tl.load(meta + 1)
+    slot = tl.load(meta + 2)
+    count = tl.load(meta + 3).to(tl.int32)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m < num_queries)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    tile = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for c in range(0, count):
+        src = part_ptr + (slot + c) * num_queries * HEAD_DIM
+        acc += tl.load(src + tile, mask=mask, other=0.0)
+    dst = o_ptr + row * stride_ot + head * stride_oh
+    ptrs = dst + offs_m.to(tl.int64)[:, None] * stride_ot + offs_d[None, :]
+    tl.store(ptrs, acc.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -188,26 +188,6 @@ class GdpaTritonConfig(host.FlashTileConfig):
     short_mask_free: bool = False
     """Short-KV forward without window or causal mask: no score mask (keys past a sample's
     end load as zeros)."""
-    short_kv_split: int = 0
-    """Short-KV forward without window or causal mask: hold the sample's K and V as this many
-    (2 or 4) key chunks and run them one after the other per query tile (one chunk's scores
-    live instead of the whole query x key tile, which spills registers at 128 x 256); 0 or 1:
-    the whole-KV kernel."""
-    short_tma: bool = False
-    """With ``short_kv_split``: K, V, Q and O through per-item TMA descriptors (no registers
-    for the resident K and V, pipelined Q loads, asynchronous O stores) where the tensors are
-    16-byte aligned; pointer loads otherwise."""
-    short_pipeline: bool = False
-    """With ``short_kv_split``: issue the next chunk's ``Q K^T`` before this chunk's
-    activation. (The three ``short_*`` chunk fields are off: on the H200 the chunked kernel
-    was no faster than the whole-KV one, ``gdpa_explore4.json`` / ``gdpa_explore4b.json``.)"""
-    pma_fused_combine: bool = False
-    """Streamed PMA forward in one launch: after its loop, the last program to finish a shared
-    segment sums its float32 partials (fixed order, so deterministic) instead of a second
-    combine kernel; arrival counters, kept per (device, stream), are reset by the kernel
-    itself. Off: on the H200 its kernel was 2-3% slower (CUDA graph 0.1547 / 0.1468 ms against
-    0.1513 / 0.1428 at B512xL1024 / B128xL4096, ``gdpa_explore4b.json``; the host saves ~18 us
-    of a launch, which no longer bounds the eager call)."""
     bwd_fused: bool = False
     """Self/cross backward in one kernel: each (key tile, head) program keeps dK, dV on chip,
     computes S and dP once per query tile and adds that tile's dQ rows to a zeroed float32
@@ -261,11 +241,14 @@ def default_config(
     374 -> 400, B1152xL1000 290 -> 306; cross L1024 248 -> 253, L4096 275 -> 279 (its 64-key
     tiles, 4 warps, 2 stages or 32-query tiles were 5-40% slower). With it, cross dK/dV items
     no longer split long query ranges (``dkdv_q_chunk=0``: 279 -> 294 at L4096; 4 stages and
-    1024-row chunks no better, same file, round r4). ``gdpa_explore4.json`` (2026-12-01, two
-    H200 runs, cross forward TFLOP/s at L1024 / L4096): 4096 instead of 1024 query rows per
-    short-KV item, 273 / 318 -> 273 / 339 (2048: 273 / 327); the chunked short-KV kernel
-    (``short_kv_split``) was no faster (TMA, 4 chunks: 236 / 289; pointer loads, 2048 rows:
-    264 / 328) and stays off, as does the one-launch PMA forward (``pma_fused_combine``).
+    1024-row chunks no better, same file, round r4). ``gdpa_explore4b.json`` (2026-12-01, one
+    H200 run, cross forward TFLOP/s at L1024 / L4096): 4096 instead of 1024 query rows per
+    short-KV item, 273 / 318 -> 273 / 339 (2048: 273 / 327). Two variants measured in
+    ``gdpa_explore4.json`` / ``gdpa_explore4b.json`` were slower and removed: a short-KV
+    forward over 2 or 4 resident key chunks (TMA, 4 chunks: 236 / 289 against 272 / 318;
+    pointer loads, 2048 rows: 264 / 328 against 273 / 339) and a one-launch PMA forward whose
+    last program of a shared segment summed the partials (CUDA graph 0.1547 / 0.1468 ms against
+    0.1513 / 0.1428 for stream + combine at B512xL1024 / B128xL4096).
     """
     if masked:
         tiles = "masked"
@@ -515,10 +498,9 @@ def _pma_stream_steps(s: _Samples, heads: int, block_n: int, num_programs: int):
 
     Steps run sample-major, then head, then key tile (an empty sample gets one step with no
     valid key, so that its zeros are written); program ``p`` runs steps ``[bounds[p],
-    bounds[p + 1])``, an equal share. Returns ``(steps, bounds, combine, slots, entries)``:
-    ``combine`` rows ``[out row, head, first slot, count]`` for segments split over programs,
-    ``slots`` the number of float32 ``Nq x D`` partial blocks they write, ``entries`` the
-    combine rows each program shares, ``[first segment, last segment]`` (-1: none)."""
+    bounds[p + 1])``, an equal share. Returns ``(steps, bounds, combine, slots)``: ``combine``
+    rows ``[out row, head, first slot, count]`` for segments split over programs, ``slots`` the
+    number of float32 ``Nq x D`` partial blocks they write."""
     nq = int(s.q_len[0]) if s.q_len.size else 0
     tiles = np.maximum(_ceil_div(s.k_len, block_n), 1)
     seg_tiles = np.repeat(tiles, heads)
@@ -546,7 +528,6 @@ def _pma_stream_steps(s: _Samples, heads: int, block_n: int, num_programs: int):
     partial = split_seg[seg[flushes]]
     slot = np.cumsum(partial) - partial  # consecutive slots, in step order
     out_row = s.out_start[sample[flushes]]
-    entries = np.full((programs, 2), -1, dtype=np.int64)
     steps[:, 3] = -1
     steps[flushes, 3] = np.where(partial, slot * nq, out_row)
     steps[flushes, 4] = partial
@@ -557,16 +538,10 @@ def _pma_stream_steps(s: _Samples, heads: int, block_n: int, num_programs: int):
         # Slot of each split segment's first fragment: flushes of split segments, in order.
         seg_of_slot = seg[flushes[partial]]
         first_slot = np.searchsorted(seg_of_slot, split)
-        # Combine entries each program shares (its first and last segment at most): the
-        # fused combine's arrival counters.
-        shared = flushes[partial]
-        entry = np.searchsorted(split, seg_of_slot)
-        last_shared = np.isin(shared + 1, bounds)
-        entries[program[shared], last_shared.astype(np.int64)] = entry
     combine = np.stack(
         [s.out_start[seg_sample[split]], seg_head[split], first_slot, count], axis=1
     ).reshape(-1, 4)
-    return steps, bounds.reshape(-1, 1), combine, int(partial.sum()), entries
+    return steps, bounds.reshape(-1, 1), combine, int(partial.sum())
 
 
 def schedule_loads(work, num_programs: int, schedule: str) -> torch.Tensor:
@@ -646,7 +621,6 @@ class _Plan:
     dq_grid: int
     stream_bounds: torch.Tensor | None = None  # streamed PMA forward: steps of each program
     stream_slots: int = 0  # streamed PMA forward: float32 Nq x D partial blocks
-    stream_entries: torch.Tensor | None = None  # streamed PMA: shared combine rows per program
     fwd_partial_rows: int = 0  # > 0: split-KV forward (PMA), float32 partial row blocks
     fwd_combine: torch.Tensor | None = None  # [out row block, first, count, step] per sample
     dkdv_partial_rows: int = 0  # > 0: split-Q dK/dV, float32 partial rows
@@ -701,12 +675,10 @@ def _plan(s: _Samples, heads, left, right, config, device, with_backward, interp
     if config.short_kv_max > 0 and max_k <= config.short_kv_max:
         stream = False  # the short-KV forward keeps a sample's whole K and V on chip
         short = max(16, 1 << max(0, max_k - 1).bit_length())
-        if _short_split(config, left, right) > 1:  # chunks of at least 16 keys
-            short = max(short, 16 * config.short_kv_split)
         rows, work = _short_kv_items(s, config.short_rows_per_item, config.short_block_m)
         tables.append(_item_table(rows, work, heads, programs, config.schedule))
     elif stream:
-        steps, bounds, stream_combine, stream_slots, stream_entries = _pma_stream_steps(
+        steps, bounds, stream_combine, stream_slots = _pma_stream_steps(
             s, heads, config.pma_block_n, pma_programs
         )
         tables.append((steps, bounds.size - 1))
@@ -730,8 +702,8 @@ def _plan(s: _Samples, heads, left, right, config, device, with_backward, interp
         dkdv_partial = _key_partials(s, q_chunk)
         if dkdv_partial is not None:
             combines.append(dkdv_partial[1])
-    if stream:  # per-program entries, bounds and the combine list travel as the last parts
-        combines += [stream_entries, bounds, stream_combine]
+    if stream:  # bounds and the combine list travel as the last two parts
+        combines += [bounds, stream_combine]
     parts = _to_device(tables, combines, device)
     fwd_combine = parts[len(tables)] if fwd_partial_rows else None
     dkdv_combine = None
@@ -741,7 +713,7 @@ def _plan(s: _Samples, heads, left, right, config, device, with_backward, interp
                  fwd_partial_rows=fwd_partial_rows, fwd_combine=fwd_combine)  # fmt: skip
     if stream:
         plan = replace(plan, stream_bounds=parts[-2].view(-1), fwd_combine=parts[-1],
-                       stream_slots=stream_slots, stream_entries=parts[-3])  # fmt: skip
+                       stream_slots=stream_slots)  # fmt: skip
     if not with_backward:
         return plan
     dq_blocks = int(_chunks(s.k_len, kv_chunk).sum()) if pma_m else 0
@@ -750,15 +722,6 @@ def _plan(s: _Samples, heads, left, right, config, device, with_backward, interp
         dkdv_partial_rows=0 if dkdv_partial is None else dkdv_partial[0],
         dkdv_combine=dkdv_combine, dq_partial_blocks=dq_blocks,
     )  # fmt: skip
-
-
-def _short_split(config: GdpaTritonConfig, left, right) -> int:
-    """Key chunks of the short-KV forward: ``config.short_kv_split`` without a mask, else 1."""
-    if left is not None or right is not None or config.short_kv_split <= 1:
-        return 1
-    if config.short_kv_split not in (2, 4):
-        raise ValueError(f"config.short_kv_split must be 0, 1, 2 or 4, got {config.short_kv_split}")
-    return config.short_kv_split
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -887,19 +850,7 @@ def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tens
         out.stride(0), out.stride(1), launch.left or 0, launch.right or 0, launch.scale,
         partial, partial.stride(0), partial.stride(1),
     )  # fmt: skip
-    split = _short_split(cfg, launch.left, launch.right) if plan.short_kv_block else 1
-    if split > 1:
-        flags = _flags(q, launch)
-        tma = (
-            cfg.short_tma and flags["BLOCK_D"] == q.shape[2] and k.shape[0] > 0
-            and _tma_ready(k, v, launch.interpret) and _tma_ready(q, out, launch.interpret)
-        )  # fmt: skip
-        kernels.gdpa_fwd_short_kv_split_kernel[(plan.fwd_grid,)](
-            *common, BLOCK_M=cfg.short_block_m, BLOCK_KV=plan.short_kv_block,
-            num_warps=cfg.short_warps, num_stages=cfg.short_stages, KV_SPLIT=split,
-            PIPELINE=cfg.short_pipeline, KV_TMA=tma, Q_TMA=tma, **flags,
-        )  # fmt: skip
-    elif plan.short_kv_block:
+    if plan.short_kv_block:
         kernels.gdpa_fwd_short_kv_kernel[(plan.fwd_grid,)](
             *common, BLOCK_M=cfg.short_block_m, BLOCK_KV=plan.short_kv_block,
             num_warps=cfg.short_warps, num_stages=cfg.short_stages,
@@ -937,55 +888,21 @@ def _stream_forward(q, k, v, out, plan: _Plan, launch: _Launch) -> torch.Tensor:
     )
     block_m = _pma_block_m(nq, cfg)
     flags = _flags(q, launch)
-    entries = plan.fwd_combine.shape[0]
-    fused = cfg.pma_fused_combine and entries > 0
-    counters = _arrival_counters(entries, q.device) if fused else partial
-    combine = plan.fwd_combine if entries else plan.stream_bounds  # never an empty view
     kernels.gdpa_pma_fwd_stream_kernel[(plan.fwd_grid,)](
         q, k, v, out, partial, plan.fwd, plan.stream_bounds, nq,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), launch.scale, combine, counters, plan.stream_entries,
+        out.stride(0), out.stride(1), launch.scale,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=cfg.pma_block_n, BLOCK_D=flags["BLOCK_D"],
         ACT=launch.activation, NORMALIZE=launch.normalize, DOT_PRECISION=flags["DOT_PRECISION"],
-        UPCAST=flags["UPCAST"], FUSED_COMBINE=fused, num_warps=cfg.pma_warps,
-        num_stages=cfg.pma_stages,
+        UPCAST=flags["UPCAST"], num_warps=cfg.pma_warps, num_stages=cfg.pma_stages,
     )  # fmt: skip
-    if entries and not fused:
+    if plan.fwd_combine.shape[0]:
         kernels.gdpa_pma_combine_kernel[(plan.fwd_combine.shape[0],)](
             partial, out, plan.fwd_combine, nq, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_M=host.padded_block(nq), BLOCK_D=flags["BLOCK_D"],
             num_warps=4,
         )  # fmt: skip
     return out
-
-
-# Arrival counters of the fused PMA combine: (device, stream) -> int32 tensor, all zeros
-# between launches (the kernel resets every counter it uses). Calls on one stream run in order,
-# so they can share one array; calls on different streams must not.
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-_MAX_COUNTER_STREAMS = 64
-
-
-def _raw_stream(index: int) -> int:
-    """Handle of the current CUDA stream of device ``index`` (the cheap call Triton uses)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
-
-
-def _arrival_counters(size: int, device: torch.device) -> torch.Tensor:
-    """At least ``size`` zeroed int32 counters for the current stream of ``device``."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (index, _raw_stream(index))
-    else:  # the interpreter runs launches one after the other
-        key = (device.type, 0)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < size:
-        if len(_COUNTERS) >= _MAX_COUNTER_STREAMS:  # streams come and go (CUDA graph capture)
-            _COUNTERS.clear()
-        counters = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = counters
-    return counters
 
 
 def _segment_sum(src: torch.Tensor, dst: torch.Tensor, combine: torch.Tensor, launch: _Launch):
