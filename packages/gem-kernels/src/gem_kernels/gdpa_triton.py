@@ -297,10 +297,12 @@ def _default_config(head_dim: int, interpret: bool, dtype: torch.dtype, tiles: s
 # Kernel module loading (compiled or interpreted).
 
 
-@functools.lru_cache(maxsize=2)  # called by every launch: no path resolution on the hot path
+_KERNEL_FILE = Path(__file__).with_name("_gdpa_kernels.py")
+
+
 def _kernels(interpret: bool) -> ModuleType:
     """The kernel module decorated for this mode (compiled for CUDA, interpreted for CPU tests)."""
-    return load_kernel_module(Path(__file__).with_name("_gdpa_kernels.py"), interpret)
+    return load_kernel_module(_KERNEL_FILE, interpret)
 
 
 def triton_unsupported_reason(q: torch.Tensor) -> str | None:

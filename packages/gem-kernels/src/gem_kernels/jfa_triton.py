@@ -115,9 +115,12 @@ def default_config(
 # Kernel module loading (compiled or interpreted).
 
 
+_KERNEL_FILE = Path(__file__).with_name("_jfa_kernels.py")
+
+
 def _kernels(interpret: bool) -> ModuleType:
     """The kernel module decorated for this mode (compiled for CUDA, interpreted for CPU tests)."""
-    return load_kernel_module(Path(__file__).with_name("_jfa_kernels.py"), interpret)
+    return load_kernel_module(_KERNEL_FILE, interpret)
 
 
 # ---------------------------------------------------------------------------------------------

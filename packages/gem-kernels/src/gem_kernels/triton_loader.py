@@ -18,6 +18,9 @@ from types import ModuleType
 __all__ = ["interpret_requested", "load_kernel_module", "triton_importable"]
 
 _LOADED: dict[tuple[Path, bool], ModuleType] = {}
+# (path as the caller passed it, mode) -> module. Every kernel launch asks for its module, and
+# resolving the path (a filesystem walk) cost about 40 us a call, more than many launches.
+_BY_ARGUMENT: dict[tuple[str | Path, bool], ModuleType] = {}
 _UNSET = object()
 
 
@@ -50,11 +53,16 @@ def load_kernel_module(path: str | Path, interpret: bool) -> ModuleType:
     The module is registered as ``<package>.<stem>_interpreted`` or ``..._compiled``, where
     ``<package>`` is the name of the folder holding the file.
     """
-    path = Path(path).resolve()
-    key = (path, interpret)
-    module = _LOADED.get(key)
-    if module is not None:
-        return module
+    module = _BY_ARGUMENT.get((path, interpret))
+    if module is None:
+        resolved = Path(path).resolve()
+        module = _LOADED.get((resolved, interpret)) or _load(resolved, interpret)
+        _LOADED[(resolved, interpret)] = module
+        _BY_ARGUMENT[(path, interpret)] = module
+    return module
+
+
+def _load(path: Path, interpret: bool) -> ModuleType:
     name = f"{path.parent.name}.{path.stem}_{'interpreted' if interpret else 'compiled'}"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
@@ -83,5 +91,4 @@ def load_kernel_module(path: str | Path, interpret: bool) -> ModuleType:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = previous
-    _LOADED[key] = module
     return module
