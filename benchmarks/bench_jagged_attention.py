@@ -25,7 +25,8 @@ in parallel worker processes (one small call per mask and bias variant); the bia
 timed before the other cases, and ``--warmup-ms`` / ``--rep-ms`` set do_bench's times.
 ``--sweep`` first times a few tile configurations of gem's kernels at B128xL4096 and uses the
 fastest. ``--bias-sweep`` only checks ``rel_pos_bias`` against the reference and times the bias
-variants of ``_bias_sweep_configs`` (causal, every shape) into ``--out``. A full run takes about 4 minutes on an H200 (the
+variants of ``_bias_sweep_configs`` (causal, every shape) into ``--out``; ``--tile-sweep``
+times the unbiased tile variants of ``_tile_sweep_configs`` the same way. A full run takes about 4 minutes on an H200 (the
 ``--budget-s`` guard stops starting new cases after that many seconds).
 """
 
@@ -564,6 +565,72 @@ def _bias_sweep(device, out_path: Path, shapes) -> None:
     _print_table(rows)
 
 
+def _tile_sweep_configs() -> dict[str, JfaTritonConfig]:
+    """Tile variants of the unbiased kernels (``--tile-sweep``), timed on the cases of
+    ``TILE_SWEEP_CASES`` against the default and flash varlen. Edit to explore; the rounds run
+    so far are in ``results/h200/jagged_attention_tile_explore.json``."""
+    long_bwd = _bwd_fields(default_config(D))
+    fwd = {
+        "f128x128w8s3": (128, 128, 8, 3),
+        "f64x64w4s3": (64, 64, 4, 3),
+        "f128x64w8s3": (128, 64, 8, 3),
+        "f64x64w4s4": (64, 64, 4, 4),
+        "f64x128w4s3": (64, 128, 4, 3),
+        "f64x32w4s4": (64, 32, 4, 4),
+    }
+    bwd = {
+        "b64x64w4s3": (64, 64, 64, 64, 4, 3),
+        "b64x32w4s3": (64, 32, 64, 32, 4, 3),
+        "b128x32w8s3": (128, 32, 128, 32, 8, 3),
+        "b64x64w4s2": (64, 64, 64, 64, 4, 2),
+        "b128x64w8s2": (128, 64, 128, 64, 8, 2),
+    }
+    configs = {name: JfaTritonConfig(*fields, *long_bwd) for name, fields in fwd.items()}
+    configs |= {name: JfaTritonConfig(*fwd["f64x64w4s3"], *f) for name, f in bwd.items()}
+    return configs
+
+
+#: (batch, max_len, causal, window) of the ``--tile-sweep`` cases.
+TILE_SWEEP_CASES = [(32, 16384, True, WINDOW), (512, 1024, True, None), (512, 1024, False, None),
+                    (128, 4096, True, None)]  # fmt: skip
+
+
+def _tile_sweep(device, out_path: Path) -> None:
+    """Time every ``_tile_sweep_configs`` variant, the default and flash varlen on
+    ``TILE_SWEEP_CASES`` (outputs checked against flash varlen first); rows go to ``out_path``."""
+    import dataclasses
+    import multiprocessing
+
+    start = time.time()
+    configs = _tile_sweep_configs()
+    jobs = {
+        (causal, window, None, dataclasses.astuple(config))
+        for config in configs.values()
+        for _, _, causal, window in TILE_SWEEP_CASES
+    }
+    with multiprocessing.get_context("spawn").Pool(12) as pool:
+        for line in pool.imap_unordered(_precompile_job, sorted(jobs, key=str)):
+            if "failed" in line:
+                print(line, flush=True)
+    print(f"precompiled {len(jobs)} variants in {time.time() - start:.0f} s", flush=True)
+    checks, errors, rows = {}, [], []
+    for batch, max_len, causal, window in TILE_SWEEP_CASES:
+        case = Case(batch, max_len, causal, window, device)
+        _check_against_flash(case, checks)
+        variants = [("gem", lambda c=case: provider_gem(c)),
+                    ("flash_varlen", lambda c=case: provider_flash_varlen(c))]  # fmt: skip
+        variants += [
+            (f"gem-{name}", lambda c=case, cfg=config: provider_gem(c, config=cfg))
+            for name, config in configs.items()
+        ]
+        for provider, make in variants:
+            _measure(rows, errors, case, provider, make)
+        del case
+        torch.cuda.empty_cache()
+        _write(out_path, None, None, checks, errors, rows, start)
+    _print_table(rows)
+
+
 def _fwd_fields(c: JfaTritonConfig):
     return (c.fwd_block_m, c.fwd_block_n, c.fwd_warps, c.fwd_stages)
 
@@ -604,6 +671,9 @@ def main() -> None:
     parser.add_argument(
         "--bias-sweep", action="store_true", help="only check and time rel_pos_bias variants"
     )
+    parser.add_argument(
+        "--tile-sweep", action="store_true", help="only time the unbiased tile variants"
+    )
     parser.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up")
     parser.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition time")
     args = parser.parse_args()
@@ -616,6 +686,9 @@ def main() -> None:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     if args.bias_sweep:
         _bias_sweep(device, Path(args.out), shapes)
+        return
+    if args.tile_sweep:
+        _tile_sweep(device, Path(args.out))
         return
     rows, errors, checks = [], [], {}
     config = None
