@@ -60,6 +60,11 @@ class JfaTritonConfig(host.FlashTileConfig):
     The defaults are the fastest of a short sweep on an H200 at D=128 (bf16, B128xL4096).
     """
 
+    dq_warps: int = 0
+    """Warps per dQ program (0: ``bwd_warps``)."""
+    dq_stages: int = 0
+    """Software-pipelining depth of the dQ kernel's key loop (0: ``bwd_stages``)."""
+
 
 #: Longest sample (queries or keys) for which unbiased calls at head_dim 65..128 use 64x64
 #: forward tiles (4 warps: two programs per SM instead of one, so one program's prologue and
@@ -408,7 +413,7 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
             launch.scale * _LOG2E, launch.scale,
             BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
             HAS_REL=rel_pos_bias is not None, HAS_JAGGED=jagged_bias is not None,
-            num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
+            num_warps=cfg.dq_warps or cfg.bwd_warps, num_stages=cfg.dq_stages or cfg.bwd_stages,
             **strip, **flags,
         )  # fmt: skip
     if rel_pos_bias is not None:
