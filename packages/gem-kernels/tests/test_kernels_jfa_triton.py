@@ -275,15 +275,23 @@ def test_rel_bias_gradient_reductions(interpret, dkdv_block_m):
 def test_default_config_choices():
     long = jfa_triton.default_config(128)
     short = jfa_triton.default_config(128, max_len=jfa_triton.SHORT_SEQUENCE_LEN)
-    assert (short.fwd_block_m, short.fwd_block_n, short.fwd_warps) == (64, 64, 4)
-    assert short.dkdv_block_n == long.dkdv_block_n and short.dq_block_n == long.dq_block_n
-    assert jfa_triton.default_config(128, max_len=jfa_triton.SHORT_SEQUENCE_LEN + 1) == long
+    assert (short.fwd_block_m, short.fwd_block_n, short.fwd_warps) == (64, 32, 4)
+    assert (short.dkdv_block_n, short.dq_block_m, short.bwd_warps) == (64, 64, 4)
+    medium = jfa_triton.default_config(128, max_len=jfa_triton.SHORT_SEQUENCE_LEN + 1)
+    assert medium == jfa_triton.default_config(128, max_len=jfa_triton.MEDIUM_SEQUENCE_LEN)
+    assert _fwd(medium) == _fwd(long) and medium.dkdv_block_n == 64
+    assert (medium.dq_block_m, medium.dq_warps) == (long.dq_block_m, 8)
+    assert jfa_triton.default_config(128, max_len=jfa_triton.MEDIUM_SEQUENCE_LEN + 1) == long
     rel = jfa_triton.default_config(128, with_bias=True, max_len=16)
     assert (rel.fwd_block_m, rel.fwd_block_n, rel.dkdv_block_m) == (128, 64, 32)
     assert rel.dq_block_n == long.dq_block_n
     jagged = jfa_triton.default_config(128, with_jagged_bias=True)
     assert jagged == replace(rel, dq_block_n=32)
     assert jfa_triton.default_config(16, interpret=True, max_len=8).fwd_block_m == 16
+
+
+def _fwd(config):
+    return (config.fwd_block_m, config.fwd_block_n, config.fwd_warps, config.fwd_stages)
 
 
 def test_entry_point_passes_longest_sample_and_biases(interpret, monkeypatch):
@@ -303,6 +311,17 @@ def test_entry_point_passes_longest_sample_and_biases(interpret, monkeypatch):
     )  # fmt: skip
     assert calls[-1]["max_len"] == 11 and calls[-1]["with_jagged_bias"]
     assert not calls[-1]["with_bias"]
+    # A window bounded on both sides caps the keys a row sees (causal: right = 0).
+    for causal, window, expected in (
+        (True, (4, None), 5),
+        (False, (2, 3), 6),
+        (False, (4, None), 11),
+    ):
+        jagged_flash_attention_triton(
+            tensors["q"], tensors["k"], tensors["v"], offsets_of(q_lengths),
+            offsets_of(k_lengths), causal=causal, window=window,
+        )  # fmt: skip
+        assert calls[-1]["max_len"] == expected, (causal, window)
 
 
 def test_plan_has_only_real_tiles_longest_first():

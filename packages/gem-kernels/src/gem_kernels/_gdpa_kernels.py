@@ -478,12 +478,14 @@ def _fwd_one_loop(
     acc, q, k_desc, v_desc, k_base, v_base, stride_kt, stride_vt, lo, hi, offs_d, k_len, scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr,
-    KV_TMA: tl.constexpr, PIPELINE: tl.constexpr,
+    KV_TMA: tl.constexpr, PIPELINE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
 ):  # fmt: skip
     """Unwindowed forward over key tiles [lo, hi) in one loop and without a score mask: key
     rows past ``k_len`` load as zeros, so their scores are 0, act(0) = 0 for every activation,
     and their V rows are 0 too (rows past ``q_len`` are never stored). ``PIPELINE``: the next
-    tile's ``Q K^T`` is issued before this tile's activation (software pipelining by hand)."""
+    tile's ``Q K^T`` is issued before this tile's activation (software pipelining by hand).
+    ``WARP_SPECIALIZE`` (without ``PIPELINE``): Triton's automatic warp specialisation of the
+    key loop (Hopper: needs the TMA loads of ``KV_TMA``; the interpreter ignores it)."""
     offs_n = tl.arange(0, BLOCK_N)
     if PIPELINE:
         if hi > lo:
@@ -504,7 +506,7 @@ def _fwd_one_loop(
             p = _fwd_p(s, ACT, PACKED)
             acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
     else:
-        for start in range(lo, hi, BLOCK_N):
+        for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
             kt = _kv_tile(k_desc, k_base, start, offs_n, k_len, stride_kt, offs_d, HEAD_DIM,
                           EVEN_D, True, KV_TMA)  # fmt: skip
             v = _kv_tile(v_desc, v_base, start, offs_n, k_len, stride_vt, offs_d, HEAD_DIM,
@@ -524,14 +526,14 @@ def gdpa_fwd_kernel(
     BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     PACKED: tl.constexpr, ONE_LOOP: tl.constexpr = False, KV_TMA: tl.constexpr = False,
-    PIPELINE: tl.constexpr = False,
+    PIPELINE: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
 ):  # fmt: skip
     """Items are (query tile, head); each loops over the key tiles its rows see.
 
     ``ONE_LOOP`` (no window): one mask-free loop instead of the three phases (see
     :func:`_fwd_one_loop`), with ``KV_TMA`` K and V come through per-item TMA descriptors
     that end at the sample's last key, and ``PIPELINE`` overlaps the next tile's ``Q K^T``
-    with this tile's activation by hand."""
+    with this tile's activation by hand (``WARP_SPECIALIZE``: see :func:`_fwd_one_loop`)."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     USE_ONE_LOOP: tl.constexpr = ONE_LOOP and not HAS_LEFT and not HAS_RIGHT
     offs_d = tl.arange(0, BLOCK_D)
@@ -547,10 +549,16 @@ def gdpa_fwd_kernel(
 
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_ok = offs_m < q_len
-        q = _load_tile(
-            q_ptr + q_start * stride_qt + head * stride_qh, offs_m, m_ok, stride_qt, offs_d,
-            HEAD_DIM, True, EVEN_D, False,
-        )  # fmt: skip
+        q_base = q_ptr + q_start * stride_qt + head * stride_qh
+        if WARP_SPECIALIZE and USE_ONE_LOOP:  # Hopper's partitioner takes descriptor loads only
+            q = tl.make_tensor_descriptor(
+                q_base, shape=[tl.maximum(q_len, 1), HEAD_DIM], strides=[stride_qt, 1],
+                block_shape=[BLOCK_M, BLOCK_D],
+            ).load([m0, 0])  # fmt: skip
+        else:
+            q = _load_tile(
+                q_base, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, True, EVEN_D, False
+            )
         k_base = k_ptr + k_start * stride_kt + head * stride_kh
         v_base = v_ptr + k_start * stride_vt + head * stride_vh
         lo_t, full_lo, full_hi, hi_t = _key_ranges(
@@ -577,7 +585,7 @@ def gdpa_fwd_kernel(
             acc = _fwd_one_loop(
                 acc, q, k_desc, v_desc, k_base, v_base, stride_kt, stride_vt, lo_t, hi_t, offs_d,
                 k_len, scale, HEAD_DIM, BLOCK_N, ACT, EVEN_D, DOT_PRECISION, UPCAST, PACKED,
-                KV_TMA, PIPELINE,
+                KV_TMA, PIPELINE, WARP_SPECIALIZE,
             )  # fmt: skip
         else:
             acc = _fwd_inner(
@@ -620,13 +628,16 @@ def gdpa_fwd_short_kv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KV: tl.constexpr,
     BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    PACKED: tl.constexpr, MASK_FREE: tl.constexpr = False,
+    PACKED: tl.constexpr, MASK_FREE: tl.constexpr = False, Q_TMA: tl.constexpr = False,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):  # fmt: skip
     """Short KV (every sample has <= BLOCK_KV keys): items are (sample, run of query tiles,
     head). The whole K and V of the sample are loaded once and stay on chip while the item's
     query tiles stream past them. ``MASK_FREE`` (no window): no score mask, since keys past
     ``k_len`` load as zeros (score 0, act(0) = 0, V row 0) and rows past ``q_len`` are never
-    stored."""
+    stored. ``Q_TMA``: query tiles come through a per-item TMA descriptor that ends at the
+    sample's last query; ``WARP_SPECIALIZE`` (with it): Triton's automatic warp specialisation
+    of the query loop (the interpreter ignores it)."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     SCORE_MASK: tl.constexpr = HAS_LEFT or HAS_RIGHT or not MASK_FREE
     offs_d = tl.arange(0, BLOCK_D)
@@ -656,10 +667,21 @@ def gdpa_fwd_short_kv_kernel(
             norm = 1.0 / tl.maximum(k_len, 1).to(tl.float32)
         q_base = q_ptr + q_start * stride_qt + head * stride_qh
         o_base = o_ptr + dst_start * stride_ot + head * stride_oh
-        for m0 in range(row0, row_end, BLOCK_M):
+        q_desc = None
+        if Q_TMA:  # rows past the sample's end read as zeros
+            q_desc = tl.make_tensor_descriptor(
+                q_base, shape=[tl.maximum(q_len, 1), HEAD_DIM], strides=[stride_qt, 1],
+                block_shape=[BLOCK_M, BLOCK_D],
+            )  # fmt: skip
+        for m0 in tl.range(row0, row_end, BLOCK_M, warp_specialize=WARP_SPECIALIZE):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < q_len
-            q = _load_tile(q_base, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, True, EVEN_D, False)
+            if Q_TMA:
+                q = q_desc.load([m0, 0])
+            else:
+                q = _load_tile(
+                    q_base, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, True, EVEN_D, False
+                )
             s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
             if PACKED:  # noqa: SIM108 (constexpr branch: only one side is compiled)
                 p = _act_packed(s, PACKED)

@@ -182,6 +182,15 @@ class GdpaTritonConfig(host.FlashTileConfig):
     fwd_pipeline: bool = False
     """With ``fwd_one_loop``: issue the next key tile's ``Q K^T`` before this tile's activation
     (software pipelining by hand)."""
+    fwd_warp_specialize: bool = False
+    """With ``fwd_one_loop`` and TMA K/V loads, not ``fwd_pipeline``: Triton's automatic warp
+    specialisation of the key loop (``tl.range(..., warp_specialize=True)``: producer warps
+    issue the TMA loads, consumer warpgroups the MMAs and the activation)."""
+    short_q_tma: bool = False
+    """Short-KV forward: load query tiles through per-item TMA descriptors (16-byte aligned
+    rows; other calls use pointer loads)."""
+    short_warp_specialize: bool = False
+    """With ``short_q_tma``: automatic warp specialisation of the short-KV query loop."""
     bwd_one_loop: bool = False
     """Self/cross backward without window or causal mask: one loop per item with masked loads
     and no score mask, instead of three phases."""
@@ -815,10 +824,10 @@ def _tma_workspace(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _tma_ready(k: torch.Tensor, v: torch.Tensor, interpret: bool) -> bool:
-    """Whether K and V can go through TMA descriptors (16-byte aligned base and row strides);
-    installs a Triton scratch allocator on CUDA when none is set."""
-    for t in (k, v):
+def _tma_ready(*tensors: torch.Tensor, interpret: bool) -> bool:
+    """Whether ``tensors`` can go through TMA descriptors (16-byte aligned base and row
+    strides); installs a Triton scratch allocator on CUDA when none is set."""
+    for t in tensors:
         size = t.element_size()
         if t.data_ptr() % 16 or (t.stride(0) * size) % 16 or (t.stride(1) * size) % 16:
             return False
@@ -853,10 +862,12 @@ def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tens
         partial, partial.stride(0), partial.stride(1),
     )  # fmt: skip
     if plan.short_kv_block:
+        q_tma = cfg.short_q_tma and _tma_ready(q, interpret=launch.interpret)
         kernels.gdpa_fwd_short_kv_kernel[(plan.fwd_grid,)](
             *common, BLOCK_M=cfg.short_block_m, BLOCK_KV=plan.short_kv_block,
             num_warps=cfg.short_warps, num_stages=cfg.short_stages,
-            MASK_FREE=cfg.short_mask_free, **_flags(q, launch),
+            MASK_FREE=cfg.short_mask_free, Q_TMA=q_tma,
+            WARP_SPECIALIZE=q_tma and cfg.short_warp_specialize, **_flags(q, launch),
         )  # fmt: skip
     elif launch.num_queries is not None:
         kernels.gdpa_fwd_kernel[(plan.fwd_grid,)](
@@ -864,11 +875,13 @@ def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tens
             num_warps=cfg.pma_warps, num_stages=cfg.pma_stages, **_flags(q, launch),
         )  # fmt: skip
     else:
-        tma = cfg.fwd_one_loop and cfg.fwd_kv_tma and _tma_ready(k, v, launch.interpret)
+        tma = cfg.fwd_one_loop and cfg.fwd_kv_tma and _tma_ready(k, v, interpret=launch.interpret)
+        pipeline = cfg.fwd_one_loop and cfg.fwd_pipeline
         kernels.gdpa_fwd_kernel[(plan.fwd_grid,)](
             *common, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, ONE_LOOP=cfg.fwd_one_loop,
-            KV_TMA=tma, PIPELINE=cfg.fwd_one_loop and cfg.fwd_pipeline, **_flags(q, launch),
+            KV_TMA=tma, PIPELINE=pipeline,
+            WARP_SPECIALIZE=tma and not pipeline and cfg.fwd_warp_specialize, **_flags(q, launch),
         )  # fmt: skip
     if plan.fwd_combine is not None:
         # Per sample: sum of its chunks' Nq x H x D blocks (normalisation is in the partials).

@@ -36,6 +36,7 @@ __all__ = [
     "JfaTritonConfig",
     "MAX_TRITON_BUCKETS",
     "MAX_TRITON_HEAD_DIM",
+    "MEDIUM_SEQUENCE_LEN",
     "SHORT_SEQUENCE_LEN",
     "default_config",
     "jagged_flash_attention_from_lengths",
@@ -66,11 +67,14 @@ class JfaTritonConfig(host.FlashTileConfig):
     """Software-pipelining depth of the dQ kernel's key loop (0: ``bwd_stages``)."""
 
 
-#: Longest sample (queries or keys) for which unbiased calls at head_dim 65..128 use 64x64
-#: forward tiles (4 warps: two programs per SM instead of one, so one program's prologue and
-#: epilogue overlap another's loop; H200, B512xL1024: +4% causal, +9% non-causal forward; at
-#: L4096 the 128x128 tile is 1.3x faster).
+#: Longest sample (queries or keys, or the keys a query row can see under a window that
+#: bounds both sides) for which unbiased calls at head_dim 65..128 take the short tiles: 64x32
+#: forward tiles and 64-key dK/dV tiles, 4 warps (several programs per SM, so one program's
+#: prologue and epilogue overlap another's loop).
 SHORT_SEQUENCE_LEN = 1024
+#: Up to this longest sample (above ``SHORT_SEQUENCE_LEN``), unbiased calls at head_dim
+#: 65..128 keep the long forward tiles but take the short dK/dV tiles.
+MEDIUM_SEQUENCE_LEN = 2048
 
 
 def default_config(
@@ -83,6 +87,22 @@ def default_config(
 ) -> JfaTritonConfig:
     """Tile configuration for a head dimension (small tiles under the interpreter).
 
+    ``max_len``: the longest sample of the batch, or the keys a query row can see when a window
+    bounds both sides (causal with a left window: ``left + 1``), whichever is smaller; ``None``:
+    unknown (long tiles). Unbiased calls at head_dim 65..128 (H200 tile sweeps,
+    ``benchmarks/results/h200/jagged_attention_tile_explore.json``, rounds r1-r2, TFLOP/s
+    forward / forward+backward, long tiles -> chosen):
+
+    - up to ``SHORT_SEQUENCE_LEN``: 64x32 forward tiles, 64-key dK/dV tiles stepping 32 query
+      rows and 64x32 dQ tiles, 4 warps. B512xL1024 causal 188/168 -> 198/182, non-causal
+      313/259 -> 309/278; causal window 256 at B32xL16384 138/133 -> 206/174 (flash varlen
+      in the same run: 143/142);
+    - up to ``MEDIUM_SEQUENCE_LEN``: long forward tiles, the short dK/dV tiles (4 warps) and
+      128x64 dQ tiles (8 warps): B256xL2048 causal forward+backward 241 -> 251 (at B128xL4096
+      causal 299 -> 298, so longer batches keep the long tiles);
+    - longer: 128x128 forward tiles, 128-key dK/dV tiles stepping 64 query rows, 128x64 dQ
+      tiles, 8 warps.
+
     ``with_bias``: bias tiles are loaded in the loops too; the 128x128 forward tile then needs
     more shared memory than an H200 has, so biased calls use 128x64 and 32 query rows per
     dK/dV step (its registers hold dK, dV and the bias tile; fastest of an H200 sweep at
@@ -91,8 +111,8 @@ def default_config(
     ``benchmarks/results/h200/jagged_attention_bias_explore.json``). ``with_jagged_bias`` (implies
     ``with_bias``): the dQ kernel also steps 32 keys at a time (it loads the bias tile and
     stores its gradient; 64 keys spill registers; H200: 1.02-1.05x faster forward+backward).
-    ``max_len``: the longest sample of the batch; up to ``SHORT_SEQUENCE_LEN`` unbiased
-    calls at head_dim 65..128 take 64x64 forward tiles.
+    Biased calls take these tiles at every length (the short tiles were not measured with
+    biases).
     """
     if interpret:
         return JfaTritonConfig(16, 16, 1, 1, 16, 16, 16, 16, 1, 1)
@@ -102,7 +122,9 @@ def default_config(
     elif head_dim <= 128:
         config = JfaTritonConfig()
         if not with_bias and max_len is not None and max_len <= SHORT_SEQUENCE_LEN:
-            config = replace(config, fwd_block_m=64, fwd_block_n=64, fwd_warps=4, fwd_stages=3)
+            config = JfaTritonConfig(64, 32, 4, 3, 64, 32, 64, 32, 4, 3)
+        elif not with_bias and max_len is not None and max_len <= MEDIUM_SEQUENCE_LEN:
+            config = replace(config, dkdv_block_n=64, dkdv_block_m=32, bwd_warps=4, dq_warps=8)
     else:
         config = JfaTritonConfig(64, 32, 4, 2, 64, 32, 64, 32, 4, 2)
     if with_bias:
@@ -495,11 +517,15 @@ def jagged_flash_attention_from_lengths(
     if k_lengths is None:
         k_lengths = q_lengths
     head_dim = q.shape[2]
+    left, right = _resolve_window(causal, window)
     if config is None:
         longest = max(
             int(q_lengths.max()) if q_lengths.numel() else 0,
             int(k_lengths.max()) if k_lengths.numel() else 0,
         )
+        if left is not None and right is not None:
+            # A query row sees at most left + right + 1 keys: the tiles of a short batch fit.
+            longest = min(longest, left + right + 1)
         config = default_config(
             head_dim,
             interpret=interpret,
@@ -507,7 +533,6 @@ def jagged_flash_attention_from_lengths(
             with_jagged_bias=jagged_bias is not None,
             max_len=longest,
         )
-    left, right = _resolve_window(causal, window)
     launch = _Launch(
         scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
         left=left,
