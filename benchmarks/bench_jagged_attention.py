@@ -35,6 +35,7 @@ from __future__ import annotations
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -497,9 +498,20 @@ def _bias_sweep_configs() -> dict[str, tuple[JfaTritonConfig, str]]:
     ``results/h200/jagged_attention_bias_explore.json``."""
     biased = default_config(D, with_bias=True)
     jagged = default_config(D, with_jagged_bias=True)
+    short = JfaTritonConfig(64, 32, 4, 3, 64, 32, 64, 32, 4, 3)
+    medium = JfaTritonConfig(*_fwd_fields(biased), 64, 32, 128, 64, 4, 3, 8, 3)
     return {
         "default": (biased, "rel_pos_bias"),
         "jagged_default": (jagged, "jagged_bias"),
+        "short": (short, "rel_pos_bias"),
+        "short_dkdv16": (replace(short, dkdv_block_m=16), "rel_pos_bias"),
+        "short_fwd_only": (
+            JfaTritonConfig(*_fwd_fields(short), *_bwd_fields(biased)),
+            "rel_pos_bias",
+        ),
+        "medium": (medium, "rel_pos_bias"),
+        "jagged_short": (short, "jagged_bias"),
+        "jagged_medium": (replace(medium, dq_block_n=32), "jagged_bias"),
     }
 
 
