@@ -32,6 +32,7 @@ times the unbiased tile variants of ``_tile_sweep_configs`` the same way. A full
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 import traceback
@@ -119,17 +120,22 @@ def _precompile_batch(causal, window, bias, config_fields, lengths) -> str | Non
 
 
 def _precompile(cases, config) -> None:
-    import dataclasses
-    import multiprocessing
-
     fields = None if config is None else dataclasses.astuple(config)
     jobs = {(causal, window, None, fields) for _, _, causal, window in cases}
     jobs |= {(True, None, bias, fields) for bias in ("rel_pos_bias", "jagged_bias")}
+    _precompile_variants(jobs)
+
+
+def _precompile_variants(jobs) -> None:
+    """Compile gem's kernels for the (causal, window, bias, config fields) jobs in parallel
+    worker processes (Triton's cache then serves the timed runs)."""
+    import multiprocessing
+
     start = time.time()
-    with multiprocessing.get_context("spawn").Pool(min(len(jobs), 8)) as pool:
+    with multiprocessing.get_context("spawn").Pool(min(len(jobs), 12)) as pool:
         for line in pool.imap_unordered(_precompile_job, sorted(jobs, key=str)):
             print(line, flush=True)
-    print(f"precompiled gem's kernels in {time.time() - start:.0f} s", flush=True)
+    print(f"precompiled {len(jobs)} variants in {time.time() - start:.0f} s", flush=True)
 
 
 def _lengths(batch: int, max_len: int) -> torch.Tensor:
@@ -518,11 +524,16 @@ def _bias_sweep_configs() -> dict[str, tuple[JfaTritonConfig, str]]:
 def _bias_sweep(device, out_path: Path, shapes) -> None:
     """Check the ``rel_pos_bias`` variants against the reference on odd lengths, then time
     every variant (and the unbiased kernel) causal at ``shapes``; rows go to ``out_path``."""
+    import dataclasses
+
     from gem_kernels.jfa_triton import jagged_flash_attention_from_lengths
     from gem_kernels.reference import jagged_flash_attention_reference
 
     start = time.time()
     configs = _bias_sweep_configs()
+    _precompile_variants(
+        {(True, None, bias, dataclasses.astuple(config)) for config, bias in configs.values()}
+    )
     gen = torch.Generator().manual_seed(0)
     q_len = [0, 1, 300, 77, 513, 64, 1000]
     k_len = [5, 0, 129, 600, 513, 1, 1000]
@@ -606,20 +617,16 @@ def _tile_sweep(device, out_path: Path) -> None:
     """Time every ``_tile_sweep_configs`` variant, the default and flash varlen on
     ``TILE_SWEEP_CASES`` (outputs checked against flash varlen first); rows go to ``out_path``."""
     import dataclasses
-    import multiprocessing
 
     start = time.time()
     configs = _tile_sweep_configs()
-    jobs = {
-        (causal, window, None, dataclasses.astuple(config))
-        for config in configs.values()
-        for _, _, causal, window in TILE_SWEEP_CASES
-    }
-    with multiprocessing.get_context("spawn").Pool(12) as pool:
-        for line in pool.imap_unordered(_precompile_job, sorted(jobs, key=str)):
-            if "failed" in line:
-                print(line, flush=True)
-    print(f"precompiled {len(jobs)} variants in {time.time() - start:.0f} s", flush=True)
+    _precompile_variants(
+        {
+            (causal, window, None, dataclasses.astuple(config))
+            for config in configs.values()
+            for _, _, causal, window in TILE_SWEEP_CASES
+        }
+    )
     checks, errors, rows = {}, [], []
     for batch, max_len, causal, window in TILE_SWEEP_CASES:
         case = Case(batch, max_len, causal, window, device)
