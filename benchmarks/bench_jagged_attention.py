@@ -524,7 +524,6 @@ def _bias_sweep_configs() -> dict[str, tuple[JfaTritonConfig, str]]:
 def _bias_sweep(device, out_path: Path, shapes) -> None:
     """Check the ``rel_pos_bias`` variants against the reference on odd lengths, then time
     every variant (and the unbiased kernel) causal at ``shapes``; rows go to ``out_path``."""
-    import dataclasses
 
     from gem_kernels.jfa_triton import jagged_flash_attention_from_lengths
     from gem_kernels.reference import jagged_flash_attention_reference
@@ -616,7 +615,6 @@ TILE_SWEEP_CASES = [(32, 16384, True, WINDOW), (512, 1024, True, None), (512, 10
 def _tile_sweep(device, out_path: Path) -> None:
     """Time every ``_tile_sweep_configs`` variant, the default and flash varlen on
     ``TILE_SWEEP_CASES`` (outputs checked against flash varlen first); rows go to ``out_path``."""
-    import dataclasses
 
     start = time.time()
     configs = _tile_sweep_configs()
