@@ -10,8 +10,6 @@ GPU tests (``-m gpu``) use the compiled kernels on larger shapes.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 from gem_kernels import jagged_flash_attention, jfa_triton
@@ -282,11 +280,17 @@ def test_default_config_choices():
     assert _fwd(medium) == _fwd(long) and medium.dkdv_block_n == 64
     assert (medium.dq_block_m, medium.dq_warps) == (long.dq_block_m, 8)
     assert jfa_triton.default_config(128, max_len=jfa_triton.MEDIUM_SEQUENCE_LEN + 1) == long
-    rel = jfa_triton.default_config(128, with_bias=True, max_len=16)
-    assert (rel.fwd_block_m, rel.fwd_block_n, rel.dkdv_block_m) == (128, 64, 32)
-    assert rel.dq_block_n == long.dq_block_n
-    jagged = jfa_triton.default_config(128, with_jagged_bias=True)
-    assert jagged == replace(rel, dq_block_n=32)
+    assert jfa_triton.default_config(128, with_bias=True, max_len=16) == short
+    rel = jfa_triton.default_config(128, with_bias=True, max_len=1025)
+    assert rel == jfa_triton.default_config(128, with_bias=True)  # every longer batch
+    assert _fwd(rel) == (128, 64, 8, 3) and (rel.dkdv_block_n, rel.dkdv_block_m) == (64, 32)
+    assert (rel.dq_block_m, rel.dq_block_n, rel.dq_warps) == (128, 64, 8)
+    for max_len in (16, None):
+        jagged = jfa_triton.default_config(128, with_jagged_bias=True, max_len=max_len)
+        assert _fwd(jagged) == (128, 64, 8, 3) and jagged.dq_block_n == 32
+        assert (jagged.dkdv_block_n, jagged.dkdv_block_m, jagged.bwd_warps) == (128, 32, 8)
+    small = jfa_triton.default_config(64, with_jagged_bias=True)
+    assert (small.fwd_block_n, small.dkdv_block_m, small.dq_block_n) == (64, 32, 32)
     assert jfa_triton.default_config(16, interpret=True, max_len=8).fwd_block_m == 16
 
 

@@ -68,9 +68,9 @@ class JfaTritonConfig(host.FlashTileConfig):
 
 
 #: Longest sample (queries or keys, or the keys a query row can see under a window that
-#: bounds both sides) for which unbiased calls at head_dim 65..128 take the short tiles: 64x32
-#: forward tiles and 64-key dK/dV tiles, 4 warps (several programs per SM, so one program's
-#: prologue and epilogue overlap another's loop).
+#: bounds both sides) for which unbiased and ``rel_pos_bias`` calls at head_dim 65..128 take
+#: the short tiles: 64x32 forward tiles and 64-key dK/dV tiles, 4 warps (several programs per
+#: SM, so one program's prologue and epilogue overlap another's loop).
 SHORT_SEQUENCE_LEN = 1024
 #: Up to this longest sample (above ``SHORT_SEQUENCE_LEN``), unbiased calls at head_dim
 #: 65..128 keep the long forward tiles but take the short dK/dV tiles.
@@ -103,28 +103,32 @@ def default_config(
     - longer: 128x128 forward tiles, 128-key dK/dV tiles stepping 64 query rows, 128x64 dQ
       tiles, 8 warps.
 
-    ``with_bias``: bias tiles are loaded in the loops too; the 128x128 forward tile then needs
-    more shared memory than an H200 has, so biased calls use 128x64 and 32 query rows per
-    dK/dV step (its registers hold dK, dV and the bias tile; fastest of an H200 sweep at
-    B512xL1024 and B32xL16384, causal). They keep 3 backward stages (H200, causal, against 2:
-    forward+backward 1.03-1.18x faster with ``rel_pos_bias``, 1.10x with ``jagged_bias``;
-    ``benchmarks/results/h200/jagged_attention_bias_explore.json``). ``with_jagged_bias`` (implies
-    ``with_bias``): the dQ kernel also steps 32 keys at a time (it loads the bias tile and
-    stores its gradient; 64 keys spill registers; H200: 1.02-1.05x faster forward+backward).
-    Biased calls take these tiles at every length (the short tiles were not measured with
-    biases).
+    With ``rel_pos_bias`` (``with_bias``), bias tiles are loaded in the loops too; the 128x128
+    forward tile then needs more shared memory than an H200 has. Up to ``SHORT_SEQUENCE_LEN``
+    biased calls take the short tiles (B512xL1024 causal 155/105 -> 173/118), longer ones
+    128x64 forward tiles and the medium backward (B128xL4096 303/221 -> 309/232, B32xL16384
+    383/307 -> 385/306; bias sweep round r6 in
+    ``benchmarks/results/h200/jagged_attention_bias_explore.json``). ``with_jagged_bias``
+    (implies ``with_bias``) keeps 128x64 forward tiles, 128-key dK/dV tiles stepping 32 query
+    rows and 128x32 dQ tiles (it loads the bias tile and stores its gradient; 64 keys spill
+    registers) at every length: the short and medium tiles were 4-10% slower (round r6).
+    Other head dims: one configuration per size, biased calls with narrower key tiles.
     """
     if interpret:
         return JfaTritonConfig(16, 16, 1, 1, 16, 16, 16, 16, 1, 1)
+    short_batch = max_len is not None and max_len <= SHORT_SEQUENCE_LEN
+    medium_batch = max_len is not None and max_len <= MEDIUM_SEQUENCE_LEN
+    if 64 < head_dim <= 128:
+        if with_jagged_bias:
+            return JfaTritonConfig(128, 64, 8, 3, 128, 32, 128, 32, 8, 3)
+        if short_batch:
+            return _SHORT_TILES
+        if with_bias:
+            return replace(_MEDIUM_BWD_TILES, fwd_block_n=64)
+        return _MEDIUM_BWD_TILES if medium_batch else JfaTritonConfig()
     with_bias = with_bias or with_jagged_bias
     if head_dim <= 64:
         config = JfaTritonConfig(128, 64, 4, 3, 128, 64, 128, 64, 8, 2)
-    elif head_dim <= 128:
-        config = JfaTritonConfig()
-        if not with_bias and max_len is not None and max_len <= SHORT_SEQUENCE_LEN:
-            config = JfaTritonConfig(64, 32, 4, 3, 64, 32, 64, 32, 4, 3)
-        elif not with_bias and max_len is not None and max_len <= MEDIUM_SEQUENCE_LEN:
-            config = replace(config, dkdv_block_n=64, dkdv_block_m=32, bwd_warps=4, dq_warps=8)
     else:
         config = JfaTritonConfig(64, 32, 4, 2, 64, 32, 64, 32, 4, 2)
     if with_bias:
@@ -136,6 +140,11 @@ def default_config(
     if with_jagged_bias:
         config = replace(config, dq_block_n=min(config.dq_block_n, 32))
     return config
+
+
+# Head dims 65..128: the short tiles, and the long forward with the short dK/dV tiles.
+_SHORT_TILES = JfaTritonConfig(64, 32, 4, 3, 64, 32, 64, 32, 4, 3)
+_MEDIUM_BWD_TILES = JfaTritonConfig(128, 128, 8, 3, 64, 32, 128, 64, 4, 3, dq_warps=8)
 
 
 # ---------------------------------------------------------------------------------------------
