@@ -591,25 +591,21 @@ def _tile_sweep_configs() -> dict[str, JfaTritonConfig]:
     """Tile variants of the unbiased kernels (``--tile-sweep``), timed on the cases of
     ``TILE_SWEEP_CASES`` against the default and flash varlen. Edit to explore; the rounds run
     so far are in ``results/h200/jagged_attention_tile_explore.json``."""
-    short_bwd = (64, 32, 64, 32, 4, 3)
-    variants = {
-        "old_short": (64, 64, 4, 3, 128, 64, 128, 64, 8, 3),
-        "old_long": (128, 128, 8, 3, 128, 64, 128, 64, 8, 3),
-        "s_f64x32s4": (64, 32, 4, 4, *short_bwd),
-        "s_f64x32s2": (64, 32, 4, 2, *short_bwd),
-        "s_f64x16s3": (64, 16, 4, 3, *short_bwd),
-        "s_f128x32w8s3": (128, 32, 8, 3, *short_bwd),
-        "s_dq64x16": (64, 32, 4, 3, 64, 32, 64, 16, 4, 3),
-        "s_dq_w4s4": (64, 32, 4, 3, *short_bwd, 4, 4),
-        "s_dkdv_s4": (64, 32, 4, 3, 64, 32, 64, 32, 4, 4, 4, 3),
-        "m_dq64x32w4": (128, 128, 8, 3, *short_bwd),
-    }
-    return {name: JfaTritonConfig(*fields) for name, fields in variants.items()}
+    configs = {}
+    for regime, max_len in (("short", 1024), ("medium", 2048), ("long", None)):
+        chosen = default_config(D, max_len=max_len)
+        configs[f"{regime}_split"] = replace(chosen, bwd_fused=False)
+        configs[f"{regime}_fused"] = replace(chosen, bwd_fused=True)
+    configs["long_fused_b128x32"] = replace(configs["long_fused"], dkdv_block_m=32)
+    return configs
 
 
+#: Modes timed for the ``--tile-sweep`` variants (the default and flash varlen: both).
+TILE_SWEEP_MODES = ("fwd_bwd",)
 #: (batch, max_len, causal, window) of the ``--tile-sweep`` cases.
 TILE_SWEEP_CASES = [(32, 16384, True, WINDOW), (512, 1024, True, None), (512, 1024, False, None),
-                    (256, 2048, True, None), (256, 2048, False, None)]  # fmt: skip
+                    (256, 2048, True, None), (128, 4096, True, None), (128, 4096, False, None),
+                    (32, 16384, True, None), (32, 16384, False, None)]  # fmt: skip
 
 
 def _tile_sweep(device, out_path: Path) -> None:
@@ -631,12 +627,11 @@ def _tile_sweep(device, out_path: Path) -> None:
         _check_against_flash(case, checks)
         variants = [("gem", lambda c=case: provider_gem(c)),
                     ("flash_varlen", lambda c=case: provider_flash_varlen(c))]  # fmt: skip
-        variants += [
-            (f"gem-{name}", lambda c=case, cfg=config: provider_gem(c, config=cfg))
-            for name, config in configs.items()
-        ]
         for provider, make in variants:
             _measure(rows, errors, case, provider, make)
+        for name, config in configs.items():
+            make = lambda c=case, cfg=config: provider_gem(c, config=cfg)  # noqa: E731
+            _measure(rows, errors, case, f"gem-{name}", make, modes=TILE_SWEEP_MODES)
         del case
         torch.cuda.empty_cache()
         _write(out_path, None, None, checks, errors, rows, start)
