@@ -591,13 +591,11 @@ def _tile_sweep_configs() -> dict[str, JfaTritonConfig]:
     """Tile variants of the unbiased kernels (``--tile-sweep``), timed on the cases of
     ``TILE_SWEEP_CASES`` against the default and flash varlen. Edit to explore; the rounds run
     so far are in ``results/h200/jagged_attention_tile_explore.json``."""
-    configs = {}
-    for regime, max_len in (("short", 1024), ("medium", 2048), ("long", None)):
-        chosen = default_config(D, max_len=max_len)
-        configs[f"{regime}_split"] = replace(chosen, bwd_fused=False)
-        configs[f"{regime}_fused"] = replace(chosen, bwd_fused=True)
-    configs["long_fused_b128x32"] = replace(configs["long_fused"], dkdv_block_m=32)
-    return configs
+    # Each length regime's default tiles on every case: where the crossovers lie.
+    return {
+        regime: default_config(D, max_len=max_len)
+        for regime, max_len in (("short", 1024), ("medium", 2048), ("long", None))
+    }
 
 
 #: Modes timed for the ``--tile-sweep`` variants (the default and flash varlen: both).

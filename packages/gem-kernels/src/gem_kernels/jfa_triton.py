@@ -9,11 +9,9 @@ Jagged-aware scheduling: the host builds, from the sample lengths, one table row
 the rows by their amount of work, longest first, so the long tiles start early and the short
 ones fill the tail of the grid. The forward and the dQ kernel walk query tiles; the dK/dV kernel
 walks key tiles. Plans are cached by lengths and tiling (a model's layers and their backward
-share one batch), so repeated calls only hash the lengths. The split backward (a dK/dV kernel
-and a dQ kernel) is deterministic: no atomics; the relative-position bias gradient is
-accumulated per dK/dV program into its own row of a partial buffer and summed afterwards. With
-``JfaTritonConfig.bwd_fused`` the dK/dV kernel adds dQ with float32 atomics instead (faster,
-summation order not fixed); ``torch.use_deterministic_algorithms(True)`` selects the split one.
+share one batch), so repeated calls only hash the lengths. Backward is deterministic: no
+atomics; the relative-position bias gradient is accumulated per dK/dV program into its own row
+of a partial buffer and summed afterwards.
 
 CPU tensors run under the Triton interpreter when ``TRITON_INTERPRET=1`` is set at call time:
 the kernel module is loaded once per mode (interpreted or compiled), so the variable may be set
@@ -67,11 +65,6 @@ class JfaTritonConfig(host.FlashTileConfig):
     """Warps per dQ program (0: ``bwd_warps``)."""
     dq_stages: int = 0
     """Software-pipelining depth of the dQ kernel's key loop (0: ``bwd_stages``)."""
-    bwd_fused: bool = False
-    """The dK/dV kernel also adds dQ, with float32 atomics into a zeroed buffer (summation
-    order not fixed), and no dQ kernel runs: S and dP are computed once instead of twice.
-    Calls with ``jagged_bias`` (its gradient is written by the dQ kernel) and every call under
-    ``torch.use_deterministic_algorithms(True)`` keep the separate dQ kernel (no atomics)."""
 
 
 #: Longest sample (queries or keys, or the keys a query row can see under a window that
@@ -120,6 +113,13 @@ def default_config(
     rows and 128x32 dQ tiles (it loads the bias tile and stores its gradient; 64 keys spill
     registers) at every length: the short and medium tiles were 4-10% slower (round r6).
     Other head dims: one configuration per size, biased calls with narrower key tiles.
+
+    The backward stays split (a dK/dV and a dQ kernel, no atomics). A fused backward whose
+    dK/dV kernel added dQ with float32 atomics (no dQ kernel; S and dP computed once) was
+    slower with each regime's tiles: forward+backward 0.75x-0.77x with the short and medium
+    tiles, 0.93x-0.98x with the long ones at L1024-L4096, 0.99x / 1.02x at B32xL16384 causal /
+    non-causal (tile sweep round r4): the dQ atomics per key tile cost more than the two
+    matrix products they save, the more so the fewer keys a tile has.
     """
     if interpret:
         return JfaTritonConfig(16, 16, 1, 1, 16, 16, 16, 16, 1, 1)
@@ -132,7 +132,7 @@ def default_config(
             return _SHORT_TILES
         if with_bias:
             return replace(_MEDIUM_BWD_TILES, fwd_block_n=64)
-        return _MEDIUM_BWD_TILES if medium_batch else JfaTritonConfig(bwd_fused=True)
+        return _MEDIUM_BWD_TILES if medium_batch else JfaTritonConfig()
     with_bias = with_bias or with_jagged_bias
     if head_dim <= 64:
         config = JfaTritonConfig(128, 64, 4, 3, 128, 64, 128, 64, 8, 2)
@@ -150,10 +150,8 @@ def default_config(
 
 
 # Head dims 65..128: the short tiles, and the long forward with the short dK/dV tiles.
-_SHORT_TILES = JfaTritonConfig(64, 32, 4, 3, 64, 32, 64, 32, 4, 3, bwd_fused=True)
-_MEDIUM_BWD_TILES = JfaTritonConfig(
-    128, 128, 8, 3, 64, 32, 128, 64, 4, 3, dq_warps=8, bwd_fused=True
-)
+_SHORT_TILES = JfaTritonConfig(64, 32, 4, 3, 64, 32, 64, 32, 4, 3)
+_MEDIUM_BWD_TILES = JfaTritonConfig(128, 128, 8, 3, 64, 32, 128, 64, 4, 3, dq_warps=8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,12 +398,7 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
     kernels = _kernels(launch.interpret)
     grad_out = host.unit_stride(grad_out)
     flags = _flags(q, launch)
-    fused_dq = (
-        cfg.bwd_fused and jagged_bias is None and not torch.are_deterministic_algorithms_enabled()
-    )
-    # Fused: dQ accumulates in float32 across key tiles; split: the dQ kernel writes it once.
-    dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused_dq else q
-    dq = None if fused_dq else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     jb_grad = None if jagged_bias is None else _new_bias_grad(jagged_bias)
@@ -442,14 +435,11 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
             BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
             HAS_REL=rel_pos_bias is not None, HAS_JAGGED=jagged_bias is not None,
             DIAG_W=1 << (cfg.dkdv_block_m + cfg.dkdv_block_n - 2).bit_length(),
-            BUCKETS_PAD=buckets_pad, dq_ptr=dq32, stride_dqt=dq32.stride(0),
-            stride_dqh=dq32.stride(1), FUSED_DQ=fused_dq,
+            BUCKETS_PAD=buckets_pad,
             num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
             **strip, **flags,
         )  # fmt: skip
-    num_query_tiles = 0 if fused_dq else plan.dq.shape[0]
-    if fused_dq:
-        dq = (dq32 * launch.scale).to(q.dtype)
+    num_query_tiles = plan.dq.shape[0]
     if num_query_tiles > 0:
         kernels.jfa_bwd_dq_kernel[(num_query_tiles * heads,)](
             q, k, v, grad_out, lse, delta, dq, plan.dq, rel, jb,
