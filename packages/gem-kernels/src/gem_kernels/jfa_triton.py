@@ -116,7 +116,7 @@ def default_config(
 
     The backward stays split (a dK/dV and a dQ kernel, no atomics). A fused backward whose
     dK/dV kernel added dQ with float32 atomics (no dQ kernel; S and dP computed once) was
-    slower with each regime's tiles: forward+backward 0.75x-0.77x with the short and medium
+    slower with each regime's tiles: forward+backward 0.69x-0.82x with the short and medium
     tiles, 0.93x-0.98x with the long ones at L1024-L4096, 0.99x / 1.02x at B32xL16384 causal /
     non-causal (tile sweep round r4): the dQ atomics per key tile cost more than the two
     matrix products they save, the more so the fewer keys a tile has.
