@@ -525,25 +525,49 @@ def _norm_linear_case(rows, errors, k, n, device) -> None:
 # gradient of a linear with bias), "dy_nobias" the same without sums, "xtiles" = rows and
 # 128x128 tiles of x.T. Every variant is bit-exact on the CPU interpreter (unit tests). The
 # overrides apply on top of the defaults with EXPLORE_BASE (the defaults before the packed
-# transposes), so a name means the same kernel whatever the defaults are now.
-EXPLORE_BASE = {"t_run": 0, "t_run_colsum": 0, "t_run_x": 0}
+# transposes and the Triton sum of the partial column sums), so a name means the same kernels
+# whatever the defaults are now.
+EXPLORE_BASE = {"t_run": 0, "t_run_colsum": 0, "t_run_x": 0, "partials_reduce": "torch"}
 # fp8_quant_explore2.json (2026-12-01) holds variants of kernels and options removed since (a
 # strip kernel with TMA / pipelining, timing probes, per-warp column sums, register caps): its
 # meta.variants lists their options; they do not run with this tree.
+# fp8_quant_explore*.json hold the earlier variants (packed-run lengths, warps, strip / TMA /
+# pipelined kernels, per-warp sums, register caps, warp-owned columns, late sums; their
+# meta.variants lists the options, most of which do not exist any more). This list: the column-sum
+# question of fp8_quant_explore3.json (the default dy launch, the same with the partial sums
+# summed by the Triton kernel, and the same launch without sums).
 EXPLORE_VARIANTS = [
-    ("base_w4", "dy", {}),
-    ("trun8_w4", "dy", {"t_run_colsum": 8}),
     ("trun4_w4", "dy", {"t_run_colsum": 4}),
-    ("trun16_w4", "dy", {"t_run_colsum": 16}),
-    ("trun4_w8", "dy", {"t_run_colsum": 4, "tile_warps_colsum": 8}),
-    ("base_w8", "dy_nobias", {}),
-    ("trun8_w4", "dy_nobias", {"t_run": 8, "tile_warps": 4}),
-    ("trun4_w8", "dy_nobias", {"t_run": 4}),
-    ("base_w8", "xtiles", {}),
-    ("trun4_w8", "xtiles", {"t_run_x": 4}),
-    ("trun8_w8", "xtiles", {"t_run_x": 8}),
-    ("trun8_w4", "xtiles", {"t_run_x": 8, "tile_warps_x": 4}),
+    ("trun4_w4_treduce", "dy", {"t_run_colsum": 4, "partials_reduce": "triton"}),
+    ("trun4_w4", "dy_nobias", {"t_run": 4, "tile_warps": 4}),
 ]
+
+# Instruction classes counted per compiled kernel (one 128x128 tile per program, so per tile).
+_ASM_PATTERNS = {
+    "ttgir": {"convert_layout": r"ttg\.convert_layout", "reduce": r'"tt\.reduce"'},
+    "ptx": {
+        "bar.sync": r"\bbar\.sync|\bbarrier\.sync",
+        "st.shared": r"\bst\.shared",
+        "ld.shared": r"\bld\.shared",
+        "shfl": r"\bshfl\.",
+        "atom/red": r"\batom\.|\bred\.",
+        "ld.global": r"\bld\.global",
+        "st.global": r"\bst\.global",
+        "add.f32": r"\badd\.(rn\.)?f32",
+    },
+    "sass": {
+        "BAR": r"\bBAR\.SYNC",
+        "STS": r"\bSTS\b",
+        "LDS": r"\bLDS\b",
+        "SHFL": r"\bSHFL\.",
+        "ATOM/RED": r"\b(ATOM|ATOMG|RED)\b",
+        "LDG": r"\bLDG\.",
+        "STG": r"\bSTG\.",
+        "FADD": r"\bFADD\b",
+        "LDL/STL": r"\b(LDL|STL)\b",
+        "instructions": r";\s*$",
+    },
+}
 
 
 def _operand_call(operand: str):
@@ -561,15 +585,39 @@ def _operand_bytes(operand: str, elems: int) -> int:
     return 4 * elems + 4 * elems // 128
 
 
-def _compiled_resources(seen: set) -> list[str]:
-    """``name warps regs spills`` of the quantise kernels compiled since the last call (best
-    effort: Triton's cache layout differs between versions)."""
+def _asm_counts(kernel, dump_stem: Path | None) -> dict:
+    """Counts of :data:`_ASM_PATTERNS` in a compiled kernel's TTGIR / PTX / SASS (and the texts
+    written to ``dump_stem``.ttgir/.ptx/.sass when given)."""
+    import re
+
+    counts = {}
+    for stage, patterns in _ASM_PATTERNS.items():
+        try:
+            text = kernel.asm[stage]
+        except Exception:
+            try:  # SASS needs the disassembler that Triton ships
+                from triton.tools.disasm import get_sass
+
+                text = get_sass(kernel.asm["cubin"])
+            except Exception as err:
+                counts[stage] = f"unavailable: {err!r}"[:120]
+                continue
+        text = text if isinstance(text, str) else text.decode()
+        if dump_stem is not None:
+            dump_stem.with_suffix(f".{stage}").write_text(text)
+        counts[stage] = {k: len(re.findall(p, text, re.M)) for k, p in patterns.items()}
+    return counts
+
+
+def _compiled_resources(seen: set, asm_dir: Path | None = None, label: str = "") -> list:
+    """``name warps regs spills`` (and instruction counts) of the quantise kernels compiled
+    since the last call (best effort: Triton's cache layout differs between versions)."""
     found = []
     try:
         from gem_precision import _triton as gp_triton
 
         module = gp_triton.load_kernel_module(gp_triton._KERNEL_FILE, interpret=False)
-        for name in ("blockwise_tile_kernel",):
+        for name in ("blockwise_tile_kernel", "blockwise_warp_columns_kernel"):
             fn = getattr(module, name, None)
             for caches in getattr(fn, "device_caches", {}).values():
                 cache = caches[0] if isinstance(caches, tuple) else caches
@@ -579,16 +627,23 @@ def _compiled_resources(seen: set) -> list[str]:
                     seen.add(id(kernel))
                     kernel._init_handles()
                     warps = kernel.metadata.num_warps
-                    found.append(f"{name} w{warps} regs {kernel.n_regs} spills {kernel.n_spills}")
+                    summary = f"{name} w{warps} regs {kernel.n_regs} spills {kernel.n_spills}"
+                    if asm_dir is None:
+                        found.append(summary)
+                        continue
+                    stem = asm_dir / f"{label}_{name}_{len(seen)}".replace("/", "-")
+                    found.append({"kernel": summary, "asm": _asm_counts(kernel, stem)})
     except Exception as err:
         found.append(f"unavailable: {err!r}"[:200])
     return found
 
 
-def explore(device, out: Path, sizes=(4096, 8192), only=None) -> None:
+def explore(device, out: Path, sizes=(4096, 8192), only=None, asm_dir=None) -> None:
     """Check (bit-exact against the PyTorch reference, E4M3 and E5M2) and time every variant of
     :data:`EXPLORE_VARIANTS` (or those named ``operand/name`` in ``only``) at M=65536, writing
-    ``out`` after each variant (options: the defaults, then EXPLORE_BASE, then the variant's)."""
+    ``out`` after each variant (options: the defaults, then EXPLORE_BASE, then the variant's).
+    ``asm_dir``: also write each compiled kernel's TTGIR / PTX / SASS there and record counts of
+    barriers, shared-memory traffic, shuffles, atomics and layout conversions."""
     import triton
 
     opts = gp_blockwise._DUAL_OPTIONS
@@ -601,6 +656,22 @@ def explore(device, out: Path, sizes=(4096, 8192), only=None) -> None:
     xs = {n: torch.randn(M, n, generator=gen, device=device, dtype=DTYPE) for n in sizes}
     copy_ms = _bench(lambda: xs[sizes[0]].clone(), rep=40)
     info["torch_copy_ms"] = copy_ms
+    for n in sizes:
+        # The second kernel of a dy quantisation with sums: the per-tile partials summed.
+        partials = torch.randn(M // 128, n, generator=gen, device=device)
+        info[f"partials_sum_ms_{n}"] = round(_bench(lambda p=partials: p.sum(0), rep=40), 4)
+        saved = gp_blockwise._DUAL_OPTIONS["partials_reduce"]
+        gp_blockwise._DUAL_OPTIONS["partials_reduce"] = "triton"
+        want = partials.double().sum(0)
+        got = gp_blockwise._sum_partials(partials)
+        info[f"partials_triton_close_{n}"] = bool(
+            ((got.double() - want).abs() <= 1e-6 * partials.double().abs().sum(0) + 1e-6).all()
+        )
+        ms = _bench(lambda p=partials: gp_blockwise._sum_partials(p), rep=40)
+        info[f"partials_triton_ms_{n}"] = round(ms, 4)
+        gp_blockwise._DUAL_OPTIONS["partials_reduce"] = saved
+    if asm_dir is not None:
+        asm_dir.mkdir(parents=True, exist_ok=True)
 
     def write():
         block = meta(
@@ -658,7 +729,7 @@ def explore(device, out: Path, sizes=(4096, 8192), only=None) -> None:
                 info[key][f"pct_{n}"] = round(100.0 * gbps / HBM_GBPS, 1)
         except Exception as err:
             info[key] = {"error": str(err).splitlines()[0][:300] if str(err) else repr(err)}
-        info.setdefault(key, {})["kernels"] = _compiled_resources(seen)
+        info.setdefault(key, {})["kernels"] = _compiled_resources(seen, asm_dir, key)
         print(f"{time.time() - start:6.1f}s {key:36s} {info[key]}", flush=True)
         write()
     opts.clear()
@@ -819,6 +890,9 @@ def main() -> None:
     parser.add_argument(
         "--explore-variants", default="", help="comma list of operand/name variants to explore"
     )
+    parser.add_argument(
+        "--asm-dir", default="", help="with --explore: dump each kernel's TTGIR/PTX/SASS here"
+    )
     args = parser.parse_args()
     require_cuda()
     import triton
@@ -826,7 +900,8 @@ def main() -> None:
     device = torch.device("cuda")
     if args.explore:
         only = {v for v in args.explore_variants.split(",") if v}
-        explore(device, Path(args.explore), only=only)
+        asm_dir = Path(args.asm_dir) if args.asm_dir else None
+        explore(device, Path(args.explore), only=only, asm_dir=asm_dir)
         return
     start = time.time()
     rows, errors, extra = [], [], {}

@@ -661,6 +661,22 @@ def blockwise_tile_kernel(
                 tl.store(st_ptr + pid_r.to(tl.int64) * C + cols, _pow2(e_c), mask=cmask)
 
 
+@triton.jit
+def column_sum_kernel(p_ptr, out_ptr, NR, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``out[c] = sum over r of p[r, c]`` for a float32 (NR, C) ``p`` (the per-tile column sums
+    of the quantise kernels), one program per BLOCK_C columns, rows in a fixed order."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < C
+    # tl.full, not tl.zeros: that is a jit function of triton.language, decorated in the mode of
+    # Triton's first import (see _rmax), which fails in the other mode.
+    acc = tl.full((BLOCK_R, BLOCK_C), 0.0, tl.float32)
+    for r0 in range(0, NR, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        mask = (rows[:, None] < NR) & cmask[None, :]
+        acc += tl.load(p_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + cols, _rsum(acc, axis=0), mask=cmask)
+
+
 # ---------------------------------------------------------------------------------------------
 # Fused RMSNorm / LayerNorm -> 1x128 blockwise FP8.
 

@@ -191,6 +191,22 @@ BLOCK = 128
 # loads and/or stores (x.T transposed in shared memory: 0.67-1.13 ms), per-warp partial column
 # sums with no cross-warp reduction (0.46 ms, 4 or 8 warps), and 8 warps capped at 128
 # registers for 2 programs per SM (0.50-0.51 ms, no spills; 8 warps uncapped 0.50).
+# Why the column sums cost ~0.07 ms (2026-12-01, fp8_quant_explore3.json; dy 0.3895 ms against
+# 0.3172 without sums, same launch): ~0.023 ms is the second kernel, torch's sum over the
+# (R/128, C) float32 partials (0.0230 / 0.0247 ms alone at C 4096 / 8192); the rest is in the
+# tile kernel, whose SASS has 5 more BAR.SYNC, 24 more STS and 20 more LDS per tile than without
+# sums: a second exchange of per-warp partials between warps (as for the column maxima) and a
+# layout conversion of the 128 sums before their store, all before the row quantisation.
+# "partials_reduce": "triton" (column_sum_kernel, 16 columns per program, rows in a fixed order)
+# or "torch" (partials.sum(0)): the Triton reduction takes 0.0098 / 0.0117 ms, and dy 0.3757 /
+# 0.7368 ms (68.5 / 69.9% of HBM) against 0.3895 / 0.7500 in the same run, the FP8 outputs
+# bit-exact and the sums within the float64 bound on the H200. (Its GPU test run, forced with the
+# late sums below, failed 3 fused-norm tests on their CPU half: the interpreter cannot call
+# tl.zeros once Triton was imported in compiled mode; it uses tl.full now.)
+# Measured and removed (bit-exact, slower): a kernel whose warps own 32 columns each (the column
+# maxima and sums then need no exchange between warps: 10 BAR, 30 STS, 12 LDS; but 0.722 ms,
+# the warp-wide loads and stores span 16 rows instead of 4), and the sums reduced after both
+# layouts are stored (222 registers, 0.4068 ms).
 _DUAL_OPTIONS = {
     "variant": "tile",
     "tile_warps": 8,
@@ -203,6 +219,7 @@ _DUAL_OPTIONS = {
     "t_run": 4,
     "t_run_colsum": 4,
     "t_run_x": 0,
+    "partials_reduce": "triton",
 }
 
 
@@ -485,7 +502,22 @@ def _quantize_operand_triton(
         out.scale = scale if rows else None
         out.scale_t = scale if cols else None
     if col_sum:
-        out.col_sum = sums.sum(0) if x.numel() else torch.zeros(c, device=dev)
+        out.col_sum = _sum_partials(sums) if x.numel() else torch.zeros(c, device=dev)
+    return out
+
+
+def _sum_partials(partials: torch.Tensor) -> torch.Tensor:
+    """Column sums of the kernels' float32 (row tiles, C) partial sums."""
+    from gem_precision import _triton
+
+    if _DUAL_OPTIONS["partials_reduce"] != "triton":
+        return partials.sum(0)
+    nr, c = partials.shape
+    out = torch.empty(c, dtype=torch.float32, device=partials.device)
+    block_c = 16
+    _triton.kernels(partials).column_sum_kernel[(-(-c // block_c),)](
+        partials, out, nr, c, BLOCK_R=256, BLOCK_C=block_c, num_warps=4
+    )
     return out
 
 
