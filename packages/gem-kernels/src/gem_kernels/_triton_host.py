@@ -24,6 +24,7 @@ __all__ = [
     "host_lengths",
     "interpret_for",
     "padded_block",
+    "tma_ready",
     "unit_stride",
     "unsupported_reason",
 ]
@@ -181,3 +182,26 @@ class PlanCache:
         if len(self._plans) > self.maxsize:
             self._plans.popitem(last=False)
         return plan
+
+
+def _tma_workspace(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for the TMA descriptors the kernels build on the device."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def tma_ready(*tensors: torch.Tensor, interpret: bool) -> bool:
+    """Whether ``tensors`` can go through TMA descriptors (16-byte aligned base and row
+    strides); installs a Triton scratch allocator on CUDA when none is set."""
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16 or (t.stride(0) * size) % 16 or (t.stride(1) * size) % 16:
+            return False
+    if not interpret:
+        import triton
+        from triton.runtime import _allocation
+
+        current = getattr(_allocation, "_allocator", None)
+        current = current.get() if hasattr(current, "get") else current
+        if current is None or isinstance(current, _allocation.NullAllocator):
+            triton.set_allocator(_tma_workspace)
+    return True

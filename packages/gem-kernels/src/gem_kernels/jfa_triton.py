@@ -65,6 +65,10 @@ class JfaTritonConfig(host.FlashTileConfig):
     """Warps per dQ program (0: ``bwd_warps``)."""
     dq_stages: int = 0
     """Software-pipelining depth of the dQ kernel's key loop (0: ``bwd_stages``)."""
+    fwd_warp_specialize: bool = False
+    """Unbiased forward: one masked key loop with Triton's automatic warp specialisation
+    (TMA loads through whole-tensor descriptors; needs contiguous (T, H, D) inputs, 16-byte
+    aligned, and a power-of-two head_dim; other calls take the three-phase loop)."""
 
 
 #: Longest sample (queries or keys, or the keys a query row can see under a window that
@@ -379,6 +383,16 @@ def _forward(q, k, v, rel_pos_bias, jagged_bias, plan: _Plan, launch: _Launch):
     rel, jb, num_buckets, stride_rel, stride_jb = _bias_args(
         q, rel_pos_bias, jagged_bias, launch.scale
     )
+    flags = _flags(q, launch)
+    warp_specialize = (  # whole-tensor (T, H * D) descriptors: heads packed in a row
+        cfg.fwd_warp_specialize
+        and rel_pos_bias is None
+        and jagged_bias is None
+        and k.shape[0] > 0
+        and flags["HEAD_DIM"] == flags["BLOCK_D"]
+        and all(t.stride(1) == t.shape[2] for t in (q, k, v))
+        and host.tma_ready(q, k, v, interpret=launch.interpret)
+    )
     _kernels(launch.interpret).jfa_fwd_kernel[(num_tiles * heads,)](
         q, k, v, out, lse, plan.fwd, rel, jb,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -387,7 +401,8 @@ def _forward(q, k, v, rel_pos_bias, jagged_bias, plan: _Plan, launch: _Launch):
         BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
         HAS_REL=rel_pos_bias is not None, HAS_JAGGED=jagged_bias is not None,
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
-        **_rel_strip(q, rel_pos_bias, cfg), **_flags(q, launch),
+        WARP_SPECIALIZE=warp_specialize, q_rows=q.shape[0], k_rows=k.shape[0],
+        **_rel_strip(q, rel_pos_bias, cfg), **flags,
     )  # fmt: skip
     return out, lse
 
