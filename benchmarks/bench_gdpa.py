@@ -30,7 +30,8 @@ bandwidth-bound forwards (PMA split-KV items vs the streamed kernel, BlockAttent
 options) eagerly, from CUDA graphs and for their host time, after a correctness check.
 ``--explore-self-cross [--explore-set 2] --workers N --out X.json`` checks and times the
 self/cross forward and backward variants (one loop, TMA, hand pipelining, tiles, programs per
-SM; round 2 combines round 1's winners; round 3 the fused backward, round 4 its tiles) on the protocol shapes.
+SM; round 2 combines round 1's winners; round 3 the fused backward, round 4 its tiles, round 5
+warp specialisation of the forward) on the protocol shapes.
 ``--explore-pma-cross [--explore-set 2] --workers N --out X.json`` (issue 4, round 4): the
 streamed PMA forward (eager medians repeated, CUDA-graph and host times, repeat-call
 bit-equality) and cross forward variants (query rows per item). The one-launch PMA forward and
@@ -44,6 +45,7 @@ the other rows of the earlier run (``meta.merged_from`` records where they come 
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -833,8 +835,88 @@ def _self_cross_variants4() -> dict:
     }
 
 
+def _old_default(spec) -> dict:
+    """Overrides that give a case the forward default before warp specialisation (short: 64x32
+    tiles, 3 programs per SM and the short-KV cross kernel; long: the hand-pipelined 128x64)."""
+    max_len = CROSS_KV if spec[0] == "cross" else (spec[2] if len(spec) > 2 else None)
+    old = dict(fwd_warp_specialize=False)
+    if max_len is not None and max_len <= gt.SHORT_SEQUENCE_LEN:
+        return old | dict(fwd_block_m=64, fwd_block_n=32, fwd_warps=4, fwd_stages=3,
+                          fwd_programs_per_sm=3, short_kv_max=256)  # fmt: skip
+    return old | dict(fwd_block_m=128, fwd_block_n=64, fwd_warps=8, fwd_stages=4,
+                      fwd_programs_per_sm=2, fwd_pipeline=True)  # fmt: skip
+
+
+def _self_cross_variants5() -> dict:
+    """Fifth round (``--explore-set 5``): Triton's automatic warp specialisation on Hopper
+    (``tl.range(..., warp_specialize=True)``) of the one-loop forward over whole-tensor TMA
+    descriptors, 128-row tiles, 4 warps per consumer group, 1 program per SM ("default" when
+    this round ran, ``gdpa_explore5b.json``: 128x128 tiles, 2 stages up to 1024 keys, cross
+    attention on the generic path; 128x64 beyond, since reverted), against the default before
+    it ("old", per case) and a few tiles, stages and schedules. Forward only. (Its first run,
+    ``gdpa_explore5.json``, remade per-item descriptors in the persistent loop: wrong results,
+    and the short-KV cross kernel did not compile with the flag.)"""
+    fwd = ("fwd",)
+    both = ("self", "cross")
+    ws = dict(fwd_pipeline=False, fwd_warp_specialize=True, fwd_warps=4, fwd_programs_per_sm=1)
+    return {
+        "default": ({}, both, fwd),
+        "old": (_old_default, both, fwd),
+        "ws-n64s2": (ws | dict(fwd_block_m=128, fwd_block_n=64, fwd_stages=2), both, fwd),
+        "ws-n64s3": (ws | dict(fwd_block_m=128, fwd_block_n=64, fwd_stages=3), both, fwd),
+        "ws-n128s2": (ws | dict(fwd_block_m=128, fwd_block_n=128, fwd_stages=2), both, fwd),
+        "ws-n128s2-x2": (
+            ws | dict(fwd_block_m=128, fwd_block_n=128, fwd_stages=2, fwd_programs_per_sm=2),
+            ("self",),
+            fwd,
+        ),  # fmt: skip
+        "ws-n128s2-sorted": (
+            ws | dict(fwd_block_m=128, fwd_block_n=128, fwd_stages=2, schedule="sorted"),
+            ("self",),
+            fwd,
+        ),  # fmt: skip
+    }
+
+
+_SEEN_KERNELS: set = set()
+
+
+def _new_kernel_stats() -> list[dict]:
+    """Registers, spills, warps (after warp specialisation) and shared memory of the GDPA
+    forward kernels compiled or loaded since the last call (Triton's in-memory caches)."""
+    kernels = gt._kernels(False)
+    stats = []
+    for fn_name in ("gdpa_fwd_kernel", "gdpa_fwd_short_kv_kernel"):
+        caches = getattr(getattr(kernels, fn_name), "device_caches", {})
+        for entry in list(caches.values()):
+            cache = entry[0] if isinstance(entry, tuple) else entry
+            for compiled in list(cache.values()):
+                if id(compiled) in _SEEN_KERNELS:
+                    continue
+                _SEEN_KERNELS.add(id(compiled))
+                try:
+                    md = compiled.metadata
+                    stats.append(dict(
+                        kernel=fn_name, regs=getattr(compiled, "n_regs", None),
+                        spills=getattr(compiled, "n_spills", None),
+                        warps=getattr(md, "num_warps", None), shared=getattr(md, "shared", None),
+                    ))  # fmt: skip
+                except Exception as error:  # noqa: BLE001 - stats are informative only
+                    stats.append(dict(kernel=fn_name, error=repr(error)[:200]))
+    return stats
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
 def _round3_config(overrides: dict, spec) -> gt.GdpaTritonConfig:
-    """The case's default config (by its longest key length) with ``overrides``."""
+    """The case's default config (by its longest key length) with ``overrides`` (a dict, or a
+    function of the case spec returning one)."""
+    if callable(overrides):
+        overrides = overrides(spec)
     max_len = CROSS_KV if spec[0] == "cross" else (spec[2] if len(spec) > 2 else None)
     return replace(gt.default_config(D, max_len=max_len), **overrides)
 
@@ -863,8 +945,9 @@ def _check_problems(device) -> list:
     return problems
 
 
-def _variant_errors(cfg, problems) -> dict:
-    """Relative errors (out, dq, dk, dv) of gem with ``cfg`` on each check problem."""
+def _variant_errors(cfg, problems, forward_only: bool = False) -> dict:
+    """Relative errors (out, dq, dk, dv; ``forward_only``: out) of gem with ``cfg`` on each
+    check problem."""
     errs = {}
     for label, ql, kl, tensors, grad, opts, want in problems:
         try:
@@ -873,6 +956,9 @@ def _variant_errors(cfg, problems) -> dict:
                 *leaves, torch.tensor(ql), None if kl is None else torch.tensor(kl),
                 activation=ACT, config=cfg, **opts,
             )  # fmt: skip
+            if forward_only:
+                errs[label] = [round(rel_error(out, want[0]), 5)]
+                continue
             out.backward(grad.to(DTYPE))
             got = [out] + [t.grad for t in leaves]
             errs[label] = [round(rel_error(a, b), 5) for a, b in zip(got, want, strict=True)]
@@ -882,14 +968,84 @@ def _variant_errors(cfg, problems) -> dict:
     return errs
 
 
+def _explore_shapes() -> list:
+    return [("self", b, n) for b, n in SELF_SHAPES] + [("cross", b, n) for b, n in ASYM_SHAPES]
+
+
+def _correct(errors) -> bool:
+    """Whether a check's relative errors (a list; else an error message) are all <= 0.05 (NaN
+    fails)."""
+    return isinstance(errors, list) and all(e <= 0.05 for e in errors)
+
+
+def _round5_checks(cfg, problems) -> dict:
+    """Forward errors of a round-5 variant (overrides): the self problem with the long- and
+    short-sequence configs, the cross problem with the cross config (each the class's own
+    default with ``cfg``)."""
+    by_label = {p[0]: p for p in problems}
+    out = {}
+    for label, kind, spec in (
+        ("self", "self", ("check",)), ("self-short", "self", ("self", 512, 1024)),
+        ("cross", "cross", ("cross", 512, 1024)),
+    ):  # fmt: skip
+        errs = _variant_errors(_round3_config(cfg, spec), [by_label[kind]], forward_only=True)
+        out[label] = errs[kind]
+    return out
+
+
+def warm_variant(name: str) -> None:
+    """``--warm-variant NAME``: compiles, checks (forward, unwindowed problems) and runs once one
+    round-5 variant in this process; exits non-zero when it fails or is wrong, so that a
+    compiler crash or a faulting kernel costs only this process (see
+    :func:`precompile_isolated`)."""
+    device = torch.device("cuda")
+    cfg, kinds, modes = _self_cross_variants5()[name]
+    problems = [p for p in _check_problems(device) if not p[5]]
+    errs = _round5_checks(cfg, problems)
+    print(f"check {name}: {errs}", flush=True)
+    bad = {k: v for k, v in errs.items() if not _correct(v)}
+    if bad:
+        raise SystemExit(f"{name} failed its check: {bad}")
+    for spec in _explore_shapes():
+        if spec[0] in kinds:
+            result = _warm_job((spec, _round3_config(cfg, spec), ACT, modes, 0))
+            if not result.endswith("ok"):
+                raise SystemExit(result)
+
+
+def precompile_isolated(names, workers: int, timeout_s: float) -> dict:
+    """Runs ``--warm-variant`` for each round-5 variant in its own process, ``workers`` at a
+    time: name -> ``None`` (compiled, correct) or why not (return code and output tail)."""
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(name):
+        cmd = [sys.executable, __file__, "--warm-variant", name]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return f"compile + check took over {timeout_s:.0f} s"
+        if done.returncode == 0:
+            return None
+        return f"rc={done.returncode}: " + (done.stdout + done.stderr)[-600:]
+
+    with ThreadPoolExecutor(max(workers, 1)) as pool:
+        failed = dict(zip(names, pool.map(one, names), strict=True))
+    for name, why in failed.items():
+        if why:
+            print(f"precompile {name}: {why}", flush=True)
+    return failed
+
+
 def explore_self_cross(device, out_path: Path, workers: int, budget_s: float, round_: int = 1):
     """One-call exploration of the self/cross forward and backward variants: a GPU check of
     every variant (bf16, gelu_fast, forward and all gradients against the float32 reference,
     self and cross, with and without a window) and its time on the protocol shapes."""
     start = time.time()
-    shapes = [("self", b, n) for b, n in SELF_SHAPES] + [("cross", b, n) for b, n in ASYM_SHAPES]
+    shapes = _explore_shapes()
     if round_ >= 3:
-        variants = _self_cross_variants3() if round_ == 3 else _self_cross_variants4()
+        make = {3: _self_cross_variants3, 4: _self_cross_variants4, 5: _self_cross_variants5}
+        variants = make[round_]()
         config_of = _round3_config
     else:
         make = _self_cross_variants2 if round_ == 2 else _self_cross_variants
@@ -906,13 +1062,38 @@ def explore_self_cross(device, out_path: Path, workers: int, budget_s: float, ro
     ]
     # The check problems reach 2500 keys: the long-sequence tiles.
     jobs += [(("xcheck",), config_of(cfg, ("check",)), ACT, ()) for cfg, _, _ in variants.values()]
-    precompile(jobs, workers)
+    # Round 5 (warp specialisation, forward only): each variant compiles in its own process (a
+    # compiler crash or a faulting kernel must not end the run) and is checked forward-only on
+    # the unwindowed problems (the only ones its flags change).
+    forward_only = round_ == 5
+    failed = precompile_isolated(list(variants), workers, 0.5 * budget_s) if forward_only else {}
+    if not forward_only:
+        precompile(jobs, workers)
     print(f"precompiled at {time.time() - start:.0f} s", flush=True)
     problems = _check_problems(device)
-    checks = {}
+    if forward_only:
+        problems = [p for p in problems if not p[5]]
+    checks, kernel_stats = {}, {}
+    _new_kernel_stats()  # kernels of the check problems' reference runs are not a variant's
     for name, (cfg, _, _) in variants.items():
-        checks[name] = _variant_errors(config_of(cfg, ("check",)), problems)
+        if failed.get(name):  # never run in this process
+            checks[name] = {"failed": failed[name]}
+            continue
+        if not forward_only:
+            checks[name] = _variant_errors(config_of(cfg, ("check",)), problems)
+        else:  # twice: a race shows as a run-to-run difference; keep the worst
+            checks[name] = _round5_checks(cfg, problems)
+            again = _round5_checks(cfg, problems)
+            for label, errs in again.items():
+                first = checks[name].get(label)
+                if isinstance(errs, list) and isinstance(first, list):
+                    worst = [max(a, b) if a == a and b == b else float("nan")
+                             for a, b in zip(first, errs, strict=True)]  # fmt: skip
+                    checks[name][label] = worst
+                else:
+                    checks[name][label] = errs if isinstance(first, list) else first
         print(f"check {name}: {checks[name]}", flush=True)
+        kernel_stats[f"{name}@check"] = _new_kernel_stats()
     rows = []
     for spec in shapes:
         if time.time() - start > budget_s:
@@ -922,7 +1103,13 @@ def explore_self_cross(device, out_path: Path, workers: int, budget_s: float, ro
         for name, (cfg, kinds, modes) in variants.items():
             if spec[0] not in kinds or not isinstance(checks[name].get(spec[0]), list):
                 continue
+            if forward_only and not all(map(_correct, checks[name].values())):
+                continue  # round 5: wrong results are not timed
             times = _time_config(case, config_of(cfg, spec), modes)
+            stats = _new_kernel_stats()
+            if stats:
+                kernel_stats[f"{name}@{case.name}"] = stats
+                print(f"  kernels {name}: {stats}", flush=True)
             for mode, ms in times.items():
                 flops = case.fwd_flops * (3.5 if mode == "fwd_bwd" else 1.0)
                 rows.append(dict(case=case.name, provider=f"gem-{name}", mode=mode,
@@ -937,7 +1124,8 @@ def explore_self_cross(device, out_path: Path, workers: int, budget_s: float, ro
         name = f"gdpa_explore{round_}" if round_ >= 3 else "gdpa_explore2"
         write_results(out_path, meta(name, command,
                                      device=torch.cuda.get_device_name(), checks=checks,
-                                     variants={k: str(v[0]) for k, v in variants.items()}),
+                                     variants={k: str(v[0]) for k, v in variants.items()},
+                                     kernels=kernel_stats, triton=_triton_version()),
                       rows)  # fmt: skip
     print(f"explore done in {time.time() - start:.0f} s")
 
@@ -1242,7 +1430,8 @@ def main() -> None:
         "--explore-self-cross", action="store_true",
         help="check and time the self/cross forward and backward variants (to --out)",
     )  # fmt: skip
-    parser.add_argument("--explore-set", type=int, default=1, help="variant round (1 to 4)")
+    parser.add_argument("--explore-set", type=int, default=1, help="variant round (1 to 5)")
+    parser.add_argument("--warm-variant", default="", help=argparse.SUPPRESS)
     parser.add_argument(
         "--explore-pma-cross", action="store_true",
         help="streamed PMA forward and cross forward variants, checked and timed (to --out)",
@@ -1262,6 +1451,9 @@ def main() -> None:
         parser.error(f"--kinds must be a subset of {KINDS}, got {args.kinds!r}")
     require_cuda()
     device = torch.device("cuda")
+    if args.warm_variant:  # a child of precompile_isolated
+        warm_variant(args.warm_variant)
+        return
     if args.explore:
         explore(device, Path(args.out), args.workers)
         return

@@ -591,21 +591,15 @@ def _tile_sweep_configs() -> dict[str, JfaTritonConfig]:
     """Tile variants of the unbiased kernels (``--tile-sweep``), timed on the cases of
     ``TILE_SWEEP_CASES`` against the default and flash varlen. Edit to explore; the rounds run
     so far are in ``results/h200/jagged_attention_tile_explore.json``."""
-    # The warp-specialised one-loop forward (2 stages: 3 gave NaN in GDPA on triton 3.6).
-    bwd = _bwd_fields(default_config(D))
+    # Each length regime's default tiles on every case: where the crossovers lie.
     return {
-        name: JfaTritonConfig(*fwd, *bwd, fwd_warp_specialize=True)
-        for name, fwd in (
-            ("ws_128x128w4s2", (128, 128, 4, 2)),
-            ("ws_128x64w4s2", (128, 64, 4, 2)),
-            ("ws_128x128w8s2", (128, 128, 8, 2)),
-            ("ws_64x64w4s2", (64, 64, 4, 2)),
-        )
+        regime: default_config(D, max_len=max_len)
+        for regime, max_len in (("short", 1024), ("medium", 2048), ("long", None))
     }
 
 
 #: Modes timed for the ``--tile-sweep`` variants (the default and flash varlen: both).
-TILE_SWEEP_MODES = ("fwd",)
+TILE_SWEEP_MODES = ("fwd", "fwd_bwd")
 #: (batch, max_len, causal, window) of the ``--tile-sweep`` cases.
 TILE_SWEEP_CASES = [(32, 16384, True, WINDOW), (512, 1024, True, None), (512, 1024, False, None),
                     (128, 4096, True, None), (32, 16384, True, None), (32, 16384, False, None)]  # fmt: skip

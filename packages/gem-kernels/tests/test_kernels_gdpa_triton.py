@@ -372,6 +372,9 @@ def test_errors(interpret, monkeypatch):
         gdpa_from_lengths(q, q, q, torch.tensor([5]), config=_config(schedule="random"))
     with pytest.raises(ValueError, match="PMA broadcast"):
         gdpa_from_lengths(q, q, q, None, None)
+    with pytest.raises(ValueError, match="fwd_warp_specialize needs fwd_stages <= 2"):
+        ws3 = _config(fwd_warp_specialize=True, fwd_stages=3)
+        gdpa_from_lengths(q, q, q, torch.tensor([5]), config=ws3)
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="need TRITON_INTERPRET=1"):
         gdpa(q, q, q, off, backend="triton")
@@ -400,16 +403,22 @@ def test_one_loop_and_short_kv_variants(interpret, changes):
     _check(SELF_LENGTHS, None, activation="silu", window=(3, None), config=config)
 
 
-def test_warp_specialized_forwards_match_the_plain_loops(interpret):
-    # Warp specialisation only annotates the loop: under the interpreter the forward with it
-    # (self: one-loop TMA key loop; cross: short-KV query loop with TMA query tiles) must equal
-    # the plain kernels bit for bit, and both must match the oracle.
-    base = _config(fwd_one_loop=True, fwd_kv_tma=True, short_mask_free=True)
-    special = replace(base, fwd_warp_specialize=True, short_q_tma=True, short_warp_specialize=True)
+def test_warp_specialized_forward_matches_the_plain_loop(interpret):
+    # Warp specialisation (whole-tensor descriptors, P masked past a sample's keys) must equal
+    # the one-loop TMA forward bit for bit under the interpreter (which ignores the loop flag),
+    # self with q, k, v split from one packed (T, 3, H, D) tensor (rows of 3 H D) and cross
+    # (generic path), and match the oracle with normalisation and gradients.
+    base = _config(fwd_one_loop=True, fwd_kv_tma=True, short_kv_max=0)
+    special = replace(base, fwd_warp_specialize=True)
     gen = torch.Generator().manual_seed(3)
-    for q_lengths, k_lengths in ((LONG_SKEWED, None), (CROSS_Q, SHORT_K)):
+    for q_lengths, k_lengths in ((LONG_SKEWED, None), (CROSS_Q, CROSS_K)):
         keys = q_lengths if k_lengths is None else k_lengths
-        q, k, v = (torch.randn(n, H, D, generator=gen) for n in (sum(q_lengths), *[sum(keys)] * 2))
+        if k_lengths is None:
+            q, k, v = torch.randn(sum(q_lengths), 3, H, D, generator=gen).unbind(1)
+        else:
+            q, k, v = (
+                torch.randn(n, H, D, generator=gen) for n in (sum(q_lengths), *[sum(keys)] * 2)
+            )
         q_len = torch.tensor(q_lengths)
         k_len = None if k_lengths is None else torch.tensor(k_lengths)
         outs = [
@@ -418,7 +427,7 @@ def test_warp_specialized_forwards_match_the_plain_loops(interpret):
         ]
         assert torch.equal(outs[0], outs[1])
     _check(LONG_SKEWED, None, activation="silu", normalize_by_length=True, config=special)
-    _check(CROSS_Q, SHORT_K, activation="gelu_tanh", config=special)
+    _check(CROSS_Q, CROSS_K, activation="gelu_tanh", config=special)
 
 
 @pytest.mark.parametrize("one_loop", [True, False], ids=["one-loop", "three-phase"])
@@ -460,7 +469,7 @@ def test_deterministic_mode_takes_the_dq_kernel(interpret, monkeypatch):
 # The fields the production default sets for unmasked calls (tiles differ under the interpreter).
 _DEFAULT_FLAGS = (
     "fwd_one_loop", "fwd_kv_tma", "fwd_pipeline", "bwd_one_loop", "short_mask_free", "bwd_fused",
-    "dkdv_q_chunk",
+    "dkdv_q_chunk", "fwd_warp_specialize", "short_kv_max",
 )  # fmt: skip
 
 
@@ -496,8 +505,12 @@ def test_config_hash_is_cached_and_not_pickled():
 def test_default_config_choice():
     short = default_config(128, max_len=SHORT_SEQUENCE_LEN)
     long = default_config(128, max_len=SHORT_SEQUENCE_LEN + 1)
-    assert (short.fwd_block_m, short.fwd_block_n, short.fwd_programs_per_sm) == (64, 32, 3)
-    assert long.fwd_pipeline and not short.fwd_pipeline
+    # Up to 1024 keys (cross attention included: no short-KV kernel) the warp-specialised
+    # 128x128 forward, 4 warps, one program per SM; beyond, the hand-pipelined 128x64.
+    assert (short.fwd_block_m, short.fwd_block_n, short.fwd_stages) == (128, 128, 2)
+    assert (short.fwd_warps, short.fwd_programs_per_sm) == (4, 1)
+    assert short.fwd_warp_specialize and not short.fwd_pipeline and short.short_kv_max == 0
+    assert long.fwd_pipeline and not long.fwd_warp_specialize and long.short_kv_max == 256
     assert default_config(128) == long  # unknown length: the long-sequence tiles
     masked = default_config(128, max_len=100, masked=True)
     assert not (masked.fwd_one_loop or masked.bwd_one_loop or masked.short_mask_free)

@@ -249,17 +249,6 @@ def test_backward_is_deterministic(interpret):
         assert torch.equal(first, second)
 
 
-@pytest.mark.parametrize(("causal", "window"), [(False, None), (True, None), (True, (20, None))])
-def test_warp_specialized_forward(interpret, causal, window):
-    """The one-loop descriptor forward (rows past a sample are its neighbours' rows, masked)
-    matches the oracle; biased calls fall back to the three-phase loop."""
-    config = JfaTritonConfig(16, 16, 1, 1, 16, 16, 16, 16, 1, 1, fwd_warp_specialize=True)
-    for seed, bias in ((24, {}), (25, {"rel": 9})):
-        tensors = _inputs(CROSS_Q, CROSS_K, seed=seed, **bias)
-        _check_grads(CROSS_Q, CROSS_K, tensors, tol=2e-5, causal=causal, window=window,
-                     config=config)  # fmt: skip
-
-
 def test_other_tile_shapes(interpret):
     """Rectangular tiles (dK/dV keys 32 x queries 16, forward 16 x 32) give the same result."""
     config = JfaTritonConfig(16, 32, 1, 1, 32, 16, 32, 16, 1, 1)

@@ -90,7 +90,7 @@ def test_kernel_variants_agree(monkeypatch, options):
         {"t_run": 8, "t_run_colsum": 8, "t_run_x": 8},
         {"t_run": 4, "t_run_colsum": 16, "t_run_x": 4},
         {"t_run": 0, "t_run_colsum": 0},
-        {"partials_reduce": "torch"},
+        {"partials_reduce": "triton"},
     ],
 )
 @pytest.mark.parametrize("elem", ELEM)

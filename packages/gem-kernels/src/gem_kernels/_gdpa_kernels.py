@@ -478,14 +478,12 @@ def _fwd_one_loop(
     acc, q, k_desc, v_desc, k_base, v_base, stride_kt, stride_vt, lo, hi, offs_d, k_len, scale,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr,
-    KV_TMA: tl.constexpr, PIPELINE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
+    KV_TMA: tl.constexpr, PIPELINE: tl.constexpr,
 ):  # fmt: skip
     """Unwindowed forward over key tiles [lo, hi) in one loop and without a score mask: key
     rows past ``k_len`` load as zeros, so their scores are 0, act(0) = 0 for every activation,
     and their V rows are 0 too (rows past ``q_len`` are never stored). ``PIPELINE``: the next
-    tile's ``Q K^T`` is issued before this tile's activation (software pipelining by hand).
-    ``WARP_SPECIALIZE`` (without ``PIPELINE``): Triton's automatic warp specialisation of the
-    key loop (Hopper: needs the TMA loads of ``KV_TMA``; the interpreter ignores it)."""
+    tile's ``Q K^T`` is issued before this tile's activation (software pipelining by hand)."""
     offs_n = tl.arange(0, BLOCK_N)
     if PIPELINE:
         if hi > lo:
@@ -506,7 +504,7 @@ def _fwd_one_loop(
             p = _fwd_p(s, ACT, PACKED)
             acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
     else:
-        for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        for start in range(lo, hi, BLOCK_N):
             kt = _kv_tile(k_desc, k_base, start, offs_n, k_len, stride_kt, offs_d, HEAD_DIM,
                           EVEN_D, True, KV_TMA)  # fmt: skip
             v = _kv_tile(v_desc, v_base, start, offs_n, k_len, stride_vt, offs_d, HEAD_DIM,
@@ -514,6 +512,27 @@ def _fwd_one_loop(
             s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
             p = _fwd_p(s, ACT, PACKED)
             acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
+    return acc
+
+
+@triton.jit
+def _fwd_ws_loop(
+    acc, q, k_desc, v_desc, k_row, col, lo, hi, k_len, scale,
+    BLOCK_N: tl.constexpr, ACT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PACKED: tl.constexpr,
+):  # fmt: skip
+    """Unwindowed forward over key tiles [lo, hi) with Triton's automatic warp specialisation
+    (Hopper: producer warps issue the TMA loads, consumer warpgroups the MMAs and activation).
+    K and V come through whole-tensor descriptors made once per program (per-item descriptors
+    remade in a persistent loop gave wrong results on triton 3.6), so rows past the sample's
+    end belong to the next sample: their P is set to 0. The interpreter ignores the flag."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
+        kt = k_desc.load([k_row + start, col]).T
+        v = v_desc.load([k_row + start, col])
+        s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
+        p = tl.where((start + offs_n)[None, :] < k_len, _fwd_p(s, ACT, PACKED), 0.0)
+        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
     return acc
 
 
@@ -526,17 +545,33 @@ def gdpa_fwd_kernel(
     BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     PACKED: tl.constexpr, ONE_LOOP: tl.constexpr = False, KV_TMA: tl.constexpr = False,
-    PIPELINE: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
+    PIPELINE: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False, q_rows=0, k_rows=0,
 ):  # fmt: skip
     """Items are (query tile, head); each loops over the key tiles its rows see.
 
     ``ONE_LOOP`` (no window): one mask-free loop instead of the three phases (see
     :func:`_fwd_one_loop`), with ``KV_TMA`` K and V come through per-item TMA descriptors
     that end at the sample's last key, and ``PIPELINE`` overlaps the next tile's ``Q K^T``
-    with this tile's activation by hand (``WARP_SPECIALIZE``: see :func:`_fwd_one_loop`)."""
+    with this tile's activation by hand. ``WARP_SPECIALIZE`` (one loop, contiguous (T, H, D)
+    inputs with ``q_rows`` / ``k_rows`` rows, HEAD_DIM a power of two): see
+    :func:`_fwd_ws_loop`; Q is loaded through a whole-tensor descriptor too."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     USE_ONE_LOOP: tl.constexpr = ONE_LOOP and not HAS_LEFT and not HAS_RIGHT
+    WS: tl.constexpr = WARP_SPECIALIZE and USE_ONE_LOOP
     offs_d = tl.arange(0, BLOCK_D)
+    q_all = None
+    k_all = None
+    v_all = None
+    if WS:  # (T, H * D) views, made once: Hopper's partitioner takes descriptor loads only
+        q_all = tl.make_tensor_descriptor(
+            q_ptr, shape=[q_rows, stride_qt], strides=[stride_qt, 1], block_shape=[BLOCK_M, BLOCK_D]
+        )
+        k_all = tl.make_tensor_descriptor(
+            k_ptr, shape=[k_rows, stride_kt], strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D]
+        )
+        v_all = tl.make_tensor_descriptor(
+            v_ptr, shape=[k_rows, stride_vt], strides=[stride_vt, 1], block_shape=[BLOCK_N, BLOCK_D]
+        )
     for idx in range(tl.program_id(0), num_items, tl.num_programs(0)):
         info = items_ptr + idx * _W  # items < 2**27: int32 is enough
         q_start = tl.load(info)
@@ -550,15 +585,10 @@ def gdpa_fwd_kernel(
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_ok = offs_m < q_len
         q_base = q_ptr + q_start * stride_qt + head * stride_qh
-        if WARP_SPECIALIZE and USE_ONE_LOOP:  # Hopper's partitioner takes descriptor loads only
-            q = tl.make_tensor_descriptor(
-                q_base, shape=[tl.maximum(q_len, 1), HEAD_DIM], strides=[stride_qt, 1],
-                block_shape=[BLOCK_M, BLOCK_D],
-            ).load([m0, 0])  # fmt: skip
+        if WS:  # rows past the sample's end are other queries: never stored
+            q = q_all.load([(q_start + m0).to(tl.int32), (head * HEAD_DIM).to(tl.int32)])
         else:
-            q = _load_tile(
-                q_base, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, True, EVEN_D, False
-            )
+            q = _load_tile(q_base, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, True, EVEN_D, False)
         k_base = k_ptr + k_start * stride_kt + head * stride_kh
         v_base = v_ptr + k_start * stride_vt + head * stride_vh
         lo_t, full_lo, full_hi, hi_t = _key_ranges(
@@ -569,7 +599,12 @@ def gdpa_fwd_kernel(
             lo_t, full_lo, full_hi, hi_t, range_lo, range_hi
         )
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        if USE_ONE_LOOP:
+        if WS:
+            acc = _fwd_ws_loop(
+                acc, q, k_all, v_all, k_start.to(tl.int32), (head * HEAD_DIM).to(tl.int32),
+                lo_t, hi_t, k_len, scale, BLOCK_N, ACT, DOT_PRECISION, UPCAST, PACKED,
+            )  # fmt: skip
+        elif USE_ONE_LOOP:
             k_desc = None
             v_desc = None
             if KV_TMA:  # rows past the sample's end read as zeros
@@ -585,7 +620,7 @@ def gdpa_fwd_kernel(
             acc = _fwd_one_loop(
                 acc, q, k_desc, v_desc, k_base, v_base, stride_kt, stride_vt, lo_t, hi_t, offs_d,
                 k_len, scale, HEAD_DIM, BLOCK_N, ACT, EVEN_D, DOT_PRECISION, UPCAST, PACKED,
-                KV_TMA, PIPELINE, WARP_SPECIALIZE,
+                KV_TMA, PIPELINE,
             )  # fmt: skip
         else:
             acc = _fwd_inner(
@@ -608,7 +643,9 @@ def gdpa_fwd_kernel(
             )  # fmt: skip
         if NORMALIZE:
             acc = acc * (1.0 / tl.maximum(k_len, 1).to(tl.float32))
-        if to_partial:
+        # Only PMA items go to the partials (never one-loop); a branch between two stores after
+        # the loop stops Hopper's warp specialisation.
+        if to_partial and not WS:
             _store_tile(
                 part_ptr + dst_start * stride_pt + head * stride_ph, offs_m, m_ok, stride_pt,
                 offs_d, acc, HEAD_DIM, EVEN_D,
@@ -628,16 +665,13 @@ def gdpa_fwd_short_kv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_KV: tl.constexpr,
     BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    PACKED: tl.constexpr, MASK_FREE: tl.constexpr = False, Q_TMA: tl.constexpr = False,
-    WARP_SPECIALIZE: tl.constexpr = False,
+    PACKED: tl.constexpr, MASK_FREE: tl.constexpr = False,
 ):  # fmt: skip
     """Short KV (every sample has <= BLOCK_KV keys): items are (sample, run of query tiles,
     head). The whole K and V of the sample are loaded once and stay on chip while the item's
     query tiles stream past them. ``MASK_FREE`` (no window): no score mask, since keys past
     ``k_len`` load as zeros (score 0, act(0) = 0, V row 0) and rows past ``q_len`` are never
-    stored. ``Q_TMA``: query tiles come through a per-item TMA descriptor that ends at the
-    sample's last query; ``WARP_SPECIALIZE`` (with it): Triton's automatic warp specialisation
-    of the query loop (the interpreter ignores it)."""
+    stored."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     SCORE_MASK: tl.constexpr = HAS_LEFT or HAS_RIGHT or not MASK_FREE
     offs_d = tl.arange(0, BLOCK_D)
@@ -667,21 +701,10 @@ def gdpa_fwd_short_kv_kernel(
             norm = 1.0 / tl.maximum(k_len, 1).to(tl.float32)
         q_base = q_ptr + q_start * stride_qt + head * stride_qh
         o_base = o_ptr + dst_start * stride_ot + head * stride_oh
-        q_desc = None
-        if Q_TMA:  # rows past the sample's end read as zeros
-            q_desc = tl.make_tensor_descriptor(
-                q_base, shape=[tl.maximum(q_len, 1), HEAD_DIM], strides=[stride_qt, 1],
-                block_shape=[BLOCK_M, BLOCK_D],
-            )  # fmt: skip
-        for m0 in tl.range(row0, row_end, BLOCK_M, warp_specialize=WARP_SPECIALIZE):
+        for m0 in range(row0, row_end, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < q_len
-            if Q_TMA:
-                q = q_desc.load([m0, 0])
-            else:
-                q = _load_tile(
-                    q_base, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, True, EVEN_D, False
-                )
+            q = _load_tile(q_base, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, True, EVEN_D, False)
             s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
             if PACKED:  # noqa: SIM108 (constexpr branch: only one side is compiled)
                 p = _act_packed(s, PACKED)

@@ -193,11 +193,6 @@ def _fwd_inner(
     UPCAST: tl.constexpr,
     STRIP_P: tl.constexpr,
     STRIP_W: tl.constexpr,
-    k_desc=None,
-    v_desc=None,
-    k_row=0,
-    col=0,
-    WS: tl.constexpr = False,
 ):
     d_ok = offs_d < HEAD_DIM
     jb_next = 0.0
@@ -219,7 +214,7 @@ def _fwd_inner(
         rel_next = _strip_load(
             rs_base, g0 - start_n, strip_offsets, num_buckets, start_n < end_n, STRIP_P, STRIP_W
         )
-    for start in tl.range(start_n, end_n, BLOCK_N, warp_specialize=WS):
+    for start in range(start_n, end_n, BLOCK_N):
         jb_tile = jb_next
         rel_tile = rel_next
         if HAS_JAGGED:
@@ -236,10 +231,7 @@ def _fwd_inner(
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < k_len
         rows64 = offs_n.to(tl.int64)
-        if WS:  # whole-tensor descriptors: rows past the sample are other keys, masked below
-            kt = k_desc.load([k_row + start, col]).T
-            v = v_desc.load([k_row + start, col])
-        elif MASKED:
+        if MASKED:
             kt = tl.load(
                 k_base + rows64[None, :] * stride_kt + offs_d[:, None],
                 mask=n_ok[None, :] & d_ok[:, None],
@@ -330,16 +322,7 @@ def jfa_fwd_kernel(
     UPCAST: tl.constexpr,
     STRIP_P: tl.constexpr,
     STRIP_W: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False,
-    q_rows=0,
-    k_rows=0,
 ):
-    """One program per (query tile, head).
-
-    ``WARP_SPECIALIZE`` (no bias; contiguous (T, H, D) inputs with ``q_rows`` / ``k_rows``
-    rows, HEAD_DIM a power of two): one masked loop over the tile's keys with Triton's
-    automatic warp specialisation (Hopper: producer warps issue TMA loads through whole-tensor
-    descriptors made once per program, consumer warpgroups the MMAs and the softmax)."""
     pid = tl.program_id(0)
     tile = pid // num_heads
     head = pid % num_heads
@@ -351,34 +334,17 @@ def jfa_fwd_kernel(
     m0 = tl.load(info + 4).to(tl.int32)
     jb_start = tl.load(info + 5)
     shift = k_len - q_len
-    WS: tl.constexpr = WARP_SPECIALIZE and not HAS_REL and not HAS_JAGGED
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < q_len
     d_ok = offs_d < HEAD_DIM
     q_base = q_ptr + q_start * stride_qt + head * stride_qh
-    k_all = None
-    v_all = None
-    if WS:  # (T, H * D) views; rows past the sample's end are other queries, never stored
-        k_all = tl.make_tensor_descriptor(
-            k_ptr, shape=[k_rows, stride_kt], strides=[stride_kt, 1],
-            block_shape=[BLOCK_N, BLOCK_D],
-        )  # fmt: skip
-        v_all = tl.make_tensor_descriptor(
-            v_ptr, shape=[k_rows, stride_vt], strides=[stride_vt, 1],
-            block_shape=[BLOCK_N, BLOCK_D],
-        )  # fmt: skip
-        q = tl.make_tensor_descriptor(
-            q_ptr, shape=[q_rows, stride_qt], strides=[stride_qt, 1],
-            block_shape=[BLOCK_M, BLOCK_D],
-        ).load([(q_start + m0).to(tl.int32), (head * HEAD_DIM).to(tl.int32)])  # fmt: skip
-    else:
-        q = tl.load(
-            q_base + offs_m.to(tl.int64)[:, None] * stride_qt + offs_d[None, :],
-            mask=m_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
+    q = tl.load(
+        q_base + offs_m.to(tl.int64)[:, None] * stride_qt + offs_d[None, :],
+        mask=m_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     k_base = k_ptr + k_start * stride_kt + head * stride_kh
     v_base = v_ptr + k_start * stride_vt + head * stride_vh
     rel_base = rel_ptr + head * stride_rel_h
@@ -414,63 +380,54 @@ def jfa_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
-    if WS:  # one loop, every tile masked: Hopper's partitioner takes one loop per kernel
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo_t, full_lo, offs_m, offs_d,
+        shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0, jb_base, m0,
+        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
+        DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+    )  # fmt: skip
+    if HAS_REL:
+        # Key tiles far below the diagonal (all distances clamp to the last bucket), the band
+        # that needs the table, and tiles far above it (first bucket).
+        far_hi, near_lo = _rel_const_split(
+            full_lo, full_hi, m0 + shift - (num_buckets - 1 - num_buckets // 2) + 1,
+            p_hi + num_buckets // 2, BLOCK_N,
+        )  # fmt: skip
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo_t, hi_t, offs_m, offs_d,
-            shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0, jb_base, m0,
-            HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, False, False, False,
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, far_hi, offs_m,
+            offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets,
+            tl.load(rel_base + num_buckets - 1), jb_base, m0,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True, HAS_JAGGED,
             DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
-            k_all, v_all, k_start.to(tl.int32), (head * HEAD_DIM).to(tl.int32), True,
+        )  # fmt: skip
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, far_hi, near_lo, offs_m,
+            offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0,
+            jb_base, m0,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
+            DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+        )  # fmt: skip
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, near_lo, full_hi, offs_m,
+            offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets,
+            tl.load(rel_base), jb_base, m0,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True, HAS_JAGGED,
+            DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
         )  # fmt: skip
     else:
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo_t, full_lo, offs_m, offs_d,
-            shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0, jb_base, m0,
-            HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m,
+            offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0,
+            jb_base, m0,
+            HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
             DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
         )  # fmt: skip
-        if HAS_REL:
-            # Key tiles far below the diagonal (all distances clamp to the last bucket), the band
-            # that needs the table, and tiles far above it (first bucket).
-            far_hi, near_lo = _rel_const_split(
-                full_lo, full_hi, m0 + shift - (num_buckets - 1 - num_buckets // 2) + 1,
-                p_hi + num_buckets // 2, BLOCK_N,
-            )  # fmt: skip
-            acc, l_i, m_i = _fwd_inner(
-                acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, far_hi, offs_m,
-                offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets,
-                tl.load(rel_base + num_buckets - 1), jb_base, m0,
-                HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True, HAS_JAGGED,
-                DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
-            )  # fmt: skip
-            acc, l_i, m_i = _fwd_inner(
-                acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, far_hi, near_lo, offs_m,
-                offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0,
-                jb_base, m0,
-                HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
-                DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
-            )  # fmt: skip
-            acc, l_i, m_i = _fwd_inner(
-                acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, near_lo, full_hi, offs_m,
-                offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets,
-                tl.load(rel_base), jb_base, m0,
-                HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True, HAS_JAGGED,
-                DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
-            )  # fmt: skip
-        else:
-            acc, l_i, m_i = _fwd_inner(
-                acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m,
-                offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0,
-                jb_base, m0,
-                HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
-                DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
-            )  # fmt: skip
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m, offs_d,
-            shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0, jb_base, m0,
-            HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
-            DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
-        )  # fmt: skip
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m, offs_d,
+        shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0, jb_base, m0,
+        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
+        DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+    )  # fmt: skip
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]

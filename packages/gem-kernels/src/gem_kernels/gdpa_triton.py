@@ -183,14 +183,13 @@ class GdpaTritonConfig(host.FlashTileConfig):
     """With ``fwd_one_loop``: issue the next key tile's ``Q K^T`` before this tile's activation
     (software pipelining by hand)."""
     fwd_warp_specialize: bool = False
-    """With ``fwd_one_loop`` and TMA K/V loads, not ``fwd_pipeline``: Triton's automatic warp
-    specialisation of the key loop (``tl.range(..., warp_specialize=True)``: producer warps
-    issue the TMA loads, consumer warpgroups the MMAs and the activation)."""
-    short_q_tma: bool = False
-    """Short-KV forward: load query tiles through per-item TMA descriptors (16-byte aligned
-    rows; other calls use pointer loads)."""
-    short_warp_specialize: bool = False
-    """With ``short_q_tma``: automatic warp specialisation of the short-KV query loop."""
+    """With ``fwd_one_loop`` and ``fwd_kv_tma``, not ``fwd_pipeline``: Triton's automatic warp
+    specialisation of the key loop (``tl.range(..., warp_specialize=True)``; on Hopper a
+    producer warpgroup issues the TMA loads, two 4-warp consumer groups split the 128-row
+    tile for the MMAs and the activation: ``fwd_warps=4`` (at 8 the pass does nothing) and
+    ``fwd_stages`` at most 2 (3 gave NaN on triton 3.6)). Q, K, V go through whole-tensor
+    descriptors (head dim a power of two, heads packed in a row; other calls run the plain
+    loop)."""
     bwd_one_loop: bool = False
     """Self/cross backward without window or causal mask: one loop per item with masked loads
     and no score mask, instead of three phases."""
@@ -238,11 +237,13 @@ def default_config(
     keep that configuration) pick the D=128 bfloat16 kernels: unmasked calls take the one-loop
     forward with TMA key/value loads and the fused one-loop backward (``bwd_fused``: dQ by
     float32 atomics inside the dK/dV kernel) with 2 programs per SM, with
-    64x32 tiles, 4 warps and 3 programs per SM up to ``SHORT_SEQUENCE_LEN`` keys and the
-    hand-pipelined 128x64 loop (4 stages, 2 programs per SM) beyond; the short-KV forward
-    (cross) drops its score mask and streams 4096 query rows per item. Masked calls keep the
-    three-phase kernels. Chosen from ``benchmarks/results/h200/gdpa_explore2.json`` (two H200
-    runs); ``gdpa.json`` then measured, forward / forward+backward TFLOP/s, before -> after:
+    the warp-specialised 128x128 forward (``fwd_warp_specialize``: 4 warps per consumer group,
+    2 stages, 1 program per SM; cross attention too, instead of the short-KV kernel) up to
+    ``SHORT_SEQUENCE_LEN`` keys and the hand-pipelined 128x64 loop (4 stages, 2 programs per
+    SM) beyond; the short-KV forward (kept for other calls) drops its score mask and streams
+    4096 query rows per item. Masked calls keep the three-phase kernels. Chosen from
+    ``benchmarks/results/h200/gdpa_explore2.json`` (two H200 runs); ``gdpa.json`` then
+    measured, forward / forward+backward TFLOP/s, before -> after:
     self B512xL1024 307/275 -> 412/297, B1152xL1000 307/272 -> 379/298 (64x32 tiles),
     B128xL4096 429/357 -> 521/377 (pipelined 128x64); cross L1024 224/224 -> 266/246, L4096
     264/253 -> 317/275. The fused backward (``gdpa_explore3.json``, 2026-12-01, one H200 run,
@@ -258,6 +259,13 @@ def default_config(
     pointer loads, 2048 rows: 264 / 328 against 273 / 339) and a one-launch PMA forward whose
     last program of a shared segment summed the partials (CUDA graph 0.1547 / 0.1468 ms against
     0.1513 / 0.1428 for stream + combine at B512xL1024 / B128xL4096).
+    Warp specialisation (``gdpa_explore5b.json``, 2026-12-01, one H200 run, triton 3.6,
+    forward TFLOP/s, previous default -> warp-specialised 128x128): self B512xL1024 406 ->
+    422, B1152xL1000 379 -> 380, cross L1024 262 -> 381, L4096 325 -> 401 (168 registers, no
+    spills, 12 warps); at B128xL4096 it lost (502 -> 480; 128x64: 493), so long sequences keep
+    the pipelined loop. 3 stages gave NaN, per-item descriptors remade in the persistent
+    loop wrong results (``gdpa_explore5.json``), and the short-KV kernel did not compile
+    with the flag.
     """
     if masked:
         tiles = "masked"
@@ -287,10 +295,10 @@ def _default_config(head_dim: int, interpret: bool, dtype: torch.dtype, tiles: s
             fwd_one_loop=True, fwd_kv_tma=True, bwd_one_loop=True, bwd_programs_per_sm=2,
             short_mask_free=True, short_rows_per_item=4096, bwd_fused=True, dkdv_q_chunk=0,
         )  # fmt: skip
-        if tiles == "short":
+        if tiles == "short":  # warp-specialised 128x128 forward, cross attention included
             return replace(
-                base, fwd_block_m=64, fwd_block_n=32, fwd_warps=4, fwd_programs_per_sm=3,
-                **unmasked,
+                base, fwd_block_n=128, fwd_warps=4, fwd_stages=2, fwd_programs_per_sm=1,
+                fwd_warp_specialize=True, short_kv_max=0, **unmasked,
             )  # fmt: skip
         return replace(base, fwd_stages=4, fwd_programs_per_sm=2, fwd_pipeline=True, **unmasked)
     if head_dim <= 128:
@@ -819,29 +827,6 @@ def _flags(q: torch.Tensor, launch: _Launch) -> dict:
     }
 
 
-def _tma_workspace(size: int, alignment: int, stream) -> torch.Tensor:
-    """Global scratch for the descriptors the kernels build on the device."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _tma_ready(*tensors: torch.Tensor, interpret: bool) -> bool:
-    """Whether ``tensors`` can go through TMA descriptors (16-byte aligned base and row
-    strides); installs a Triton scratch allocator on CUDA when none is set."""
-    for t in tensors:
-        size = t.element_size()
-        if t.data_ptr() % 16 or (t.stride(0) * size) % 16 or (t.stride(1) * size) % 16:
-            return False
-    if not interpret:
-        import triton
-        from triton.runtime import _allocation
-
-        current = getattr(_allocation, "_allocator", None)
-        current = current.get() if hasattr(current, "get") else current
-        if current is None or isinstance(current, _allocation.NullAllocator):
-            triton.set_allocator(_tma_workspace)
-    return True
-
-
 def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tensor:
     heads = q.shape[1]
     out = torch.empty((out_rows, heads, q.shape[2]), dtype=q.dtype, device=q.device)
@@ -862,12 +847,10 @@ def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tens
         partial, partial.stride(0), partial.stride(1),
     )  # fmt: skip
     if plan.short_kv_block:
-        q_tma = cfg.short_q_tma and _tma_ready(q, interpret=launch.interpret)
         kernels.gdpa_fwd_short_kv_kernel[(plan.fwd_grid,)](
             *common, BLOCK_M=cfg.short_block_m, BLOCK_KV=plan.short_kv_block,
             num_warps=cfg.short_warps, num_stages=cfg.short_stages,
-            MASK_FREE=cfg.short_mask_free, Q_TMA=q_tma,
-            WARP_SPECIALIZE=q_tma and cfg.short_warp_specialize, **_flags(q, launch),
+            MASK_FREE=cfg.short_mask_free, **_flags(q, launch),
         )  # fmt: skip
     elif launch.num_queries is not None:
         kernels.gdpa_fwd_kernel[(plan.fwd_grid,)](
@@ -875,13 +858,22 @@ def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tens
             num_warps=cfg.pma_warps, num_stages=cfg.pma_stages, **_flags(q, launch),
         )  # fmt: skip
     else:
-        tma = cfg.fwd_one_loop and cfg.fwd_kv_tma and _tma_ready(k, v, interpret=launch.interpret)
+        tma = (
+            cfg.fwd_one_loop and cfg.fwd_kv_tma and host.tma_ready(k, v, interpret=launch.interpret)
+        )
         pipeline = cfg.fwd_one_loop and cfg.fwd_pipeline
+        flags = _flags(q, launch)
+        ws = (  # whole-tensor (T, row) descriptors: heads packed in a row, no padded head dim
+            tma and cfg.fwd_warp_specialize and not pipeline
+            and flags["HEAD_DIM"] == flags["BLOCK_D"]
+            and all(t.shape[1] == 1 or t.stride(1) == t.shape[2] for t in (q, k, v))
+            and host.tma_ready(q, interpret=launch.interpret)
+        )  # fmt: skip
         kernels.gdpa_fwd_kernel[(plan.fwd_grid,)](
             *common, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, ONE_LOOP=cfg.fwd_one_loop,
-            KV_TMA=tma, PIPELINE=pipeline,
-            WARP_SPECIALIZE=tma and not pipeline and cfg.fwd_warp_specialize, **_flags(q, launch),
+            KV_TMA=tma, PIPELINE=pipeline, WARP_SPECIALIZE=ws, q_rows=q.shape[0],
+            k_rows=k.shape[0], **flags,
         )  # fmt: skip
     if plan.fwd_combine is not None:
         # Per sample: sum of its chunks' Nq x H x D blocks (normalisation is in the partials).
@@ -1074,6 +1066,11 @@ def gdpa_from_lengths(
     if config.schedule not in GDPA_SCHEDULES:
         raise ValueError(
             f"config.schedule must be one of {GDPA_SCHEDULES}, got {config.schedule!r}"
+        )
+    if config.fwd_warp_specialize and config.fwd_stages > 2:
+        raise ValueError(
+            "config.fwd_warp_specialize needs fwd_stages <= 2 (3 stages gave NaN on triton "
+            f"3.6), got fwd_stages={config.fwd_stages}"
         )
     if self_attention:
         # Self-attention never takes the short-KV forward (its KV is as long as its queries).

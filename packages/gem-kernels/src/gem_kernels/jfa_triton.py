@@ -65,10 +65,6 @@ class JfaTritonConfig(host.FlashTileConfig):
     """Warps per dQ program (0: ``bwd_warps``)."""
     dq_stages: int = 0
     """Software-pipelining depth of the dQ kernel's key loop (0: ``bwd_stages``)."""
-    fwd_warp_specialize: bool = False
-    """Unbiased forward: one masked key loop with Triton's automatic warp specialisation
-    (TMA loads through whole-tensor descriptors; needs contiguous (T, H, D) inputs, 16-byte
-    aligned, and a power-of-two head_dim; other calls take the three-phase loop)."""
 
 
 #: Longest sample (queries or keys, or the keys a query row can see under a window that
@@ -123,7 +119,10 @@ def default_config(
     slower with each regime's tiles: forward+backward 0.69x-0.82x with the short and medium
     tiles, 0.93x-0.98x with the long ones at L1024-L4096, 0.99x / 1.02x at B32xL16384 causal /
     non-causal (tile sweep round r4): the dQ atomics per key tile cost more than the two
-    matrix products they save, the more so the fewer keys a tile has.
+    matrix products they save, the more so the fewer keys a tile has. A warp-specialised
+    forward (Triton's automatic warp specialisation of one masked key loop, TMA loads through
+    whole-tensor descriptors, as GDPA's short forward) was slower too: 128x128 tiles, 4 warps,
+    2 stages gave 0.78x-0.95x of the default forward, 1.05x only at B128xL4096 causal (round r5).
     """
     if interpret:
         return JfaTritonConfig(16, 16, 1, 1, 16, 16, 16, 16, 1, 1)
@@ -383,16 +382,6 @@ def _forward(q, k, v, rel_pos_bias, jagged_bias, plan: _Plan, launch: _Launch):
     rel, jb, num_buckets, stride_rel, stride_jb = _bias_args(
         q, rel_pos_bias, jagged_bias, launch.scale
     )
-    flags = _flags(q, launch)
-    warp_specialize = (  # whole-tensor (T, H * D) descriptors: heads packed in a row
-        cfg.fwd_warp_specialize
-        and rel_pos_bias is None
-        and jagged_bias is None
-        and k.shape[0] > 0
-        and flags["HEAD_DIM"] == flags["BLOCK_D"]
-        and all(t.stride(1) == t.shape[2] for t in (q, k, v))
-        and host.tma_ready(q, k, v, interpret=launch.interpret)
-    )
     _kernels(launch.interpret).jfa_fwd_kernel[(num_tiles * heads,)](
         q, k, v, out, lse, plan.fwd, rel, jb,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -401,8 +390,7 @@ def _forward(q, k, v, rel_pos_bias, jagged_bias, plan: _Plan, launch: _Launch):
         BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
         HAS_REL=rel_pos_bias is not None, HAS_JAGGED=jagged_bias is not None,
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
-        WARP_SPECIALIZE=warp_specialize, q_rows=q.shape[0], k_rows=k.shape[0],
-        **_rel_strip(q, rel_pos_bias, cfg), **flags,
+        **_rel_strip(q, rel_pos_bias, cfg), **_flags(q, launch),
     )  # fmt: skip
     return out, lse
 
