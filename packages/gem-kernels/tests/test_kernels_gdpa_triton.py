@@ -524,6 +524,33 @@ def test_default_config_choice():
         dim = 128 if kwargs else 64
         assert default_config(dim, max_len=10, **kwargs) == default_config(dim, **kwargs)
         assert not default_config(dim, max_len=10, **kwargs).fwd_one_loop
+    # Inputs the descriptors cannot read keep the 64x32 forward (and cross's short-KV kernel).
+    strided = default_config(128, max_len=SHORT_SEQUENCE_LEN, descriptor_layout=False)
+    assert not strided.fwd_warp_specialize and strided.short_kv_max == 256
+    assert (strided.fwd_block_m, strided.fwd_block_n, strided.fwd_programs_per_sm) == (64, 32, 3)
+    assert default_config(128, descriptor_layout=False) == long
+
+
+def test_descriptor_layout_of_the_inputs(interpret, monkeypatch):
+    packed = torch.randn(10, 4, 128)
+    assert gdpa_triton.descriptor_layout(packed, packed, packed, interpret=True)
+    heads_apart = torch.randn(4, 10, 128).transpose(0, 1)  # (T, H, D), head stride T * D
+    assert not gdpa_triton.descriptor_layout(heads_apart, packed, packed, interpret=True)
+    odd_dim = torch.randn(10, 4, 96)
+    assert not gdpa_triton.descriptor_layout(odd_dim, odd_dim, odd_dim, interpret=True)
+    # The entry point asks for the layout of the tensors it launches with.
+    seen = []
+    real = gdpa_triton.default_config
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["descriptor_layout"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gdpa_triton, "default_config", recording)
+    lengths = torch.tensor([3, 7])
+    gdpa_from_lengths(packed, packed, packed, lengths)
+    gdpa_from_lengths(heads_apart, packed, packed, lengths)
+    assert seen == [True, False]
 
 
 @pytest.mark.gpu

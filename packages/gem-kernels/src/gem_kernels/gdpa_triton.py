@@ -66,6 +66,7 @@ __all__ = [
     "MAX_TRITON_HEAD_DIM",
     "SHORT_SEQUENCE_LEN",
     "default_config",
+    "descriptor_layout",
     "gdpa_from_lengths",
     "gdpa_triton",
     "schedule_loads",
@@ -228,9 +229,15 @@ def default_config(
     dtype: torch.dtype = torch.bfloat16,
     max_len: int | None = None,
     masked: bool = False,
+    descriptor_layout: bool = True,
 ) -> GdpaTritonConfig:
     """Tile configuration for a head dimension and input dtype (16-row tiles under the
     interpreter). float32 tiles take twice the shared memory, so they are halved.
+
+    ``descriptor_layout``: q, k and v can be read through whole-tensor TMA descriptors (see
+    :func:`descriptor_layout`); without it, short unmasked calls take the 64x32 forward tiles
+    (3 programs per SM; cross attention: the short-KV forward) instead of the warp-specialised
+    128x128 forward, whose plain-load fallback would spill registers.
 
     ``max_len`` (the longest key length of the call, ``None``: unknown) and ``masked`` (a
     causal or window mask; :func:`gdpa_from_lengths` also passes it for PMA, whose kernels
@@ -270,7 +277,7 @@ def default_config(
     if masked:
         tiles = "masked"
     elif max_len is not None and max_len <= SHORT_SEQUENCE_LEN:
-        tiles = "short"
+        tiles = "short" if descriptor_layout else "short_strided"
     else:
         tiles = "long"
     return _default_config(head_dim, interpret, dtype, tiles)
@@ -295,6 +302,11 @@ def _default_config(head_dim: int, interpret: bool, dtype: torch.dtype, tiles: s
             fwd_one_loop=True, fwd_kv_tma=True, bwd_one_loop=True, bwd_programs_per_sm=2,
             short_mask_free=True, short_rows_per_item=4096, bwd_fused=True, dkdv_q_chunk=0,
         )  # fmt: skip
+        if tiles == "short_strided":  # the 64x32 forward measured before warp specialisation
+            return replace(
+                base, fwd_block_m=64, fwd_block_n=32, fwd_warps=4, fwd_programs_per_sm=3,
+                **unmasked,
+            )  # fmt: skip
         if tiles == "short":  # warp-specialised 128x128 forward, cross attention included
             return replace(
                 base, fwd_block_n=128, fwd_warps=4, fwd_stages=2, fwd_programs_per_sm=1,
@@ -827,6 +839,18 @@ def _flags(q: torch.Tensor, launch: _Launch) -> dict:
     }
 
 
+def descriptor_layout(q, k, v, *, interpret: bool) -> bool:
+    """Whether unit-stride q, k, v can be read through whole-tensor (T, H * D) TMA descriptors,
+    as the warp-specialised forward does: head_dim a power of two, each row's heads contiguous,
+    16-byte aligned."""
+    head_dim = q.shape[2]
+    return (
+        head_dim == host.padded_block(head_dim)
+        and all(t.shape[1] == 1 or t.stride(1) == head_dim for t in (q, k, v))
+        and host.tma_ready(q, k, v, interpret=interpret)
+    )
+
+
 def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tensor:
     heads = q.shape[1]
     out = torch.empty((out_rows, heads, q.shape[2]), dtype=q.dtype, device=q.device)
@@ -863,11 +887,9 @@ def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tens
         )
         pipeline = cfg.fwd_one_loop and cfg.fwd_pipeline
         flags = _flags(q, launch)
-        ws = (  # whole-tensor (T, row) descriptors: heads packed in a row, no padded head dim
+        ws = (
             tma and cfg.fwd_warp_specialize and not pipeline
-            and flags["HEAD_DIM"] == flags["BLOCK_D"]
-            and all(t.shape[1] == 1 or t.stride(1) == t.shape[2] for t in (q, k, v))
-            and host.tma_ready(q, interpret=launch.interpret)
+            and descriptor_layout(q, k, v, interpret=launch.interpret)
         )  # fmt: skip
         kernels.gdpa_fwd_kernel[(plan.fwd_grid,)](
             *common, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
@@ -1056,12 +1078,14 @@ def gdpa_from_lengths(
     left, right = _resolve_window(causal, window)
     q_host = None if pma else q_lengths.detach().to("cpu", torch.int64)
     k_host = q_host if self_attention else k_lengths.detach().to("cpu", torch.int64)
+    q, k, v = host.unit_stride(q), host.unit_stride(k), host.unit_stride(v)
     if config is None:
         max_len = None if pma or k_host.numel() == 0 else int(k_host.max())
         # PMA keeps the masked calls' configuration (its kernels were tuned with it).
         config = default_config(
             q.shape[2], interpret=interpret, dtype=q.dtype, max_len=max_len,
             masked=pma or left is not None or right is not None,
+            descriptor_layout=descriptor_layout(q, k, v, interpret=interpret),
         )  # fmt: skip
     if config.schedule not in GDPA_SCHEDULES:
         raise ValueError(
@@ -1092,7 +1116,6 @@ def gdpa_from_lengths(
         needs_grad, interpret, pma_m,
     )  # fmt: skip
     out_rows = k_host.numel() * q.shape[0] if pma else q.shape[0]
-    q, k, v = host.unit_stride(q), host.unit_stride(k), host.unit_stride(v)
     if not needs_grad:  # inference: no autograd node to build
         return _forward(q, k, v, plan, launch, out_rows)
     return GdpaFunction.apply(q, k, v, plan, launch, out_rows)
