@@ -1150,8 +1150,9 @@ def _cross_variants(base: gt.GdpaTritonConfig, round_: int = 1) -> dict:
 
 def _pma_wrapper_call(case: Case, cfg: gt.GdpaTritonConfig):
     """The PMA forward's launch wrapper alone (plan and launch resolved once, no checks)."""
+    # PMA never takes the warp-specialised forward: no descriptor layout needed.
     launch = gt._Launch(1.0 / D**0.5, None, None, gt._ACTIVATION_CODES[ACT], False,
-                        NUM_QUERIES, cfg, False)  # fmt: skip
+                        NUM_QUERIES, cfg, False, False)  # fmt: skip
     plan = gt._cached_plan(
         None,
         case.k_lengths.to(torch.int64),

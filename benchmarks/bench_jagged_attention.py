@@ -26,8 +26,9 @@ timed before the other cases, and ``--warmup-ms`` / ``--rep-ms`` set do_bench's 
 ``--sweep`` first times a few tile configurations of gem's kernels at B128xL4096 and uses the
 fastest. ``--bias-sweep`` only checks ``rel_pos_bias`` against the reference and times the bias
 variants of ``_bias_sweep_configs`` (causal, every shape) into ``--out``; ``--tile-sweep``
-times the unbiased tile variants of ``_tile_sweep_configs`` the same way. A full run takes about 4 minutes on an H200 (the
-``--budget-s`` guard stops starting new cases after that many seconds).
+times the unbiased tile variants of ``_tile_sweep_configs`` the same way. A full run takes
+about 4 minutes on an H200 (the ``--budget-s`` guard stops starting new cases after that many
+seconds).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import dataclasses
 import sys
 import time
 import traceback
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -510,21 +510,20 @@ def _bias_sweep_configs() -> dict[str, tuple[JfaTritonConfig, str]]:
         "default": (biased, "rel_pos_bias"),
         "jagged_default": (jagged, "jagged_bias"),
         "short": (short, "rel_pos_bias"),
-        "short_dkdv16": (replace(short, dkdv_block_m=16), "rel_pos_bias"),
+        "short_dkdv16": (dataclasses.replace(short, dkdv_block_m=16), "rel_pos_bias"),
         "short_fwd_only": (
             JfaTritonConfig(*_fwd_fields(short), *_bwd_fields(biased)),
             "rel_pos_bias",
         ),
         "medium": (medium, "rel_pos_bias"),
         "jagged_short": (short, "jagged_bias"),
-        "jagged_medium": (replace(medium, dq_block_n=32), "jagged_bias"),
+        "jagged_medium": (dataclasses.replace(medium, dq_block_n=32), "jagged_bias"),
     }
 
 
 def _bias_sweep(device, out_path: Path, shapes) -> None:
     """Check the ``rel_pos_bias`` variants against the reference on odd lengths, then time
     every variant (and the unbiased kernel) causal at ``shapes``; rows go to ``out_path``."""
-
     from gem_kernels.jfa_triton import jagged_flash_attention_from_lengths
     from gem_kernels.reference import jagged_flash_attention_reference
 
@@ -598,8 +597,6 @@ def _tile_sweep_configs() -> dict[str, JfaTritonConfig]:
     }
 
 
-#: Modes timed for the ``--tile-sweep`` variants (the default and flash varlen: both).
-TILE_SWEEP_MODES = ("fwd", "fwd_bwd")
 #: (batch, max_len, causal, window) of the ``--tile-sweep`` cases.
 TILE_SWEEP_CASES = [(32, 16384, True, WINDOW), (512, 1024, True, None), (512, 1024, False, None),
                     (128, 4096, True, None), (32, 16384, True, None), (32, 16384, False, None)]  # fmt: skip
@@ -608,7 +605,6 @@ TILE_SWEEP_CASES = [(32, 16384, True, WINDOW), (512, 1024, True, None), (512, 10
 def _tile_sweep(device, out_path: Path) -> None:
     """Time every ``_tile_sweep_configs`` variant, the default and flash varlen on
     ``TILE_SWEEP_CASES`` (outputs checked against flash varlen first); rows go to ``out_path``."""
-
     start = time.time()
     configs = _tile_sweep_configs()
     _precompile_variants(
@@ -636,7 +632,7 @@ def _tile_sweep(device, out_path: Path) -> None:
                 f"{case.name}/{name}",
                 lambda m=make, r=reference: {"out": rel_error(m()[0](), r)},
             )
-            _measure(rows, errors, case, f"gem-{name}", make, modes=TILE_SWEEP_MODES)
+            _measure(rows, errors, case, f"gem-{name}", make)
         del case
         torch.cuda.empty_cache()
         _write(out_path, None, None, checks, errors, rows, start)

@@ -808,6 +808,7 @@ class _Launch:
     num_queries: int | None  # PMA: Nq shared queries; None for self/cross
     config: GdpaTritonConfig
     interpret: bool
+    descriptor_layout: bool  # q, k, v readable through whole-tensor descriptors
 
 
 def _packed_mode(q: torch.Tensor, launch: _Launch) -> int:
@@ -887,10 +888,7 @@ def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tens
         )
         pipeline = cfg.fwd_one_loop and cfg.fwd_pipeline
         flags = _flags(q, launch)
-        ws = (
-            tma and cfg.fwd_warp_specialize and not pipeline
-            and descriptor_layout(q, k, v, interpret=launch.interpret)
-        )  # fmt: skip
+        ws = tma and cfg.fwd_warp_specialize and not pipeline and launch.descriptor_layout
         kernels.gdpa_fwd_kernel[(plan.fwd_grid,)](
             *common, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, ONE_LOOP=cfg.fwd_one_loop,
@@ -1079,13 +1077,14 @@ def gdpa_from_lengths(
     q_host = None if pma else q_lengths.detach().to("cpu", torch.int64)
     k_host = q_host if self_attention else k_lengths.detach().to("cpu", torch.int64)
     q, k, v = host.unit_stride(q), host.unit_stride(k), host.unit_stride(v)
+    whole_tensor_descriptors = descriptor_layout(q, k, v, interpret=interpret)
     if config is None:
         max_len = None if pma or k_host.numel() == 0 else int(k_host.max())
         # PMA keeps the masked calls' configuration (its kernels were tuned with it).
         config = default_config(
             q.shape[2], interpret=interpret, dtype=q.dtype, max_len=max_len,
             masked=pma or left is not None or right is not None,
-            descriptor_layout=descriptor_layout(q, k, v, interpret=interpret),
+            descriptor_layout=whole_tensor_descriptors,
         )  # fmt: skip
     if config.schedule not in GDPA_SCHEDULES:
         raise ValueError(
@@ -1108,6 +1107,7 @@ def gdpa_from_lengths(
         num_queries=q.shape[0] if pma else None,
         config=config,
         interpret=interpret,
+        descriptor_layout=whole_tensor_descriptors,
     )
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     pma_m = _pma_block_m(q.shape[0], config) if pma else 0
