@@ -590,16 +590,27 @@ def _tile_sweep_configs() -> dict[str, JfaTritonConfig]:
     """Tile variants of the unbiased kernels (``--tile-sweep``), timed on the cases of
     ``TILE_SWEEP_CASES`` against the default and flash varlen. Edit to explore; the rounds run
     so far are in ``results/h200/jagged_attention_tile_explore.json``."""
-    # Each length regime's default tiles on every case: where the crossovers lie.
+    # Round r7: the fused backward with TMA-reduce dQ, and the hand-pipelined forward.
+    short, medium, long = (default_config(D, max_len=n) for n in (1024, 2048, None))
+    replace = dataclasses.replace
+    long_f128x64 = replace(long, fwd_block_n=64)
     return {
-        regime: default_config(D, max_len=max_len)
-        for regime, max_len in (("short", 1024), ("medium", 2048), ("long", None))
+        "short_fused": replace(short, bwd_fused=True),
+        "short_pipe": replace(short, fwd_pipeline=True),
+        "medium_fused": replace(medium, bwd_fused=True),
+        "long": long,
+        "long_fused": replace(long, bwd_fused=True),
+        "long_pipe": replace(long, fwd_pipeline=True),
+        "long_f128x64": long_f128x64,
+        "long_f128x64_pipe": replace(long_f128x64, fwd_pipeline=True),
+        "long_f128x64_pipe_fused": replace(long_f128x64, fwd_pipeline=True, bwd_fused=True),
     }
 
 
 #: (batch, max_len, causal, window) of the ``--tile-sweep`` cases.
 TILE_SWEEP_CASES = [(32, 16384, True, WINDOW), (512, 1024, True, None), (512, 1024, False, None),
-                    (128, 4096, True, None), (32, 16384, True, None), (32, 16384, False, None)]  # fmt: skip
+                    (128, 4096, True, None), (128, 4096, False, None), (32, 16384, True, None),
+                    (32, 16384, False, None)]  # fmt: skip
 
 
 def _tile_sweep(device, out_path: Path) -> None:
@@ -622,21 +633,29 @@ def _tile_sweep(device, out_path: Path) -> None:
                     ("flash_varlen", lambda c=case: provider_flash_varlen(c))]  # fmt: skip
         for provider, make in variants:
             _measure(rows, errors, case, provider, make)
-        with torch.no_grad():
-            reference = provider_gem(case)[0]()
+        reference = _outputs(lambda c=case: provider_gem(c))
         for name, config in configs.items():
             make = lambda c=case, cfg=config: provider_gem(c, config=cfg)  # noqa: E731
-            # Each variant's output against the default's (same inputs, one forward).
+            # Each variant's output and gradients against the default's (same inputs).
             record_check(
                 checks,
                 f"{case.name}/{name}",
-                lambda m=make, r=reference: {"out": rel_error(m()[0](), r)},
+                lambda m=make, r=reference: {
+                    n: rel_error(value, r[n]) for n, value in _outputs(m).items()
+                },
             )
             _measure(rows, errors, case, f"gem-{name}", make)
         del case
         torch.cuda.empty_cache()
         _write(out_path, None, None, checks, errors, rows, start)
     _print_table(rows)
+
+
+def _outputs(make) -> dict[str, torch.Tensor]:
+    """Output and q, k, v gradients of one provider's forward and forward+backward."""
+    fwd, fwd_bwd, leaves = make()
+    fwd_bwd()
+    return {"out": fwd(), **{f"d{n}": leaf.grad for n, leaf in zip("qkv", leaves, strict=False)}}
 
 
 def _fwd_fields(c: JfaTritonConfig):

@@ -10,6 +10,8 @@ GPU tests (``-m gpu``) use the compiled kernels on larger shapes.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from gem_kernels import jagged_flash_attention, jfa_triton
@@ -249,6 +251,56 @@ def test_backward_is_deterministic(interpret):
         assert torch.equal(first, second)
 
 
+FUSED = JfaTritonConfig(16, 16, 1, 1, 16, 16, 16, 16, 1, 1, bwd_fused=True)
+
+
+@pytest.mark.parametrize(("causal", "window"), [(False, None), (True, None), (True, (20, None))])
+def test_fused_dq_backward(interpret, causal, window):
+    """dQ added by the dK/dV kernel (float32 atomics) matches the oracle, biases included."""
+    tensors = _inputs(CROSS_Q, CROSS_K, seed=21, rel=9)
+    _check_grads(CROSS_Q, CROSS_K, tensors, tol=2e-5, causal=causal, window=window, config=FUSED)
+    # jagged_bias's gradient comes from the dQ kernel: such calls keep it.
+    tensors = _inputs(CROSS_Q, CROSS_K, seed=22, jagged=True)
+    _check_grads(CROSS_Q, CROSS_K, tensors, tol=2e-5, causal=causal, window=window, config=FUSED)
+
+
+def test_fused_dq_yields_to_deterministic_mode(interpret, monkeypatch):
+    lengths = [40, 3, 0, 17]
+    tensors = _inputs(lengths, lengths, seed=23, rel=24)
+    launched = []
+    kernels = jfa_triton._kernels(True)
+    real_dq_kernel = kernels.jfa_bwd_dq_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real_dq_kernel[grid]
+
+    monkeypatch.setattr(kernels, "jfa_bwd_dq_kernel", Recording())
+
+    def grads(config):
+        leaves = {n: t.clone().requires_grad_(True) for n, t in tensors.items()}
+        out = jagged_flash_attention_from_lengths(
+            leaves["q"], leaves["k"], leaves["v"], torch.tensor(lengths), causal=True,
+            rel_pos_bias=leaves["rel_pos_bias"], config=config,
+        )  # fmt: skip
+        out.square().sum().backward()
+        return [leaves[n].grad for n in sorted(leaves)]
+
+    grads(FUSED)
+    assert not launched  # fused: no dQ kernel
+    split = grads(replace(FUSED, bwd_fused=False))
+    assert len(launched) == 1
+    torch.use_deterministic_algorithms(True)
+    try:
+        deterministic = grads(FUSED)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert len(launched) == 2  # deterministic mode: the split backward, bit for bit
+    for first, second in zip(split, deterministic, strict=True):
+        assert torch.equal(first, second)
+
+
 def test_other_tile_shapes(interpret):
     """Rectangular tiles (dK/dV keys 32 x queries 16, forward 16 x 32) give the same result."""
     config = JfaTritonConfig(16, 32, 1, 1, 32, 16, 32, 16, 1, 1)
@@ -280,6 +332,9 @@ def test_default_config_choices():
     assert _fwd(medium) == _fwd(long) and medium.dkdv_block_n == 64
     assert (medium.dq_block_m, medium.dq_warps) == (long.dq_block_m, 8)
     assert jfa_triton.default_config(128, max_len=jfa_triton.MEDIUM_SEQUENCE_LEN + 1) == long
+    # Long unmasked calls take the fused backward; masked and shorter ones the split one.
+    assert long.bwd_fused and not short.bwd_fused and not medium.bwd_fused
+    assert jfa_triton.default_config(128, masked=True) == replace(long, bwd_fused=False)
     assert jfa_triton.default_config(128, with_bias=True, max_len=16) == short
     rel = jfa_triton.default_config(128, with_bias=True, max_len=1025)
     assert rel == jfa_triton.default_config(128, with_bias=True)  # every longer batch
@@ -438,7 +493,7 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 
 def _gpu_case(q_lengths, k_lengths, dtype, *, seed, heads=4, dim=128, rel=None, jagged=False,
-              **options):  # fmt: skip
+              config=None, **options):  # fmt: skip
     tensors = {
         n: t.cuda()
         for n, t in _inputs(
@@ -457,9 +512,16 @@ def _gpu_case(q_lengths, k_lengths, dtype, *, seed, heads=4, dim=128, rel=None, 
     biases = {n: leaves[n] for n in ("rel_pos_bias", "jagged_bias") if n in leaves}
     ref_biases = {n: ref_leaves[n] for n in biases}
     q_off, k_off = offsets_of(q_lengths), offsets_of(k_lengths)
-    out = jagged_flash_attention(
-        leaves["q"], leaves["k"], leaves["v"], q_off, k_off, backend="triton", **biases, **options
-    )
+    if config is None:
+        out = jagged_flash_attention(
+            leaves["q"], leaves["k"], leaves["v"], q_off, k_off, backend="triton", **biases,
+            **options,
+        )  # fmt: skip
+    else:
+        out = jagged_flash_attention_from_lengths(
+            leaves["q"], leaves["k"], leaves["v"], torch.tensor(q_lengths),
+            torch.tensor(k_lengths), config=config, **biases, **options,
+        )  # fmt: skip
     expected = jagged_flash_attention_reference(
         ref_leaves["q"], ref_leaves["k"], ref_leaves["v"], q_off, k_off, **ref_biases, **options
     )
@@ -504,3 +566,20 @@ def test_gpu_cross_attention_with_biases(monkeypatch):
     k_lengths = [5, 0, 129, 600, 513, 1]
     _gpu_case(q_lengths, k_lengths, torch.bfloat16, seed=2, rel=257, jagged=True, causal=True,
               window=(200, None))  # fmt: skip
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.parametrize("regime", [1024, None])
+@pytest.mark.parametrize(("causal", "window"), [(False, None), (True, None), (True, (100, None))])
+def test_gpu_fused_backward(regime, causal, window, monkeypatch):
+    """The fused backward (dQ by TMA bulk reduces; rows past a sample add zeros to the next
+    one) with the short and long tiles, cross attention."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    config = replace(jfa_triton.default_config(128, max_len=regime), bwd_fused=True)
+    q_lengths = [0, 1, 300, 77, 1000, 64, 257, 130]
+    k_lengths = [5, 0, 129, 600, 1000, 1, 257, 700]
+    # The long forward tiles have no rel_pos_bias variant (shared memory).
+    rel = 33 if regime else None
+    _gpu_case(q_lengths, k_lengths, torch.bfloat16, seed=3, config=config, causal=causal,
+              window=window, rel=rel)  # fmt: skip

@@ -576,6 +576,13 @@ def _dkdv_inner(
     UPCAST: tl.constexpr,
     STRIP_P: tl.constexpr,
     STRIP_W: tl.constexpr,
+    dq_base,
+    stride_dqt,
+    FUSED_DQ: tl.constexpr,
+    dq_desc,
+    dq_row0,
+    dq_col,
+    DQ_TMA: tl.constexpr,
 ):
     d_ok = offs_d < HEAD_DIM
     jb_next = 0.0
@@ -663,7 +670,21 @@ def _dkdv_inner(
         dv = _dot(p_t.to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
         dp_t = _dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk = _dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, DOT_PRECISION, UPCAST)
+        ds_low = ds_t.to(q_t.dtype)
+        dk = _dot(ds_low, tl.trans(q_t), dk, DOT_PRECISION, UPCAST)
+        if FUSED_DQ:  # this key tile's share of the dQ rows, added in float32 (order not fixed)
+            dq = _dot(tl.trans(ds_low), k, None, DOT_PRECISION, UPCAST)
+            if DQ_TMA:
+                # One bulk reduce (TMA, from shared memory) per tile instead of an atomic per
+                # element. Rows past the sample add exact zeros (their dS is 0) to the next one.
+                dq_desc.atomic_add([dq_row0 + start, dq_col], dq)
+            else:
+                tl.atomic_add(
+                    dq_base + rows64[:, None] * stride_dqt + offs_d[None, :],
+                    dq,
+                    mask=m_ok[:, None] & d_ok[None, :],
+                    sem="relaxed",
+                )
         if HAS_REL:
             if REL_CONST:
                 # Per key row (a reduction inside each thread quad); the rows are summed once
@@ -715,6 +736,9 @@ def jfa_bwd_dkdv_kernel(
     scale,
     rs_ptr,
     stride_rs_h,
+    dq_ptr,
+    stride_dqt,
+    stride_dqh,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -729,8 +753,16 @@ def jfa_bwd_dkdv_kernel(
     UPCAST: tl.constexpr,
     STRIP_P: tl.constexpr,
     STRIP_W: tl.constexpr,
+    FUSED_DQ: tl.constexpr,
+    DQ_TMA: tl.constexpr = False,
+    num_q_rows=0,
 ):
-    """One program per (KV tile, head): loops over the query tiles that see the tile."""
+    """One program per (KV tile, head): loops over the query tiles that see the tile.
+
+    ``FUSED_DQ``: also adds each query tile's dQ rows (unscaled) into the zeroed float32
+    ``dq_ptr`` with atomics, so no dQ kernel runs (S and dP are computed once, not twice).
+    ``DQ_TMA`` (compiled, contiguous ``(num_q_rows, H, HEAD_DIM)`` dQ, HEAD_DIM == BLOCK_D):
+    the atomics are TMA bulk reduces through one descriptor over the whole dQ."""
     pid = tl.program_id(0)
     tile = pid // num_heads
     head = pid % num_heads
@@ -766,6 +798,15 @@ def jfa_bwd_dkdv_kernel(
     rel_base = rel_ptr + head * stride_rel_h
     rs_base = rs_ptr + head * stride_rs_h + STRIP_P * STRIP_W
     jb_base = jb_ptr + head * stride_jb_h + jb_start
+    dq_base = dq_ptr + q_start * stride_dqt + head * stride_dqh
+    dq_desc = None
+    dq_row0 = q_start.to(tl.int32)
+    dq_col = head * HEAD_DIM
+    if DQ_TMA:
+        dq_desc = tl.make_tensor_descriptor(
+            dq_ptr, shape=[num_q_rows, stride_dqt], strides=[stride_dqt, 1],
+            block_shape=[BLOCK_M, BLOCK_D],
+        )  # fmt: skip
 
     # Query rows that see any key of this tile, and the sub-range that sees all of them.
     j_last = tl.minimum(n0 + BLOCK_N, k_len) - 1
@@ -803,6 +844,7 @@ def jfa_bwd_dkdv_kernel(
         qk_scale, rs_base, num_buckets, 0.0, jb_base,
         HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False,
         HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+        dq_base, stride_dqt, FUSED_DQ, dq_desc, dq_row0, dq_col, DQ_TMA,
     )  # fmt: skip
     if HAS_REL:
         # Query tiles far above the diagonal (first bucket), the band, far below (last bucket).
@@ -816,6 +858,7 @@ def jfa_bwd_dkdv_kernel(
             qk_scale, rs_base, num_buckets, tl.load(rel_base), jb_base,
             HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True,
             HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+            dq_base, stride_dqt, FUSED_DQ, dq_desc, dq_row0, dq_col, DQ_TMA,
         )  # fmt: skip
         dk, dv, rel_acc, zero = _dkdv_inner(
             dk, dv, rel_acc, zero, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
@@ -823,6 +866,7 @@ def jfa_bwd_dkdv_kernel(
             qk_scale, rs_base, num_buckets, 0.0, jb_base,
             HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False,
             HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+            dq_base, stride_dqt, FUSED_DQ, dq_desc, dq_row0, dq_col, DQ_TMA,
         )  # fmt: skip
         dk, dv, rel_acc, hi_sum = _dkdv_inner(
             dk, dv, rel_acc, hi_sum, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
@@ -830,6 +874,7 @@ def jfa_bwd_dkdv_kernel(
             qk_scale, rs_base, num_buckets, tl.load(rel_base + num_buckets - 1), jb_base,
             HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True,
             HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+            dq_base, stride_dqt, FUSED_DQ, dq_desc, dq_row0, dq_col, DQ_TMA,
         )  # fmt: skip
     else:
         dk, dv, rel_acc, zero = _dkdv_inner(
@@ -838,6 +883,7 @@ def jfa_bwd_dkdv_kernel(
             qk_scale, rs_base, num_buckets, 0.0, jb_base,
             HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False,
             HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+            dq_base, stride_dqt, FUSED_DQ, dq_desc, dq_row0, dq_col, DQ_TMA,
         )  # fmt: skip
     dk, dv, rel_acc, zero = _dkdv_inner(
         dk, dv, rel_acc, zero, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
@@ -845,6 +891,7 @@ def jfa_bwd_dkdv_kernel(
         qk_scale, rs_base, num_buckets, 0.0, jb_base,
         HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False,
         HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+        dq_base, stride_dqt, FUSED_DQ, dq_desc, dq_row0, dq_col, DQ_TMA,
     )  # fmt: skip
 
     tl.store(

@@ -9,9 +9,11 @@ Jagged-aware scheduling: the host builds, from the sample lengths, one table row
 the rows by their amount of work, longest first, so the long tiles start early and the short
 ones fill the tail of the grid. The forward and the dQ kernel walk query tiles; the dK/dV kernel
 walks key tiles. Plans are cached by lengths and tiling (a model's layers and their backward
-share one batch), so repeated calls only hash the lengths. Backward is deterministic: no
-atomics; the relative-position bias gradient is accumulated per dK/dV program into its own row
-of a partial buffer and summed afterwards.
+share one batch), so repeated calls only hash the lengths. The split backward (a dK/dV kernel
+and a dQ kernel) is deterministic: no atomics; the relative-position bias gradient is
+accumulated per dK/dV program into its own row of a partial buffer and summed afterwards. With
+``JfaTritonConfig.bwd_fused`` the dK/dV kernel adds dQ in float32 instead (TMA bulk reduces,
+summation order not fixed); ``torch.use_deterministic_algorithms(True)`` selects the split one.
 
 CPU tensors run under the Triton interpreter when ``TRITON_INTERPRET=1`` is set at call time:
 the kernel module is loaded once per mode (interpreted or compiled), so the variable may be set
@@ -65,6 +67,13 @@ class JfaTritonConfig(host.FlashTileConfig):
     """Warps per dQ program (0: ``bwd_warps``)."""
     dq_stages: int = 0
     """Software-pipelining depth of the dQ kernel's key loop (0: ``bwd_stages``)."""
+    bwd_fused: bool = False
+    """The dK/dV kernel also adds dQ into a zeroed float32 buffer (summation order not fixed)
+    and no dQ kernel runs: S and dP are computed once instead of twice. Compiled at a
+    power-of-two head_dim, each tile's dQ rows go in one TMA bulk reduce; otherwise (the
+    interpreter) with an atomic per element. Calls with ``jagged_bias`` (its gradient is
+    written by the dQ kernel) and every call under ``torch.use_deterministic_algorithms(True)``
+    keep the separate dQ kernel (no atomics)."""
 
 
 #: Longest sample (queries or keys, or the keys a query row can see under a window that
@@ -84,6 +93,7 @@ def default_config(
     with_bias: bool = False,
     with_jagged_bias: bool = False,
     max_len: int | None = None,
+    masked: bool = False,
 ) -> JfaTritonConfig:
     """Tile configuration for a head dimension (small tiles under the interpreter).
 
@@ -101,7 +111,8 @@ def default_config(
       128x64 dQ tiles (8 warps): B256xL2048 causal forward+backward 241 -> 251 (at B128xL4096
       causal 299 -> 298, so longer batches keep the long tiles);
     - longer: 128x128 forward tiles, 128-key dK/dV tiles stepping 64 query rows, 128x64 dQ
-      tiles, 8 warps.
+      tiles, 8 warps; without a causal mask or window (``masked``), the fused backward
+      (``bwd_fused``, dQ by TMA bulk reduces).
 
     With ``rel_pos_bias`` (``with_bias``), bias tiles are loaded in the loops too; the 128x128
     forward tile then needs more shared memory than an H200 has. Up to ``SHORT_SEQUENCE_LEN``
@@ -114,12 +125,19 @@ def default_config(
     registers) at every length: the short and medium tiles were 4-10% slower (round r6).
     Other head dims: one configuration per size, biased calls with narrower key tiles.
 
-    The backward stays split (a dK/dV and a dQ kernel, no atomics). A fused backward whose
-    dK/dV kernel added dQ with float32 atomics (no dQ kernel; S and dP computed once) was
-    slower with each regime's tiles: forward+backward 0.69x-0.82x with the short and medium
-    tiles, 0.93x-0.98x with the long ones at L1024-L4096, 0.99x / 1.02x at B32xL16384 causal /
-    non-causal (tile sweep round r4): the dQ atomics per key tile cost more than the two
-    matrix products they save, the more so the fewer keys a tile has. A warp-specialised
+    The fused backward (no dQ kernel: S and dP computed once, dQ added in float32 across key
+    tiles) pays one dQ tile of reduce traffic per (key tile, query tile) step: 4 bytes per
+    element against 10 * BLOCK_N flops, which the 128-key tiles amortise and the 64-key ones
+    do not. Forward+backward TFLOP/s, split -> fused, long tiles, round r7 (dQ by TMA bulk
+    reduces): B32xL16384 non-causal 395 -> 410 (r4, per-element atomics: 402 -> 412),
+    B128xL4096 non-causal 367 -> 369, causal 352 -> 352 (B32xL16384) and 280 -> 277
+    (B128xL4096); with the short tiles 272 -> 196 at B512xL1024 (r4: 0.69x-0.82x for the
+    short and medium tiles). Masked calls keep the split backward, which is also the one
+    ``torch.use_deterministic_algorithms(True)`` selects. A hand-pipelined forward (the
+    next tile's ``Q K^T`` issued before this tile's softmax, as GDPA's long forward) gained
+    nothing (r7: 64x32 tiles 309 -> 308 at B512xL1024, 128x64 tiles 431 -> 408 at
+    B128xL4096 non-causal; with 128x128 tiles it needs more shared memory than an H200 has)
+    and was removed. A warp-specialised
     forward (Triton's automatic warp specialisation of one masked key loop, TMA loads through
     whole-tensor descriptors, as GDPA's short forward) was slower too: 128x128 tiles, 4 warps,
     2 stages gave 0.78x-0.95x of the default forward, 1.05x only at B128xL4096 causal (round r5).
@@ -135,7 +153,9 @@ def default_config(
             return _SHORT_TILES
         if with_bias:
             return replace(_MEDIUM_BWD_TILES, fwd_block_n=64)
-        return _MEDIUM_BWD_TILES if medium_batch else JfaTritonConfig()
+        if medium_batch:
+            return _MEDIUM_BWD_TILES
+        return JfaTritonConfig(bwd_fused=not masked)
     with_bias = with_bias or with_jagged_bias
     if head_dim <= 64:
         config = JfaTritonConfig(128, 64, 4, 3, 128, 64, 128, 64, 8, 2)
@@ -401,7 +421,17 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
     kernels = _kernels(launch.interpret)
     grad_out = host.unit_stride(grad_out)
     flags = _flags(q, launch)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    fused_dq = (
+        cfg.bwd_fused and jagged_bias is None and not torch.are_deterministic_algorithms_enabled()
+    )
+    # Fused: dQ accumulates in float32 across key tiles; split: the dQ kernel writes it once.
+    dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused_dq else q
+    dq = None if fused_dq else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    # Compiled, D a power of two: the dQ adds are TMA bulk reduces (the interpreter has none).
+    dq_tma = (
+        fused_dq and not launch.interpret and flags["BLOCK_D"] == head_dim
+        and host.tma_ready(dq32, interpret=False)
+    )  # fmt: skip
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     jb_grad = None if jagged_bias is None else _new_bias_grad(jagged_bias)
@@ -438,11 +468,14 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
             BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
             HAS_REL=rel_pos_bias is not None, HAS_JAGGED=jagged_bias is not None,
             DIAG_W=1 << (cfg.dkdv_block_m + cfg.dkdv_block_n - 2).bit_length(),
-            BUCKETS_PAD=buckets_pad,
+            BUCKETS_PAD=buckets_pad, dq_ptr=dq32, stride_dqt=dq32.stride(0),
+            stride_dqh=dq32.stride(1), FUSED_DQ=fused_dq, DQ_TMA=dq_tma, num_q_rows=num_rows,
             num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
             **strip, **flags,
         )  # fmt: skip
-    num_query_tiles = plan.dq.shape[0]
+    num_query_tiles = 0 if fused_dq else plan.dq.shape[0]
+    if fused_dq:
+        dq = (dq32 * launch.scale).to(q.dtype)
     if num_query_tiles > 0:
         kernels.jfa_bwd_dq_kernel[(num_query_tiles * heads,)](
             q, k, v, grad_out, lse, delta, dq, plan.dq, rel, jb,
@@ -551,6 +584,7 @@ def jagged_flash_attention_from_lengths(
             with_bias=rel_pos_bias is not None,
             with_jagged_bias=jagged_bias is not None,
             max_len=longest,
+            masked=left is not None or right is not None,
         )
     launch = _Launch(
         scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
