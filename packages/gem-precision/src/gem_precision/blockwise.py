@@ -200,9 +200,9 @@ BLOCK = 128
 # "partials_reduce": "triton" (column_sum_kernel, 16 columns per program, rows in a fixed order)
 # or "torch" (partials.sum(0)): the Triton reduction takes 0.0098 / 0.0117 ms, and dy 0.3757 /
 # 0.7368 ms (68.5 / 69.9% of HBM) against 0.3895 / 0.7500 in the same run, the FP8 outputs
-# bit-exact and the sums within the float64 bound on the H200. It stays off: with it the GPU
-# fused-norm tests failed 3 of 21 twice (2026-12-01, with tl.zeros and with tl.full), cause
-# not yet found; "torch" is the GPU-tested default.
+# bit-exact and the sums within the float64 bound on the H200. "triton" is the default for CUDA
+# tensors; the interpreter sums with torch (the GPU fused-norm tests compare against it: Triton
+# 3.6's interpreter failed on the kernel's runtime loop bound, which made 3 of them fail).
 # Measured and removed (bit-exact, slower): a kernel whose warps own 32 columns each (the column
 # maxima and sums then need no exchange between warps: 10 BAR, 30 STS, 12 LDS; but 0.722 ms,
 # the warp-wide loads and stores span 16 rows instead of 4), and the sums reduced after both
@@ -219,7 +219,7 @@ _DUAL_OPTIONS = {
     "t_run": 4,
     "t_run_colsum": 4,
     "t_run_x": 0,
-    "partials_reduce": "torch",
+    "partials_reduce": "triton",
 }
 
 
@@ -508,10 +508,17 @@ def _quantize_operand_triton(
 
 def _sum_partials(partials: torch.Tensor) -> torch.Tensor:
     """Column sums of the kernels' float32 (row tiles, C) partial sums."""
+    if _DUAL_OPTIONS["partials_reduce"] == "triton" and partials.is_cuda:
+        return _column_sums_triton(partials)
+    # CPU tensors (the interpreter) sum with torch: Triton 3.6's interpreter cannot take a
+    # kernel argument as a loop bound (int() of its 1-element array fails under NumPy 2).
+    return partials.sum(0)
+
+
+def _column_sums_triton(partials: torch.Tensor) -> torch.Tensor:
+    """``partials.sum(0)`` by ``column_sum_kernel`` (fixed row order)."""
     from gem_precision import _triton
 
-    if _DUAL_OPTIONS["partials_reduce"] != "triton":
-        return partials.sum(0)
     nr, c = partials.shape
     out = torch.empty(c, dtype=torch.float32, device=partials.device)
     block_c = 16
