@@ -9,7 +9,7 @@ binaries).
 
     python benchmarks/probe_jfa_resources.py --out benchmarks/results/cpu/jfa_kernel_resources.json
 
-Rows: case ``<kernel>/<regime>/<causal|noncausal>``, provider ``gem``, metrics ``registers``,
+Rows: case ``<kernel>/<regime>/<causal|noncausal>`` (``dkdv_fused``: the fused backward), provider ``gem``, metrics ``registers``,
 ``stack_bytes`` (spills: Triton inlines every call) and ``shared_bytes``.
 """
 
@@ -30,7 +30,7 @@ from gem_kernels.triton_loader import load_kernel_module  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 128)
-FLOAT32_POINTERS = {"lse_ptr", "delta_ptr", "rel_ptr", "rel_partial_ptr"}
+FLOAT32_POINTERS = {"lse_ptr", "delta_ptr", "rel_ptr", "rel_partial_ptr", "dq_ptr"}
 REGIMES = {"short": 1024, "medium": 2048, "long": None}
 
 
@@ -73,39 +73,47 @@ def _usage(fn, constexprs: dict, num_warps: int, num_stages: int) -> dict[str, i
     }
 
 
+def _probe_rows(kernel, regime, causal, fn, block_m, block_n, extra, warps, stages, fused):
+    constexprs = {
+        "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": block_m, "BLOCK_N": block_n,
+        "HAS_LEFT": False, "HAS_RIGHT": causal, "HAS_REL": False,
+        "HAS_JAGGED": False, "DOT_PRECISION": "tf32", "UPCAST": False,
+        "STRIP_P": 0, "STRIP_W": 1, **extra,
+    }  # fmt: skip
+    usage = _usage(fn, constexprs, warps, stages)
+    case = f"{kernel}{'_fused' if fused else ''}/{regime}/{'causal' if causal else 'noncausal'}"
+    print(f"{case:32s} M{block_m} N{block_n} w{warps} s{stages} {usage}", flush=True)
+    tiles = f"BLOCK_M={block_m} BLOCK_N={block_n} w{warps} s{stages}"
+    return [
+        {"case": case, "provider": "gem", "mode": kernel, "metric": metric, "value": value,
+         "tiles": tiles}
+        for metric, value in usage.items()
+    ]  # fmt: skip
+
+
 def main() -> None:
     parser = results_parser(__doc__, "cpu/jfa_kernel_resources.json")
     args = parser.parse_args()
     kernels = load_kernel_module(_KERNEL_FILE, interpret=False)
     rows = []
     for regime, max_len in REGIMES.items():
-        cfg = default_config(128, max_len=max_len)
-        launches = {
-            "fwd": (kernels.jfa_fwd_kernel, cfg.fwd_block_m, cfg.fwd_block_n, {},
-                    cfg.fwd_warps, cfg.fwd_stages),
-            "dkdv": (kernels.jfa_bwd_dkdv_kernel, cfg.dkdv_block_m, cfg.dkdv_block_n,
-                     {"DIAG_W": 1 << (cfg.dkdv_block_m + cfg.dkdv_block_n - 2).bit_length(),
-                      "BUCKETS_PAD": 16}, cfg.bwd_warps, cfg.bwd_stages),
-            "dq": (kernels.jfa_bwd_dq_kernel, cfg.dq_block_m, cfg.dq_block_n, {},
-                   cfg.dq_warps or cfg.bwd_warps, cfg.dq_stages or cfg.bwd_stages),
-        }  # fmt: skip
-        for kernel, (fn, block_m, block_n, extra, warps, stages) in launches.items():
-            for causal in (True, False):
-                constexprs = {
-                    "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_M": block_m, "BLOCK_N": block_n,
-                    "HAS_LEFT": False, "HAS_RIGHT": causal, "HAS_REL": False,
-                    "HAS_JAGGED": False, "DOT_PRECISION": "tf32", "UPCAST": False,
-                    "STRIP_P": 0, "STRIP_W": 1, **extra,
-                }  # fmt: skip
-                usage = _usage(fn, constexprs, warps, stages)
-                case = f"{kernel}/{regime}/{'causal' if causal else 'noncausal'}"
-                print(f"{case:26s} M{block_m} N{block_n} w{warps} s{stages} {usage}", flush=True)
-                rows += [
-                    {"case": case, "provider": "gem", "mode": kernel, "metric": metric,
-                     "value": value,
-                     "tiles": f"BLOCK_M={block_m} BLOCK_N={block_n} w{warps} s{stages}"}
-                    for metric, value in usage.items()
-                ]  # fmt: skip
+        for causal in (True, False):
+            cfg = default_config(128, max_len=max_len, masked=causal)
+            fused = {"FUSED_DQ": cfg.bwd_fused, "DQ_TMA": cfg.bwd_fused}
+            launches = {
+                "fwd": (kernels.jfa_fwd_kernel, cfg.fwd_block_m, cfg.fwd_block_n, {},
+                        cfg.fwd_warps, cfg.fwd_stages),
+                "dkdv": (kernels.jfa_bwd_dkdv_kernel, cfg.dkdv_block_m, cfg.dkdv_block_n,
+                         {"DIAG_W": 1 << (cfg.dkdv_block_m + cfg.dkdv_block_n - 2).bit_length(),
+                          "BUCKETS_PAD": 16, **fused}, cfg.bwd_warps, cfg.bwd_stages),
+                "dq": (kernels.jfa_bwd_dq_kernel, cfg.dq_block_m, cfg.dq_block_n, {},
+                       cfg.dq_warps or cfg.bwd_warps, cfg.dq_stages or cfg.bwd_stages),
+            }  # fmt: skip
+            if cfg.bwd_fused:  # the dK/dV kernel adds dQ: no dQ kernel runs
+                del launches["dq"]
+            for kernel, (fn, block_m, block_n, extra, warps, stages) in launches.items():
+                rows += _probe_rows(kernel, regime, causal, fn, block_m, block_n, extra, warps,
+                                    stages, cfg.bwd_fused and kernel == "dkdv")  # fmt: skip
     command = "python benchmarks/probe_jfa_resources.py"
     write_results(
         Path(args.out),
