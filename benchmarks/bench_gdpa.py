@@ -31,7 +31,9 @@ options) eagerly, from CUDA graphs and for their host time, after a correctness 
 ``--explore-self-cross [--explore-set 2] --workers N --out X.json`` checks and times the
 self/cross forward and backward variants (one loop, TMA, hand pipelining, tiles, programs per
 SM; round 2 combines round 1's winners; round 3 the fused backward, round 4 its tiles, round 5
-warp specialisation of the forward) on the protocol shapes.
+warp specialisation of the forward) on the protocol shapes. Rounds 6 and 7 (``gdpa_explore6.json``,
+``gdpa_explore7.json``: fused-backward dQ by TMA reduce, TMA loads of Q/dO, warp specialisation,
+dQ as ``K^T dS^T``, smaller tiles) were no faster; their variants and options were removed.
 ``--explore-pma-cross [--explore-set 2] --workers N --out X.json`` (issue 4, round 4): the
 streamed PMA forward (eager medians repeated, CUDA-graph and host times, repeat-call
 bit-equality) and cross forward variants (query rows per item). The one-launch PMA forward and

@@ -272,7 +272,13 @@ def default_config(
     spills, 12 warps); at B128xL4096 it lost (502 -> 480; 128x64: 493), so long sequences keep
     the pipelined loop. 3 stages gave NaN, per-item descriptors remade in the persistent
     loop wrong results (``gdpa_explore5.json``), and the short-KV kernel did not compile
-    with the flag.
+    with the flag. Fused-backward variants (``gdpa_explore6.json`` / ``gdpa_explore7.json``,
+    2026-12-01, two H200 runs, forward+backward speed against this default, self and cross)
+    were no faster and were removed: dQ by TMA bulk reduce instead of atomics (per-item
+    descriptor 0.97-1.01x, whole-tensor 0.95-0.97x), also computed as ``K^T dS^T``
+    (0.98-1.02x), Q and dO through TMA descriptors (0.73-0.96x, 50-88 spilled registers),
+    32-query tiles (0.85-0.94x), 64-key 4-warp items (0.65-0.88x); warp specialisation of the
+    loop did not compile on triton 3.6 at 4 warps (8 warps checked correct, not timed).
     """
     if masked:
         tiles = "masked"
