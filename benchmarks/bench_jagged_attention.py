@@ -614,21 +614,14 @@ def _tile_sweep_configs() -> dict[str, JfaTritonConfig]:
     """Tile variants of the unbiased kernels (``--tile-sweep``), timed on the cases of
     ``TILE_SWEEP_CASES`` against the default and flash varlen. Edit to explore; the rounds run
     so far are in ``results/h200/jagged_attention_tile_explore.json``."""
-    # Round r7: the fused backward with TMA-reduce dQ, and the hand-pipelined forward.
-    short, medium, long = (default_config(D, max_len=n) for n in (1024, 2048, None))
+    # Round r9: the forward's one key loop (masked tiles inside it), per regime's tiles.
     replace = dataclasses.replace
-    long_f128x64 = replace(long, fwd_block_n=64)
-    return {
-        "short_fused": replace(short, bwd_fused=True),
-        "short_pipe": replace(short, fwd_pipeline=True),
-        "medium_fused": replace(medium, bwd_fused=True),
-        "long": long,
-        "long_fused": replace(long, bwd_fused=True),
-        "long_pipe": replace(long, fwd_pipeline=True),
-        "long_f128x64": long_f128x64,
-        "long_f128x64_pipe": replace(long_f128x64, fwd_pipeline=True),
-        "long_f128x64_pipe_fused": replace(long_f128x64, fwd_pipeline=True, bwd_fused=True),
-    }
+    configs = {}
+    for regime, max_len in (("short", 1024), ("medium", 2048), ("long", None)):
+        chosen = default_config(D, max_len=max_len, masked=True)
+        configs[regime] = chosen
+        configs[f"{regime}_one"] = replace(chosen, fwd_one_loop=True)
+    return configs
 
 
 #: (batch, max_len, causal, window) of the ``--tile-sweep`` cases.
@@ -637,7 +630,7 @@ TILE_SWEEP_CASES = [(32, 16384, True, WINDOW), (512, 1024, True, None), (512, 10
                     (32, 16384, False, None)]  # fmt: skip
 
 
-def _tile_sweep(device, out_path: Path) -> None:
+def _tile_sweep(device, out_path: Path, rounds: int) -> None:
     """Time every ``_tile_sweep_configs`` variant, the default and flash varlen on
     ``TILE_SWEEP_CASES`` (outputs checked against flash varlen first); rows go to ``out_path``."""
     start = time.time()
@@ -653,10 +646,8 @@ def _tile_sweep(device, out_path: Path) -> None:
     for batch, max_len, causal, window in TILE_SWEEP_CASES:
         case = Case(batch, max_len, causal, window, device)
         _check_against_flash(case, checks)
-        variants = [("gem", lambda c=case: provider_gem(c)),
-                    ("flash_varlen", lambda c=case: provider_flash_varlen(c))]  # fmt: skip
-        for provider, make in variants:
-            _measure(rows, errors, case, provider, make)
+        providers = [("gem", lambda c=case: provider_gem(c)),
+                     ("flash_varlen", lambda c=case: provider_flash_varlen(c))]  # fmt: skip
         reference = _outputs(lambda c=case: provider_gem(c))
         for name, config in configs.items():
             make = lambda c=case, cfg=config: provider_gem(c, config=cfg)  # noqa: E731
@@ -668,7 +659,8 @@ def _tile_sweep(device, out_path: Path) -> None:
                     n: rel_error(value, r[n]) for n, value in _outputs(m).items()
                 },
             )
-            _measure(rows, errors, case, f"gem-{name}", make)
+            providers.append((f"gem-{name}", make))
+        _measure_rounds(rows, errors, case, providers, rounds)
         del case
         torch.cuda.empty_cache()
         _write(out_path, None, None, checks, errors, rows, start)
@@ -742,7 +734,7 @@ def main() -> None:
         _bias_sweep(device, Path(args.out), shapes)
         return
     if args.tile_sweep:
-        _tile_sweep(device, Path(args.out))
+        _tile_sweep(device, Path(args.out), args.rounds)
         return
     rows, errors, checks = [], [], {}
     config = None

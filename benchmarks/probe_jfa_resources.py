@@ -101,8 +101,8 @@ def main() -> None:
             cfg = default_config(128, max_len=max_len, masked=causal)
             fused = {"FUSED_DQ": cfg.bwd_fused, "DQ_TMA": cfg.bwd_fused}
             launches = {
-                "fwd": (kernels.jfa_fwd_kernel, cfg.fwd_block_m, cfg.fwd_block_n, {},
-                        cfg.fwd_warps, cfg.fwd_stages),
+                "fwd": (kernels.jfa_fwd_kernel, cfg.fwd_block_m, cfg.fwd_block_n,
+                        {"ONE_LOOP": cfg.fwd_one_loop}, cfg.fwd_warps, cfg.fwd_stages),
                 "dkdv": (kernels.jfa_bwd_dkdv_kernel, cfg.dkdv_block_m, cfg.dkdv_block_n,
                          {"DIAG_W": 1 << (cfg.dkdv_block_m + cfg.dkdv_block_n - 2).bit_length(),
                           "BUCKETS_PAD": 16, **fused}, cfg.bwd_warps, cfg.bwd_stages),

@@ -301,6 +301,20 @@ def test_fused_dq_yields_to_deterministic_mode(interpret, monkeypatch):
         assert torch.equal(first, second)
 
 
+@pytest.mark.parametrize(
+    ("causal", "window", "fused"),
+    [(False, None, False), (True, None, True), (True, (20, 5), False), (False, (3, 30), True)],
+)
+def test_forward_one_loop(interpret, causal, window, fused):
+    """The forward's one key loop that masks only the tiles needing it (diagonal, window
+    edges, partial tiles) matches the oracle; biased calls keep the separate loops."""
+    config = JfaTritonConfig(16, 16, 1, 1, 16, 16, 16, 16, 1, 1, fwd_one_loop=True, bwd_fused=fused)
+    tensors = _inputs(CROSS_Q, CROSS_K, seed=27)
+    _check_grads(CROSS_Q, CROSS_K, tensors, tol=2e-5, causal=causal, window=window, config=config)
+    tensors = _inputs(CROSS_Q, CROSS_K, seed=28, rel=9, jagged=True)
+    _check_grads(CROSS_Q, CROSS_K, tensors, tol=2e-5, causal=causal, window=window, config=config)
+
+
 def test_other_tile_shapes(interpret):
     """Rectangular tiles (dK/dV keys 32 x queries 16, forward 16 x 32) give the same result."""
     config = JfaTritonConfig(16, 32, 1, 1, 32, 16, 32, 16, 1, 1)
@@ -334,7 +348,10 @@ def test_default_config_choices():
     assert jfa_triton.default_config(128, max_len=jfa_triton.MEDIUM_SEQUENCE_LEN + 1) == long
     # Long unmasked calls take the fused backward; masked and shorter ones the split one.
     assert long.bwd_fused and not short.bwd_fused and not medium.bwd_fused
-    assert jfa_triton.default_config(128, masked=True) == replace(long, bwd_fused=False)
+    masked = jfa_triton.default_config(128, masked=True)
+    assert masked == replace(long, bwd_fused=False, fwd_one_loop=True)
+    assert jfa_triton.default_config(128, max_len=16, masked=True).fwd_one_loop
+    assert not long.fwd_one_loop and not short.fwd_one_loop
     assert jfa_triton.default_config(128, with_bias=True, max_len=16) == short
     rel = jfa_triton.default_config(128, with_bias=True, max_len=1025)
     assert rel == jfa_triton.default_config(128, with_bias=True)  # every longer batch
@@ -571,15 +588,22 @@ def test_gpu_cross_attention_with_biases(monkeypatch):
 @pytest.mark.gpu
 @cuda_only
 @pytest.mark.parametrize("regime", [1024, None])
-@pytest.mark.parametrize(("causal", "window"), [(False, None), (True, None), (True, (100, None))])
-def test_gpu_fused_backward(regime, causal, window, monkeypatch):
+@pytest.mark.parametrize(
+    "variant",
+    [{"bwd_fused": True}, {"fwd_one_loop": True}, {"fwd_one_loop": True, "bwd_fused": True}],
+    ids=["fused", "fwd_one_loop", "fwd_one_loop_fused"],
+)
+@pytest.mark.parametrize(("causal", "window"), [(False, None), (True, (100, None))])
+def test_gpu_variants(regime, variant, causal, window, monkeypatch):
     """The fused backward (dQ by TMA bulk reduces; rows past a sample add zeros to the next
-    one) with the short and long tiles, cross attention."""
+    one) and the forward's one key loop, with the short and long tiles, cross attention."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    config = replace(jfa_triton.default_config(128, max_len=regime), bwd_fused=True)
+    config = replace(jfa_triton.default_config(128, max_len=regime), **variant)
     q_lengths = [0, 1, 300, 77, 1000, 64, 257, 130]
     k_lengths = [5, 0, 129, 600, 1000, 1, 257, 700]
-    # The long forward tiles have no rel_pos_bias variant (shared memory).
-    rel = 33 if regime else None
+    rel = 33 if regime else None  # the long forward tiles have no rel_pos_bias variant
     _gpu_case(q_lengths, k_lengths, torch.bfloat16, seed=3, config=config, causal=causal,
               window=window, rel=rel)  # fmt: skip
+    if rel:  # biased calls keep the separate loops: the one-loop kernels unbiased as well
+        _gpu_case(q_lengths, k_lengths, torch.bfloat16, seed=4, config=config, causal=causal,
+                  window=window)  # fmt: skip

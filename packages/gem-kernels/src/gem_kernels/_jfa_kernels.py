@@ -53,6 +53,13 @@ def _visible(rows, cols, shift, q_len, k_len, left, right, HAS_LEFT, HAS_RIGHT):
 
 
 @triton.jit
+def _mask_scores(tile, rows, cols, shift, q_len, k_len, left, right, HAS_LEFT, HAS_RIGHT, fill):
+    """``tile`` with the pairs outside the mask (see :func:`_visible`) set to ``fill``."""
+    visible = _visible(rows, cols, shift, q_len, k_len, left, right, HAS_LEFT, HAS_RIGHT)
+    return tl.where(visible, tile, fill)
+
+
+@triton.jit
 def _scores(
     a,
     b,
@@ -193,7 +200,14 @@ def _fwd_inner(
     UPCAST: tl.constexpr,
     STRIP_P: tl.constexpr,
     STRIP_W: tl.constexpr,
+    mask_lo=0,
+    mask_hi=0,
+    ONE_LOOP: tl.constexpr = False,
 ):
+    """Key tiles [start_n, end_n): ``MASKED`` tiles test every score against the mask;
+    ``ONE_LOOP`` (unbiased calls) runs all of a query tile's key tiles in one loop and masks
+    only those outside [mask_lo, mask_hi), so the diagonal and partial tiles are loaded with
+    the others instead of each starting (and draining) a pipelined loop of its own."""
     d_ok = offs_d < HEAD_DIM
     jb_next = 0.0
     rel_next = 0.0
@@ -231,7 +245,7 @@ def _fwd_inner(
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < k_len
         rows64 = offs_n.to(tl.int64)
-        if MASKED:
+        if MASKED or ONE_LOOP:
             kt = tl.load(
                 k_base + rows64[None, :] * stride_kt + offs_d[:, None],
                 mask=n_ok[None, :] & d_ok[:, None],
@@ -258,18 +272,12 @@ def _fwd_inner(
             DOT_PRECISION, UPCAST,
         )  # fmt: skip
         if MASKED:
-            visible = _visible(
-                offs_m[:, None],
-                offs_n[None, :],
-                shift,
-                q_len,
-                k_len,
-                left,
-                right,
-                HAS_LEFT,
-                HAS_RIGHT,
-            )
-            s = tl.where(visible, s, float("-inf"))
+            s = _mask_scores(s, offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left,
+                             right, HAS_LEFT, HAS_RIGHT, float("-inf"))  # fmt: skip
+        elif ONE_LOOP:  # noqa: SIM102 (a constexpr branch, then a runtime one)
+            if (start < mask_lo) | (start >= mask_hi):
+                s = _mask_scores(s, offs_m[:, None], offs_n[None, :], shift, q_len, k_len,
+                                 left, right, HAS_LEFT, HAS_RIGHT, float("-inf"))  # fmt: skip
         # m_i starts at a finite -1e30, so a row whose tile is fully masked keeps alpha = 1 and
         # p = 0 instead of producing inf - inf.
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -322,7 +330,10 @@ def jfa_fwd_kernel(
     UPCAST: tl.constexpr,
     STRIP_P: tl.constexpr,
     STRIP_W: tl.constexpr,
+    ONE_LOOP: tl.constexpr = False,
 ):
+    """One program per (query tile, head). ``ONE_LOOP`` (unbiased calls): one key loop that
+    masks only the tiles needing it (see :func:`_fwd_inner`)."""
     pid = tl.program_id(0)
     tile = pid // num_heads
     head = pid % num_heads
@@ -377,11 +388,18 @@ def jfa_fwd_kernel(
     full_lo = tl.minimum(full_lo, hi_t)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi_t)
 
+    ONE: tl.constexpr = ONE_LOOP and not HAS_REL and not HAS_JAGGED
+    mid_lo = full_lo
+    mid_hi = full_hi
+    if ONE:  # the masked ranges below are empty; the middle loop covers every tile
+        mid_lo = lo_t
+        mid_hi = hi_t
+
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo_t, full_lo, offs_m, offs_d,
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo_t, mid_lo, offs_m, offs_d,
         shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0, jb_base, m0,
         HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
         DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
@@ -416,14 +434,14 @@ def jfa_fwd_kernel(
         )  # fmt: skip
     else:
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m,
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, mid_lo, mid_hi, offs_m,
             offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0,
             jb_base, m0,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
-            DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+            DOT_PRECISION, UPCAST, STRIP_P, STRIP_W, full_lo, full_hi, ONE,
         )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m, offs_d,
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, mid_hi, hi_t, offs_m, offs_d,
         shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0, jb_base, m0,
         HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
         DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
@@ -655,18 +673,8 @@ def _dkdv_inner(
         )  # fmt: skip
         p_t = tl.math.exp2(s_t - lse[None, :])
         if MASKED:
-            visible = _visible(
-                offs_m[None, :],
-                offs_n[:, None],
-                shift,
-                q_len,
-                k_len,
-                left,
-                right,
-                HAS_LEFT,
-                HAS_RIGHT,
-            )
-            p_t = tl.where(visible, p_t, 0.0)
+            p_t = _mask_scores(p_t, offs_m[None, :], offs_n[:, None], shift, q_len, k_len, left,
+                               right, HAS_LEFT, HAS_RIGHT, 0.0)  # fmt: skip
         dv = _dot(p_t.to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
         dp_t = _dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -1005,18 +1013,8 @@ def _dq_inner(
         )  # fmt: skip
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
-            visible = _visible(
-                offs_m[:, None],
-                offs_n[None, :],
-                shift,
-                q_len,
-                k_len,
-                left,
-                right,
-                HAS_LEFT,
-                HAS_RIGHT,
-            )
-            p = tl.where(visible, p, 0.0)
+            p = _mask_scores(p, offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left,
+                             right, HAS_LEFT, HAS_RIGHT, 0.0)  # fmt: skip
         dp = _dot(do, vt, None, DOT_PRECISION, UPCAST)
         ds = p * (dp - delta[:, None])
         dq = _dot(ds.to(kt.dtype), tl.trans(kt), dq, DOT_PRECISION, UPCAST)
