@@ -6,6 +6,7 @@ the one packed host-to-device copy of the launch tables. Kernel code lives in ``
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -189,9 +190,18 @@ def _tma_workspace(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+@functools.lru_cache(maxsize=16)
+def _has_tma(device_index: int) -> bool:
+    """TMA (and the bulk reduces built on it) exist from Hopper (sm_90) on."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def tma_ready(*tensors: torch.Tensor, interpret: bool) -> bool:
-    """Whether ``tensors`` can go through TMA descriptors (16-byte aligned base and row
-    strides); installs a Triton scratch allocator on CUDA when none is set."""
+    """Whether ``tensors`` can go through TMA descriptors (a Hopper or newer GPU, 16-byte
+    aligned base and row strides); installs a Triton scratch allocator on CUDA when none is
+    set."""
+    if not interpret and not _has_tma(tensors[0].device.index or 0):
+        return False
     for t in tensors:
         size = t.element_size()
         if t.data_ptr() % 16 or (t.stride(0) * size) % 16 or (t.stride(1) * size) % 16:
