@@ -388,10 +388,10 @@ def jfa_fwd_kernel(
     full_lo = tl.minimum(full_lo, hi_t)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi_t)
 
-    ONE: tl.constexpr = ONE_LOOP and not HAS_REL and not HAS_JAGGED
+    UNBIASED_ONE_LOOP: tl.constexpr = ONE_LOOP and not HAS_REL and not HAS_JAGGED
     mid_lo = full_lo
     mid_hi = full_hi
-    if ONE:  # the masked ranges below are empty; the middle loop covers every tile
+    if UNBIASED_ONE_LOOP:  # the masked ranges below are empty; the middle loop covers every tile
         mid_lo = lo_t
         mid_hi = hi_t
 
@@ -438,7 +438,8 @@ def jfa_fwd_kernel(
             offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0,
             jb_base, m0,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
-            DOT_PRECISION, UPCAST, STRIP_P, STRIP_W, full_lo, full_hi, ONE,
+            DOT_PRECISION, UPCAST, STRIP_P, STRIP_W, full_lo, full_hi,
+            UNBIASED_ONE_LOOP,
         )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, mid_hi, hi_t, offs_m, offs_d,
