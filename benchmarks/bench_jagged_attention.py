@@ -453,7 +453,8 @@ def _measure_rounds(rows, errors, case, providers, rounds: int) -> None:
     """Time every provider ``rounds`` times, the order reversed every other round, and keep
     the median per (provider, mode). Under sustained load the H200's clock falls from ~1980
     to 1620-1830 MHz within seconds (power), so whoever is timed first in a case runs
-    faster: one provider measured twice in a row differed by up to 9%."""
+    faster: the same kernel timed first and sixth in a row differed by 9%
+    (``results/h200/jagged_attention_timing_drift.json``, ``probe_timing_drift.py``)."""
     samples: dict[tuple[str, str], list[float]] = {}
     for round_index in range(rounds):
         order = providers if round_index % 2 == 0 else providers[::-1]

@@ -1,0 +1,75 @@
+"""Does the order in which providers are timed bias the result? The same kernels, timed in a row.
+
+After 3 s idle, times gem (public entry point), flash varlen, gem, gem with an explicit long-tile
+config, flash varlen and gem again, forward and forward+backward, on B32xL16384 non-causal and
+B128xL4096 causal, and reads the SM clock (``nvidia-smi``) before and after each sequence. This
+is why ``bench_jagged_attention.py`` times providers in rounds with alternating order.
+
+    PYTHONPATH=packages/gem-kernels/src:benchmarks python benchmarks/probe_timing_drift.py \
+        --out benchmarks/results/h200/jagged_attention_timing_drift.json
+"""
+
+import subprocess
+import time
+from pathlib import Path
+
+import bench_jagged_attention as bench
+import torch
+from _results import meta, require_cuda, results_parser, write_results
+from gem_kernels.jfa_triton import default_config
+
+
+def _clocks() -> str:
+    query = "--query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu"
+    return subprocess.run(
+        ["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True
+    ).stdout.strip()
+
+
+def main() -> None:
+    parser = results_parser(__doc__, "h200/jagged_attention_timing_drift.json")
+    args = parser.parse_args()
+    require_cuda()
+    bench.TIMING.update(warmup=10, rep=40)
+    device = torch.device("cuda")
+    rows, clocks = [], {}
+    for batch, max_len, causal in [(32, 16384, False), (128, 4096, True)]:
+        case = bench.Case(batch, max_len, causal, None, device)
+        long_tiles = default_config(128)
+        sequence = [
+            ("gem", lambda c=case: bench.provider_gem(c)),
+            ("flash_varlen", lambda c=case: bench.provider_flash_varlen(c)),
+            ("gem", lambda c=case: bench.provider_gem(c)),
+            ("gem-long", lambda c=case, t=long_tiles: bench.provider_gem(c, config=t)),
+            ("flash_varlen", lambda c=case: bench.provider_flash_varlen(c)),
+            ("gem", lambda c=case: bench.provider_gem(c)),
+        ]
+        for mode in ("fwd", "fwd_bwd"):
+            torch.cuda.synchronize()
+            time.sleep(3)
+            before = _clocks()
+            for position, (provider, make) in enumerate(sequence):
+                fwd, fwd_bwd, leaves = make()
+                fn = fwd if mode == "fwd" else fwd_bwd
+                ms = bench._bench(fn, grad_to_none=leaves if mode == "fwd_bwd" else None)
+                flops = case.fwd_flops * (3.5 if mode == "fwd_bwd" else 1.0)
+                rows.append({"case": case.name, "provider": provider, "mode": mode,
+                             "metric": "tflops", "value": round(flops / ms / 1e9, 1),
+                             "position": position})  # fmt: skip
+            clocks[f"{case.name}/{mode}"] = {"before": before, "after": _clocks()}
+            print(case.name, mode, [r["value"] for r in rows[-len(sequence) :]], clocks)
+    command = "python benchmarks/probe_timing_drift.py"
+    write_results(
+        Path(args.out),
+        meta(
+            "jagged_attention_timing_drift",
+            command,
+            device=torch.cuda.get_device_name(),
+            clocks=clocks,
+        ),
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    main()
