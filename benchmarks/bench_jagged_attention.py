@@ -432,21 +432,21 @@ def _measure(rows, errors, case, provider, make, modes=("fwd", "fwd_bwd")):
             errors.append(f"{case.name} {provider} {mode}: {error!r}"[:400])
             print(errors[-1])
             continue
-        flops = case.fwd_flops * (3.5 if mode == "fwd_bwd" else 1.0)
-        tflops = flops / (ms * 1e-3) / 1e12
-        times[mode] = (ms, tflops)
-        for metric, value in (("ms", ms), ("tflops", tflops)):
-            rows.append(
-                {
-                    "case": case.name,
-                    "provider": provider,
-                    "mode": mode,
-                    "metric": metric,
-                    "value": round(value, 4),
-                }  # fmt: skip
-            )
-        print(f"{case.name:28s} {provider:18s} {mode:8s} {ms:9.3f} ms {tflops:7.1f} TFLOP/s")
+        times[mode] = ms
+        rows += _timing_rows(case, provider, mode, ms)
+        print(f"{case.name:28s} {provider:18s} {mode:8s} {ms:9.3f} ms {rows[-1]['value']:7.1f} "
+              "TFLOP/s")  # fmt: skip
     return times
+
+
+def _timing_rows(case, provider: str, mode: str, ms: float, **extra) -> list[dict]:
+    """The ``ms`` and ``tflops`` rows of one timing (forward+backward counts 3.5x the flops)."""
+    tflops = case.fwd_flops * (3.5 if mode == "fwd_bwd" else 1.0) / (ms * 1e-3) / 1e12
+    return [
+        {"case": case.name, "provider": provider, "mode": mode, "metric": metric,
+         "value": round(value, 4), **extra}
+        for metric, value in (("ms", ms), ("tflops", tflops))
+    ]  # fmt: skip
 
 
 def _measure_rounds(rows, errors, case, providers, rounds: int) -> None:
@@ -459,16 +459,12 @@ def _measure_rounds(rows, errors, case, providers, rounds: int) -> None:
     for round_index in range(rounds):
         order = providers if round_index % 2 == 0 else providers[::-1]
         for name, make in order:
-            for mode, (ms, _) in _measure([], errors, case, name, make).items():
+            for mode, ms in _measure([], errors, case, name, make).items():
                 samples.setdefault((name, mode), []).append(ms)
-    flops = {"fwd": case.fwd_flops, "fwd_bwd": 3.5 * case.fwd_flops}
     for (name, mode), times in samples.items():
-        ms = statistics.median(times)
-        for metric, value in (("ms", ms), ("tflops", flops[mode] / (ms * 1e-3) / 1e12)):
-            rows.append(
-                {"case": case.name, "provider": name, "mode": mode, "metric": metric,
-                 "value": round(value, 4), "rounds_ms": [round(t, 4) for t in times]}
-            )  # fmt: skip
+        rows += _timing_rows(
+            case, name, mode, statistics.median(times), rounds_ms=[round(t, 4) for t in times]
+        )
 
 
 def _sweep(device, deadline) -> JfaTritonConfig:

@@ -90,6 +90,7 @@ SHORT_SEQUENCE_LEN = 1024
 MEDIUM_SEQUENCE_LEN = 2048
 
 
+@functools.lru_cache(maxsize=64)  # called on every call without a config: no per-call replace
 def default_config(
     head_dim: int,
     *,
