@@ -73,6 +73,13 @@ def main() -> None:
     parser.add_argument("--num-train", type=int, default=40_000)
     parser.add_argument("--num-eval", type=int, default=10_000)
     parser.add_argument("--min-features", type=int, default=16)
+    parser.add_argument(
+        "--lr-schedule",
+        default="cosine",
+        choices=("constant", "linear", "cosine"),
+        help="dense learning rate after warm-up (optim.lr_schedule); annealed runs end at "
+        "settled weights, so seeds and precisions compare with far less run-to-run noise",
+    )
     parser.add_argument("--seed", type=int, default=0, help="parameter init and data order")
     parser.add_argument(
         "--seeds",
@@ -125,6 +132,7 @@ def main() -> None:
         f"max_steps={args.steps}",
         f"batch_size={args.batch_size}",
         f"precision.min_features={args.min_features}",
+        f"optim.lr_schedule={args.lr_schedule}",
         "checkpoint_every=0",
         "compare_no_sequence=false",
         f"device={args.device}",
@@ -215,6 +223,7 @@ def main() -> None:
         steps=args.steps,
         seed=args.seed,
         batch_size=args.batch_size,
+        lr_schedule=args.lr_schedule,
         num_train=args.num_train,
         num_eval=args.num_eval,
         threads=args.threads,
@@ -240,6 +249,7 @@ def run_seeds(args: argparse.Namespace, seeds: list[int], providers: list[str]) 
         f"--num-train={args.num_train}",
         f"--num-eval={args.num_eval}",
         f"--min-features={args.min_features}",
+        f"--lr-schedule={args.lr_schedule}",
         f"--threads={args.threads}",
         f"--data-dir={args.data_dir}",
         f"--device={args.device}",
@@ -311,7 +321,14 @@ def merge_seeds(paths: list[Path], out: Path) -> None:
                     per_seed.append(({**row, "case": case}, int(seed_text)))
         else:
             seed = data["meta"].get("seed")
-            runs.append({"file": path.name, "seed": seed, "steps": data["meta"].get("steps")})
+            runs.append(
+                {
+                    "file": path.name,
+                    "seed": seed,
+                    "steps": data["meta"].get("steps"),
+                    "lr_schedule": data["meta"].get("lr_schedule", "constant"),
+                }
+            )
             per_seed = [(row, seed) for row in data["rows"]]
         for row, seed in per_seed:
             if row["metric"] == "ne_rel_diff_vs_bf16":

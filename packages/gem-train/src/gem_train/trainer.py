@@ -172,9 +172,9 @@ class Trainer:
     def train_step(self, batch: Batch) -> float:
         """One optimizer step; returns the summed CTR + CVR log loss of the batch."""
         self.model.train()
-        warmup = max(1, self.config.optim.warmup_steps)
+        lr = self.config.optim.dense_lr_at(self.step, self.total_steps)
         for group in self.dense_optimizer.param_groups:
-            group["lr"] = self.config.optim.dense_lr * min(1.0, (self.step + 1) / warmup)
+            group["lr"] = lr
         with self.saved_activations.step():
             logits = self._forward(batch)
             loss = (
