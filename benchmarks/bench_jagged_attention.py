@@ -614,7 +614,7 @@ def _tile_sweep_configs() -> dict[str, JfaTritonConfig]:
     # Round r10: at L1024, plain causal calls with the long forward tiles in one loop (r8/r9:
     # medium_one beat the short default by 3-7% there, but lost at window 256).
     replace = dataclasses.replace
-    short = default_config(D, max_len=1024, masked=True)
+    short = default_config(D, max_len=1024, masked=True, banded=True)
     medium = default_config(D, max_len=2048, masked=True)
     configs = {
         "short": short,
@@ -695,6 +695,7 @@ def _write(path, args, config, checks, errors, rows, start) -> None:
         shape={"heads": H, "head_dim": D, "dtype": "bfloat16", "window": WINDOW},
         gem_config=str(config or default_config(D)),
         gem_config_short=str(config or default_config(D, max_len=1024)),
+        gem_config_short_causal=str(config or default_config(D, max_len=1024, masked=True)),
         gem_config_with_bias=str(config or default_config(D, with_bias=True)),
         gem_config_with_jagged_bias=str(config or default_config(D, with_jagged_bias=True)),
         checks_vs_flash_varlen_rel_error=checks,

@@ -351,6 +351,11 @@ def test_default_config_choices():
     masked = jfa_triton.default_config(128, masked=True)
     assert masked == replace(long, bwd_fused=False, fwd_one_loop=True)
     assert jfa_triton.default_config(128, max_len=16, masked=True).fwd_one_loop
+    # Short causal calls take the medium tiles; a band (window on both sides) the short ones.
+    causal_short = jfa_triton.default_config(128, max_len=1024, masked=True)
+    assert causal_short == replace(medium, fwd_one_loop=True)
+    window_short = jfa_triton.default_config(128, max_len=257, masked=True, banded=True)
+    assert window_short == replace(short, fwd_one_loop=True)
     assert not long.fwd_one_loop and not short.fwd_one_loop
     assert jfa_triton.default_config(128, with_bias=True, max_len=16) == short
     rel = jfa_triton.default_config(128, with_bias=True, max_len=1025)
@@ -392,12 +397,15 @@ def test_entry_point_passes_longest_sample_and_biases(interpret, monkeypatch):
         (True, (4, None), 5),
         (False, (2, 3), 6),
         (False, (4, None), 11),
+        (True, None, 11),
     ):
         jagged_flash_attention_triton(
             tensors["q"], tensors["k"], tensors["v"], offsets_of(q_lengths),
             offsets_of(k_lengths), causal=causal, window=window,
         )  # fmt: skip
         assert calls[-1]["max_len"] == expected, (causal, window)
+        assert calls[-1]["masked"]
+        assert calls[-1]["banded"] == (expected < 11), (causal, window)
 
 
 def test_plan_has_only_real_tiles_longest_first():

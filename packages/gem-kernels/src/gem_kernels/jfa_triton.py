@@ -99,19 +99,25 @@ def default_config(
     with_jagged_bias: bool = False,
     max_len: int | None = None,
     masked: bool = False,
+    banded: bool = False,
 ) -> JfaTritonConfig:
     """Tile configuration for a head dimension (small tiles under the interpreter).
 
     ``max_len``: the longest sample of the batch, or the keys a query row can see when a window
-    bounds both sides (causal with a left window: ``left + 1``), whichever is smaller; ``None``:
-    unknown (long tiles). Unbiased calls at head_dim 65..128 (H200 tile sweeps,
+    bounds both sides (``banded``; causal with a left window: ``left + 1``), whichever is
+    smaller; ``None``: unknown (long tiles). ``masked``: a causal mask or a window. Unbiased
+    calls at head_dim 65..128 (H200 tile sweeps,
     ``benchmarks/results/h200/jagged_attention_tile_explore.json``, rounds r1-r2, TFLOP/s
     forward / forward+backward, long tiles -> chosen):
 
     - up to ``SHORT_SEQUENCE_LEN``: 64x32 forward tiles, 64-key dK/dV tiles stepping 32 query
       rows and 64x32 dQ tiles, 4 warps. B512xL1024 causal 188/168 -> 198/182, non-causal
       313/259 -> 309/278; causal window 256 at B32xL16384 138/133 -> 206/174 (flash varlen
-      in the same run: 143/142);
+      in the same run: 143/142). Masked calls without a band (causal) take the medium tiles
+      below instead, in one forward loop: B512xL1024 causal forward+backward, short -> medium,
+      173.5 -> 186.6 (r8), 183.4 -> 188.9 (r9), 174.3 -> 185.0 (r10, 3 rounds, each faster),
+      forward 202 -> 210 / 204 -> 210 / 202 -> 199; at window 256 the medium tiles lose
+      (r10: 205/171 -> 163/158);
     - up to ``MEDIUM_SEQUENCE_LEN``: long forward tiles, the short dK/dV tiles (4 warps) and
       128x64 dQ tiles (8 warps): B256xL2048 causal forward+backward 241 -> 251 (at B128xL4096
       causal 299 -> 298, so longer batches keep the long tiles);
@@ -165,7 +171,7 @@ def default_config(
     if 64 < head_dim <= 128:
         if with_jagged_bias:
             return JfaTritonConfig(128, 64, 8, 3, 128, 32, 128, 32, 8, 3)
-        if short_batch:
+        if short_batch and not (masked and not banded and not with_bias):
             config = _SHORT_TILES
         elif with_bias:
             config = replace(_MEDIUM_BWD_TILES, fwd_block_n=64)
@@ -604,6 +610,7 @@ def jagged_flash_attention_from_lengths(
             with_jagged_bias=jagged_bias is not None,
             max_len=longest,
             masked=left is not None or right is not None,
+            banded=left is not None and right is not None,
         )
     launch = _Launch(
         scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
