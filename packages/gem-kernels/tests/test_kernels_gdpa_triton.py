@@ -163,7 +163,7 @@ def test_pma_stream_segments_split_over_programs(interpret, monkeypatch, program
     # by the combine kernel), with 40 every program gets at most one step.
     gt = gdpa_triton
     lengths = [0, 1, 70, 5, 33]
-    monkeypatch.setattr(gt, "_num_programs", lambda device, per_sm, interpret: programs)
+    monkeypatch.setattr(gt.host, "num_programs", lambda device, per_sm, interpret: programs)
     config = _config(short_kv_max=0, pma_stream=True, pma_programs_per_sm=programs)
     samples = gt._samples(None, torch.tensor(lengths), 3)
     plan = gt._plan(samples, H, None, None, config, torch.device("cpu"), False, True, 16)

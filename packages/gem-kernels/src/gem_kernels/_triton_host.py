@@ -137,6 +137,20 @@ def unit_stride(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
+@functools.lru_cache(maxsize=16)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_programs(device: torch.device, per_sm: int, interpret: bool) -> int:
+    """Programs of a persistent launch: ``per_sm`` per SM of ``device``; 3 under the
+    interpreter, so that the tests' persistent loops run several rounds."""
+    if interpret:
+        return 3
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index) * per_sm
+
+
 def padded_block(size: int) -> int:
     """The power-of-two tile (at least 16) that covers ``size`` elements."""
     return max(16, 1 << (size - 1).bit_length())

@@ -235,12 +235,6 @@ def _common(q: torch.Tensor, launch: _Launch, positions: torch.Tensor | None, pe
     return grid, args, sizes, flags
 
 
-def _num_sms(device: torch.device, interpret: bool) -> int:
-    if interpret:
-        return 2  # small, so that the persistent loop runs several rounds in the tests
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _forward(q, k, v, positions, launch: _Launch) -> torch.Tensor:
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if launch.num_blocks == 0:
@@ -253,7 +247,9 @@ def _forward(q, k, v, positions, launch: _Launch) -> torch.Tensor:
     items = num_blocks * groups
     programs = items
     if cfg.fwd_programs_per_sm > 0:
-        programs = min(items, _num_sms(q.device, launch.interpret) * cfg.fwd_programs_per_sm)
+        programs = min(
+            items, host.num_programs(q.device, cfg.fwd_programs_per_sm, launch.interpret)
+        )
     _kernels(launch.interpret).block_attn_fwd_kernel[(programs,)](
         q, k, v, out, *args, blocks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -665,32 +665,20 @@ class _Plan:
     dq_partial_blocks: int = 0  # PMA: dQ row blocks (one per (sample, key chunk)) to sum
 
 
-_SM_COUNTS: dict[int, int] = {}
-
-
-def _num_programs(device: torch.device, per_sm: int, interpret: bool) -> int:
-    if interpret:
-        return 3  # small, so that the persistent loops run several rounds in the tests
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNTS:
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS[index] * per_sm
-
-
 def _pma_block_m(num_queries: int, config: GdpaTritonConfig) -> int:
     return min(config.fwd_block_m, max(16, 1 << max(0, num_queries - 1).bit_length()))
 
 
 def _plan(s: _Samples, heads, left, right, config, device, with_backward, interpret, pma_m=0):
     """Work lists of every kernel; ``pma_m`` > 0: PMA query tile (rows) of the forward/dQ."""
-    programs = _num_programs(device, config.programs_per_sm, interpret)
-    fwd_programs = _num_programs(
+    programs = host.num_programs(device, config.programs_per_sm, interpret)
+    fwd_programs = host.num_programs(
         device, config.fwd_programs_per_sm or config.programs_per_sm, interpret
     )
-    bwd_programs = _num_programs(
+    bwd_programs = host.num_programs(
         device, config.bwd_programs_per_sm or config.programs_per_sm, interpret
     )
-    pma_programs = _num_programs(device, config.pma_programs_per_sm, interpret)
+    pma_programs = host.num_programs(device, config.pma_programs_per_sm, interpret)
     fwd_m, fwd_n = (
         (pma_m, config.pma_block_n) if pma_m else (config.fwd_block_m, config.fwd_block_n)
     )

@@ -78,6 +78,13 @@ class JfaTritonConfig(host.FlashTileConfig):
     """Unbiased calls: the forward runs all the key tiles of a query tile in one loop and masks
     only those that need it (diagonal, window edges, partial tile), instead of separate loops
     for the masked tiles."""
+    fwd_persistent: int = 0
+    """Forward programs per SM that each loop over (query tile, head) items of the
+    longest-first list (0: one program per item)."""
+    fwd_flatten: bool = False
+    """Persistent forward: flatten the item and key loops into one, so the compiler can issue
+    the next item's first loads during this item's last key tiles (needs ``fwd_one_loop`` and
+    no bias: one inner loop)."""
 
 
 #: Longest sample (queries or keys, or the keys a query row can see under a window that
@@ -427,14 +434,20 @@ def _forward(q, k, v, rel_pos_bias, jagged_bias, plan: _Plan, launch: _Launch):
     rel, jb, num_buckets, stride_rel, stride_jb = _bias_args(
         q, rel_pos_bias, jagged_bias, launch.scale
     )
-    _kernels(launch.interpret).jfa_fwd_kernel[(num_tiles * heads,)](
+    items = num_tiles * heads
+    programs = items
+    if cfg.fwd_persistent > 0:
+        programs = min(items, host.num_programs(q.device, cfg.fwd_persistent, launch.interpret))
+    _kernels(launch.interpret).jfa_fwd_kernel[(programs,)](
         q, k, v, out, lse, plan.fwd, rel, jb,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), stride_rel, stride_jb,
         heads, num_buckets, launch.left or 0, launch.right or 0, launch.scale * _LOG2E,
         BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
         HAS_REL=rel_pos_bias is not None, HAS_JAGGED=jagged_bias is not None,
-        ONE_LOOP=cfg.fwd_one_loop, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        ONE_LOOP=cfg.fwd_one_loop, num_items=items, PERSISTENT=cfg.fwd_persistent > 0,
+        FLATTEN=cfg.fwd_flatten and cfg.fwd_one_loop and rel_pos_bias is None
+        and jagged_bias is None, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         **_rel_strip(q, rel_pos_bias, cfg), **_flags(q, launch),
     )  # fmt: skip
     return out, lse
