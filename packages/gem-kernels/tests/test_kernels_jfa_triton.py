@@ -315,23 +315,6 @@ def test_forward_one_loop(interpret, causal, window, fused):
     _check_grads(CROSS_Q, CROSS_K, tensors, tol=2e-5, causal=causal, window=window, config=config)
 
 
-@pytest.mark.parametrize(
-    ("causal", "window", "one_loop"),
-    [(False, None, True), (True, None, True), (True, (20, 5), True), (True, None, False)],
-)
-def test_persistent_forward(interpret, causal, window, one_loop):
-    """Persistent forward programs (3 under the interpreter) looping over the longest-first
-    items, with the item and key loops flattened, match the oracle; so do biased calls."""
-    config = JfaTritonConfig(
-        16, 16, 1, 1, 16, 16, 16, 16, 1, 1, fwd_one_loop=one_loop, fwd_persistent=1,
-        fwd_flatten=one_loop,
-    )  # fmt: skip
-    tensors = _inputs(CROSS_Q, CROSS_K, seed=29)
-    _check_grads(CROSS_Q, CROSS_K, tensors, tol=2e-5, causal=causal, window=window, config=config)
-    tensors = _inputs(CROSS_Q, CROSS_K, seed=30, rel=9, jagged=True)
-    _check_grads(CROSS_Q, CROSS_K, tensors, tol=2e-5, causal=causal, window=window, config=config)
-
-
 def test_other_tile_shapes(interpret):
     """Rectangular tiles (dK/dV keys 32 x queries 16, forward 16 x 32) give the same result."""
     config = JfaTritonConfig(16, 32, 1, 1, 32, 16, 32, 16, 1, 1)
@@ -615,13 +598,8 @@ def test_gpu_cross_attention_with_biases(monkeypatch):
 @pytest.mark.parametrize("regime", [1024, None])
 @pytest.mark.parametrize(
     "variant",
-    [
-        {"bwd_fused": True},
-        {"fwd_one_loop": True},
-        {"fwd_one_loop": True, "bwd_fused": True},
-        {"fwd_one_loop": True, "fwd_persistent": 1, "fwd_flatten": True},
-    ],
-    ids=["fused", "fwd_one_loop", "fwd_one_loop_fused", "fwd_persistent_flat"],
+    [{"bwd_fused": True}, {"fwd_one_loop": True}, {"fwd_one_loop": True, "bwd_fused": True}],
+    ids=["fused", "fwd_one_loop", "fwd_one_loop_fused"],
 )
 @pytest.mark.parametrize(("causal", "window"), [(False, None), (True, (100, None))])
 def test_gpu_variants(regime, variant, causal, window, monkeypatch):

@@ -290,9 +290,8 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.jit
-def _fwd_item(
-    pid,
+@triton.jit(do_not_specialize=["stride_lse_h", "stride_jb_h"])
+def jfa_fwd_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -333,8 +332,9 @@ def _fwd_item(
     STRIP_W: tl.constexpr,
     ONE_LOOP: tl.constexpr = False,
 ):
-    """Work item ``pid`` = (query tile, head). ``ONE_LOOP`` (unbiased calls): one key loop
-    that masks only the tiles needing it (see :func:`_fwd_inner`)."""
+    """One program per (query tile, head). ``ONE_LOOP`` (unbiased calls): one key loop that
+    masks only the tiles needing it (see :func:`_fwd_inner`)."""
+    pid = tl.program_id(0)
     tile = pid // num_heads
     head = pid % num_heads
     info = tiles_ptr + tile.to(tl.int64) * 8
@@ -398,14 +398,12 @@ def _fwd_item(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
-    if not UNBIASED_ONE_LOOP:  # (its masked ranges are empty: no loops, one inner loop left)
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo_t, mid_lo, offs_m,
-            offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0,
-            jb_base, m0,
-            HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
-            DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
-        )  # fmt: skip
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo_t, mid_lo, offs_m, offs_d,
+        shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0, jb_base, m0,
+        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
+        DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+    )  # fmt: skip
     if HAS_REL:
         # Key tiles far below the diagonal (all distances clamp to the last bucket), the band
         # that needs the table, and tiles far above it (first bucket).
@@ -443,14 +441,12 @@ def _fwd_item(
             DOT_PRECISION, UPCAST, STRIP_P, STRIP_W, full_lo, full_hi,
             UNBIASED_ONE_LOOP,
         )  # fmt: skip
-    if not UNBIASED_ONE_LOOP:
-        acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, mid_hi, hi_t, offs_m,
-            offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0,
-            jb_base, m0,
-            HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
-            DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
-        )  # fmt: skip
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, mid_hi, hi_t, offs_m, offs_d,
+        shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0, jb_base, m0,
+        HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
+        DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+    )  # fmt: skip
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -462,144 +458,6 @@ def _fwd_item(
         mask=m_ok[:, None] & d_ok[None, :],
     )
     tl.store(lse_ptr + head * stride_lse_h + q_start + offs_m, lse, mask=m_ok)
-
-
-@triton.jit(do_not_specialize=["stride_lse_h", "stride_jb_h"])
-def jfa_fwd_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    o_ptr,
-    lse_ptr,
-    tiles_ptr,
-    rel_ptr,
-    jb_ptr,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    stride_lse_h,
-    stride_rel_h,
-    stride_jb_h,
-    num_heads,
-    num_buckets,
-    left,
-    right,
-    qk_scale,
-    rs_ptr,
-    stride_rs_h,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_LEFT: tl.constexpr,
-    HAS_RIGHT: tl.constexpr,
-    HAS_REL: tl.constexpr,
-    HAS_JAGGED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
-    STRIP_P: tl.constexpr,
-    STRIP_W: tl.constexpr,
-    ONE_LOOP: tl.constexpr = False,
-    num_items=0,
-    PERSISTENT: tl.constexpr = False,
-    FLATTEN: tl.constexpr = False,
-):
-    """One program per (query tile, head) work item, or (``PERSISTENT``) programs that each
-    loop over items ``program_id, program_id + num_programs, ...`` of the longest-first item
-    list; ``FLATTEN`` lets the compiler pipeline the next item's first loads into this
-    item's key loop (unbiased one-loop calls only: a single inner loop)."""
-    if PERSISTENT:
-        for pid in tl.range(tl.program_id(0), num_items, tl.num_programs(0), flatten=FLATTEN):
-            _fwd_item(
-                pid,
-                q_ptr,
-                k_ptr,
-                v_ptr,
-                o_ptr,
-                lse_ptr,
-                tiles_ptr,
-                rel_ptr,
-                jb_ptr,
-                stride_qt,
-                stride_qh,
-                stride_kt,
-                stride_kh,
-                stride_vt,
-                stride_vh,
-                stride_ot,
-                stride_oh,
-                stride_lse_h,
-                stride_rel_h,
-                stride_jb_h,
-                num_heads,
-                num_buckets,
-                left,
-                right,
-                qk_scale,
-                rs_ptr,
-                stride_rs_h,
-                HEAD_DIM,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_D,
-                HAS_LEFT,
-                HAS_RIGHT,
-                HAS_REL,
-                HAS_JAGGED,
-                DOT_PRECISION,
-                UPCAST,
-                STRIP_P,
-                STRIP_W,
-                ONE_LOOP,
-            )
-    else:
-        _fwd_item(
-            tl.program_id(0),
-            q_ptr,
-            k_ptr,
-            v_ptr,
-            o_ptr,
-            lse_ptr,
-            tiles_ptr,
-            rel_ptr,
-            jb_ptr,
-            stride_qt,
-            stride_qh,
-            stride_kt,
-            stride_kh,
-            stride_vt,
-            stride_vh,
-            stride_ot,
-            stride_oh,
-            stride_lse_h,
-            stride_rel_h,
-            stride_jb_h,
-            num_heads,
-            num_buckets,
-            left,
-            right,
-            qk_scale,
-            rs_ptr,
-            stride_rs_h,
-            HEAD_DIM,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_D,
-            HAS_LEFT,
-            HAS_RIGHT,
-            HAS_REL,
-            HAS_JAGGED,
-            DOT_PRECISION,
-            UPCAST,
-            STRIP_P,
-            STRIP_W,
-            ONE_LOOP,
-        )
 
 
 # ---------------------------------------------------------------------------------------------

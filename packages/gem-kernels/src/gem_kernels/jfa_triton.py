@@ -78,13 +78,6 @@ class JfaTritonConfig(host.FlashTileConfig):
     """Unbiased calls: the forward runs all the key tiles of a query tile in one loop and masks
     only those that need it (diagonal, window edges, partial tile), instead of separate loops
     for the masked tiles."""
-    fwd_persistent: int = 0
-    """Forward programs per SM that each loop over (query tile, head) items of the
-    longest-first list (0: one program per item)."""
-    fwd_flatten: bool = False
-    """Persistent forward: flatten the item and key loops into one, so the compiler can issue
-    the next item's first loads during this item's last key tiles (needs ``fwd_one_loop`` and
-    no bias: one inner loop)."""
 
 
 #: Longest sample (queries or keys, or the keys a query row can see under a window that
@@ -170,6 +163,10 @@ def default_config(
     forward (Triton's automatic warp specialisation of one masked key loop, TMA loads through
     whole-tensor descriptors, as GDPA's short forward) was slower too: 128x128 tiles, 4 warps,
     2 stages gave 0.78x-0.95x of the default forward, 1.05x only at B128xL4096 causal (round r5).
+    Persistent forward programs (1 per SM with the long tiles, 2 or 4 with the short ones, each
+    looping over the longest-first items, the item and key loops flattened or not) were 3-15%
+    slower at every shape (round r11: B512xL1024 full 314 -> 279 / 271 flattened, B32xL16384
+    causal 398 -> 345 / 364), so the per-item prologue is not won back that way.
     """
     if interpret:
         return JfaTritonConfig(16, 16, 1, 1, 16, 16, 16, 16, 1, 1)
@@ -434,20 +431,14 @@ def _forward(q, k, v, rel_pos_bias, jagged_bias, plan: _Plan, launch: _Launch):
     rel, jb, num_buckets, stride_rel, stride_jb = _bias_args(
         q, rel_pos_bias, jagged_bias, launch.scale
     )
-    items = num_tiles * heads
-    programs = items
-    if cfg.fwd_persistent > 0:
-        programs = min(items, host.num_programs(q.device, cfg.fwd_persistent, launch.interpret))
-    _kernels(launch.interpret).jfa_fwd_kernel[(programs,)](
+    _kernels(launch.interpret).jfa_fwd_kernel[(num_tiles * heads,)](
         q, k, v, out, lse, plan.fwd, rel, jb,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), stride_rel, stride_jb,
         heads, num_buckets, launch.left or 0, launch.right or 0, launch.scale * _LOG2E,
         BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
         HAS_REL=rel_pos_bias is not None, HAS_JAGGED=jagged_bias is not None,
-        ONE_LOOP=cfg.fwd_one_loop, num_items=items, PERSISTENT=cfg.fwd_persistent > 0,
-        FLATTEN=cfg.fwd_flatten and cfg.fwd_one_loop and rel_pos_bias is None
-        and jagged_bias is None, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        ONE_LOOP=cfg.fwd_one_loop, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         **_rel_strip(q, rel_pos_bias, cfg), **_flags(q, launch),
     )  # fmt: skip
     return out, lse
