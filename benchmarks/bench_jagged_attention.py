@@ -611,25 +611,26 @@ def _tile_sweep_configs() -> dict[str, JfaTritonConfig]:
     """Tile variants of the unbiased kernels (``--tile-sweep``), timed on the cases of
     ``TILE_SWEEP_CASES`` against the default and flash varlen. Edit to explore; the rounds run
     so far are in ``results/h200/jagged_attention_tile_explore.json``."""
-    # Round r10: at L1024, plain causal calls with the long forward tiles in one loop (r8/r9:
-    # medium_one beat the short default by 3-7% there, but lost at window 256).
+    # Round r12: tiles dealt sample by sample (L2 reuse of a sample's keys and values) against
+    # the global longest-work-first order, per regime.
     replace = dataclasses.replace
-    short = default_config(D, max_len=1024, masked=True, banded=True)
-    medium = default_config(D, max_len=2048, masked=True)
-    configs = {
-        "short": short,
-        "medium_one": medium,
-        "f128x128_short_bwd": replace(short, fwd_block_m=128, fwd_block_n=128, fwd_warps=8),
-        "f128x64_short_bwd": replace(short, fwd_block_m=128, fwd_block_n=64, fwd_warps=8),
-        "f128x64w4_short_bwd": replace(short, fwd_block_m=128, fwd_block_n=64, fwd_warps=4),
-        "medium_fwd_short_dq": replace(medium, dq_block_m=64, dq_block_n=32, dq_warps=4),
+    bases = {
+        "short": default_config(D, max_len=1024, masked=True, banded=True),
+        "medium": default_config(D, max_len=2048, masked=True),
+        "long": default_config(D, masked=True),
+        "long_fused": default_config(D),
     }
+    configs = {}
+    for name, config in bases.items():
+        configs[name] = config
+        configs[f"{name}_bs"] = replace(config, tiles_by_sample=True)
     return configs
 
 
 #: (batch, max_len, causal, window) of the ``--tile-sweep`` cases.
 TILE_SWEEP_CASES = [(32, 16384, True, WINDOW), (512, 1024, True, None), (512, 1024, False, None),
-                    (256, 2048, True, None)]  # fmt: skip
+                    (128, 4096, True, None), (128, 4096, False, None), (32, 16384, True, None),
+                    (32, 16384, False, None)]  # fmt: skip
 
 
 def _tile_sweep(device, out_path: Path, rounds: int) -> None:

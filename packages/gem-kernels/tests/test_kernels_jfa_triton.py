@@ -426,6 +426,32 @@ def test_plan_has_only_real_tiles_longest_first():
     assert int(plan.fwd[0, 1]) == 100 and int(plan.fwd[0, 4]) == 96
 
 
+def test_plan_by_sample_keeps_each_samples_tiles_together():
+    q_lengths = torch.tensor([0, 33, 16, 17, 100, 0, 100, 5])
+    k_lengths = torch.tensor([3, 20, 16, 40, 100, 2, 100, 5])
+    config = replace(jfa_triton.default_config(D, interpret=True), tiles_by_sample=True)
+    plan = jfa_triton._plan(q_lengths, k_lengths, None, 0, config, torch.device("cpu"), True)
+    plain = jfa_triton._plan(
+        q_lengths, k_lengths, None, 0, replace(config, tiles_by_sample=False),
+        torch.device("cpu"), True,
+    )  # fmt: skip
+    for table, reference, work_of in (
+        (plan.fwd, plain.fwd, lambda r: min(int(r[3]), int(r[4]) + 16 + int(r[3]) - int(r[1]))),
+        (plan.dkdv, plain.dkdv, lambda r: int(r[1]) - max(0, int(r[4]) - (int(r[3]) - int(r[1])))),
+    ):
+        # The same tiles as the global order, dealt differently.
+        assert sorted(map(tuple, table.tolist())) == sorted(map(tuple, reference.tolist()))
+        samples = [(int(r[0]), int(r[2])) for r in table]  # (q_start, k_start): the sample
+        runs = [samples[0]] + [b for a, b in zip(samples, samples[1:], strict=False) if a != b]
+        assert len(runs) == len(set(runs)), "each sample's tiles are contiguous"
+        works = [work_of(r) for r in table]
+        heads = [max(w for w, s in zip(works, samples, strict=True) if s == run) for run in runs]
+        assert heads == sorted(heads, reverse=True), "samples longest first"
+        for run in runs:
+            mine = [w for w, s in zip(works, samples, strict=True) if s == run]
+            assert mine == sorted(mine, reverse=True), "tiles longest work first"
+
+
 def test_plan_cache_reuses_only_identical_batches():
     config = jfa_triton.default_config(D, interpret=True)
     cpu = torch.device("cpu")

@@ -78,6 +78,11 @@ class JfaTritonConfig(host.FlashTileConfig):
     """Unbiased calls: the forward runs all the key tiles of a query tile in one loop and masks
     only those that need it (diagonal, window edges, partial tile), instead of separate loops
     for the masked tiles."""
+    tiles_by_sample: bool = False
+    """Deal the tiles sample by sample (samples longest first, each sample's tiles longest
+    work first) instead of all tiles longest work first: with a causal mask every tile of a
+    sample has different work, and the global order runs tiles of dozens of samples at once,
+    whose keys and values do not fit in L2 together."""
 
 
 #: Longest sample (queries or keys, or the keys a query row can see under a window that
@@ -266,13 +271,26 @@ def _tiles_of(lengths: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     return sample, start
 
 
-def _table(columns: list[torch.Tensor], work: torch.Tensor) -> torch.Tensor:
+def _table(
+    columns: list[torch.Tensor], work: torch.Tensor, sample: torch.Tensor, by_sample: bool
+) -> torch.Tensor:
+    """Tile table rows, longest work first; ``by_sample``: the samples longest first and each
+    sample's tiles together (longest work first among them), so the programs running at once
+    share one sample's keys and values in L2."""
     table = torch.stack([*columns, torch.zeros_like(work), torch.zeros_like(work)], dim=1)
     order = torch.argsort(work, descending=True, stable=True)
+    if by_sample and work.numel() > 0:
+        sample_work = torch.zeros(int(sample.max()) + 1, dtype=work.dtype)
+        sample_work.scatter_reduce_(0, sample, work, "amax")
+        rank = torch.empty_like(sample_work)
+        rank[torch.argsort(sample_work, descending=True, stable=True)] = torch.arange(
+            sample_work.numel()
+        )
+        order = order[torch.argsort(rank[sample[order]], stable=True)]
     return table[order].contiguous()
 
 
-def _query_tile_table(samples, block_m, left, right) -> torch.Tensor:
+def _query_tile_table(samples, block_m, left, right, by_sample) -> torch.Tensor:
     q_len, k_len, q_start, k_start, bias_start = samples
     sample, start = _tiles_of(q_len, block_m)
     lq, lk = q_len[sample], k_len[sample]
@@ -286,10 +304,10 @@ def _query_tile_table(samples, block_m, left, right) -> torch.Tensor:
         key_hi = torch.minimum(lk, last_row + shift + right + 1)
     work = (key_hi - key_lo).clamp(min=0)
     columns = [q_start[sample], lq, k_start[sample], lk, start, bias_start[sample]]
-    return _table(columns, work)
+    return _table(columns, work, sample, by_sample)
 
 
-def _key_tile_table(samples, block_n, left, right) -> torch.Tensor:
+def _key_tile_table(samples, block_n, left, right, by_sample) -> torch.Tensor:
     q_len, k_len, q_start, k_start, bias_start = samples
     sample, start = _tiles_of(k_len, block_n)
     lq, lk = q_len[sample], k_len[sample]
@@ -303,7 +321,7 @@ def _key_tile_table(samples, block_n, left, right) -> torch.Tensor:
         row_hi = torch.minimum(lq, last_key + left - shift + 1)
     work = (row_hi - row_lo).clamp(min=0)
     columns = [q_start[sample], lq, k_start[sample], lk, start, bias_start[sample]]
-    return _table(columns, work)
+    return _table(columns, work, sample, by_sample)
 
 
 #: Plans of recent batches, keyed by their lengths and tiling: every attention layer of a model
@@ -330,6 +348,7 @@ def _plan(
         config.fwd_block_m,
         config.dkdv_block_n,
         config.dq_block_m,
+        config.tiles_by_sample,
         str(device),
         with_backward,
     )
@@ -343,11 +362,12 @@ def _build_plan(q_len, k_len, left, right, config, device, with_backward) -> _Pl
     k_start = torch.cumsum(k_len, 0) - k_len
     pairs = q_len * k_len
     samples = (q_len, k_len, q_start, k_start, torch.cumsum(pairs, 0) - pairs)
-    tables = [_query_tile_table(samples, config.fwd_block_m, left, right)]
+    by_sample = config.tiles_by_sample
+    tables = [_query_tile_table(samples, config.fwd_block_m, left, right, by_sample)]
     if with_backward:
-        tables.append(_key_tile_table(samples, config.dkdv_block_n, left, right))
+        tables.append(_key_tile_table(samples, config.dkdv_block_n, left, right, by_sample))
         if config.dq_block_m != config.fwd_block_m:
-            tables.append(_query_tile_table(samples, config.dq_block_m, left, right))
+            tables.append(_query_tile_table(samples, config.dq_block_m, left, right, by_sample))
     # One host-to-device copy for all tables.
     sizes = [t.shape[0] for t in tables]
     packed = torch.cat(tables)
