@@ -611,19 +611,13 @@ def _tile_sweep_configs() -> dict[str, JfaTritonConfig]:
     """Tile variants of the unbiased kernels (``--tile-sweep``), timed on the cases of
     ``TILE_SWEEP_CASES`` against the default and flash varlen. Edit to explore; the rounds run
     so far are in ``results/h200/jagged_attention_tile_explore.json``."""
-    # Round r12: tiles dealt sample by sample (L2 reuse of a sample's keys and values) against
-    # the global longest-work-first order, per regime.
-    replace = dataclasses.replace
-    bases = {
-        "short": default_config(D, max_len=1024, masked=True, banded=True),
+    # Round r12 (tiles dealt sample by sample, now the only order) showed the short tiles
+    # ahead again at L1024 causal: the regimes' tiles against each other.
+    configs = {
+        "short": default_config(D, max_len=1024, masked=True),
         "medium": default_config(D, max_len=2048, masked=True),
         "long": default_config(D, masked=True),
-        "long_fused": default_config(D),
     }
-    configs = {}
-    for name, config in bases.items():
-        configs[name] = config
-        configs[f"{name}_bs"] = replace(config, tiles_by_sample=True)
     return configs
 
 

@@ -351,11 +351,9 @@ def test_default_config_choices():
     masked = jfa_triton.default_config(128, masked=True)
     assert masked == replace(long, bwd_fused=False, fwd_one_loop=True)
     assert jfa_triton.default_config(128, max_len=16, masked=True).fwd_one_loop
-    # Short causal calls take the medium tiles; a band (window on both sides) the short ones.
-    causal_short = jfa_triton.default_config(128, max_len=1024, masked=True)
-    assert causal_short == replace(medium, fwd_one_loop=True)
-    window_short = jfa_triton.default_config(128, max_len=257, masked=True, banded=True)
-    assert window_short == replace(short, fwd_one_loop=True)
+    assert jfa_triton.default_config(128, max_len=1024, masked=True) == replace(
+        short, fwd_one_loop=True
+    )
     assert not long.fwd_one_loop and not short.fwd_one_loop
     assert jfa_triton.default_config(128, with_bias=True, max_len=16) == short
     rel = jfa_triton.default_config(128, with_bias=True, max_len=1025)
@@ -397,15 +395,12 @@ def test_entry_point_passes_longest_sample_and_biases(interpret, monkeypatch):
         (True, (4, None), 5),
         (False, (2, 3), 6),
         (False, (4, None), 11),
-        (True, None, 11),
     ):
         jagged_flash_attention_triton(
             tensors["q"], tensors["k"], tensors["v"], offsets_of(q_lengths),
             offsets_of(k_lengths), causal=causal, window=window,
         )  # fmt: skip
         assert calls[-1]["max_len"] == expected, (causal, window)
-        assert calls[-1]["masked"]
-        assert calls[-1]["banded"] == (expected < 11), (causal, window)
 
 
 def test_plan_has_only_real_tiles_longest_first():
@@ -421,26 +416,21 @@ def test_plan_has_only_real_tiles_longest_first():
     pairs = {(int(r[0]), int(r[4])) for r in plan.fwd}
     assert len(pairs) == expected_q_tiles
     # Longest first: the 100-long sample's last (causal: heaviest) tile leads.
-    work = torch.minimum(plan.fwd[:, 3], plan.fwd[:, 4] + 16 + plan.fwd[:, 3] - plan.fwd[:, 1])
-    assert torch.all(work[:-1] >= work[1:])
     assert int(plan.fwd[0, 1]) == 100 and int(plan.fwd[0, 4]) == 96
 
 
-def test_plan_by_sample_keeps_each_samples_tiles_together():
+def test_plan_deals_tiles_sample_by_sample():
+    """Each sample's tiles together (L2 reuse of its keys and values), samples with the
+    longest tile first, and inside a sample the longest work first (causal: every tile's work
+    differs)."""
     q_lengths = torch.tensor([0, 33, 16, 17, 100, 0, 100, 5])
     k_lengths = torch.tensor([3, 20, 16, 40, 100, 2, 100, 5])
-    config = replace(jfa_triton.default_config(D, interpret=True), tiles_by_sample=True)
+    config = jfa_triton.default_config(D, interpret=True)
     plan = jfa_triton._plan(q_lengths, k_lengths, None, 0, config, torch.device("cpu"), True)
-    plain = jfa_triton._plan(
-        q_lengths, k_lengths, None, 0, replace(config, tiles_by_sample=False),
-        torch.device("cpu"), True,
-    )  # fmt: skip
-    for table, reference, work_of in (
-        (plan.fwd, plain.fwd, lambda r: min(int(r[3]), int(r[4]) + 16 + int(r[3]) - int(r[1]))),
-        (plan.dkdv, plain.dkdv, lambda r: int(r[1]) - max(0, int(r[4]) - (int(r[3]) - int(r[1])))),
+    for table, work_of in (
+        (plan.fwd, lambda r: min(int(r[3]), int(r[4]) + 16 + int(r[3]) - int(r[1]))),
+        (plan.dkdv, lambda r: int(r[1]) - max(0, int(r[4]) - (int(r[3]) - int(r[1])))),
     ):
-        # The same tiles as the global order, dealt differently.
-        assert sorted(map(tuple, table.tolist())) == sorted(map(tuple, reference.tolist()))
         samples = [(int(r[0]), int(r[2])) for r in table]  # (q_start, k_start): the sample
         runs = [samples[0]] + [b for a, b in zip(samples, samples[1:], strict=False) if a != b]
         assert len(runs) == len(set(runs)), "each sample's tiles are contiguous"

@@ -78,11 +78,6 @@ class JfaTritonConfig(host.FlashTileConfig):
     """Unbiased calls: the forward runs all the key tiles of a query tile in one loop and masks
     only those that need it (diagonal, window edges, partial tile), instead of separate loops
     for the masked tiles."""
-    tiles_by_sample: bool = False
-    """Deal the tiles sample by sample (samples longest first, each sample's tiles longest
-    work first) instead of all tiles longest work first: with a causal mask every tile of a
-    sample has different work, and the global order runs tiles of dozens of samples at once,
-    whose keys and values do not fit in L2 together."""
 
 
 #: Longest sample (queries or keys, or the keys a query row can see under a window that
@@ -104,25 +99,23 @@ def default_config(
     with_jagged_bias: bool = False,
     max_len: int | None = None,
     masked: bool = False,
-    banded: bool = False,
 ) -> JfaTritonConfig:
     """Tile configuration for a head dimension (small tiles under the interpreter).
 
     ``max_len``: the longest sample of the batch, or the keys a query row can see when a window
-    bounds both sides (``banded``; causal with a left window: ``left + 1``), whichever is
-    smaller; ``None``: unknown (long tiles). ``masked``: a causal mask or a window. Unbiased
-    calls at head_dim 65..128 (H200 tile sweeps,
+    bounds both sides (causal with a left window: ``left + 1``), whichever is smaller; ``None``:
+    unknown (long tiles). ``masked``: a causal mask or a window. Unbiased calls at head_dim
+    65..128 (H200 tile sweeps,
     ``benchmarks/results/h200/jagged_attention_tile_explore.json``, rounds r1-r2, TFLOP/s
     forward / forward+backward, long tiles -> chosen):
 
     - up to ``SHORT_SEQUENCE_LEN``: 64x32 forward tiles, 64-key dK/dV tiles stepping 32 query
       rows and 64x32 dQ tiles, 4 warps. B512xL1024 causal 188/168 -> 198/182, non-causal
       313/259 -> 309/278; causal window 256 at B32xL16384 138/133 -> 206/174 (flash varlen
-      in the same run: 143/142). Masked calls without a band (causal) take the medium tiles
-      below instead, in one forward loop: B512xL1024 causal forward+backward, short -> medium,
-      173.5 -> 186.6 (r8), 183.4 -> 188.9 (r9), 174.3 -> 185.0 (r10, 3 rounds, each faster),
-      forward 202 -> 210 / 204 -> 210 / 202 -> 199; at window 256 the medium tiles lose
-      (r10: 205/171 -> 163/158);
+      in the same run: 143/142). (With the tiles dealt longest work first across samples,
+      the medium tiles below beat these at B512xL1024 causal, 174 -> 185 forward+backward in
+      round r10; dealt by sample, see ``_table``, the short ones lead again: r12 237/203
+      against 219/202.);
     - up to ``MEDIUM_SEQUENCE_LEN``: long forward tiles, the short dK/dV tiles (4 warps) and
       128x64 dQ tiles (8 warps): B256xL2048 causal forward+backward 241 -> 251 (at B128xL4096
       causal 299 -> 298, so longer batches keep the long tiles);
@@ -180,7 +173,7 @@ def default_config(
     if 64 < head_dim <= 128:
         if with_jagged_bias:
             return JfaTritonConfig(128, 64, 8, 3, 128, 32, 128, 32, 8, 3)
-        if short_batch and not (masked and not banded and not with_bias):
+        if short_batch:
             config = _SHORT_TILES
         elif with_bias:
             config = replace(_MEDIUM_BWD_TILES, fwd_block_n=64)
@@ -255,7 +248,7 @@ def triton_unsupported_reason(
 
 @dataclass(frozen=True)
 class _Plan:
-    """Tile tables (device int64, one row per real tile, longest work first)."""
+    """Tile tables (device int64, one row per real tile, dealt by ``_table``)."""
 
     fwd: torch.Tensor
     dkdv: torch.Tensor | None
@@ -271,26 +264,32 @@ def _tiles_of(lengths: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     return sample, start
 
 
-def _table(
-    columns: list[torch.Tensor], work: torch.Tensor, sample: torch.Tensor, by_sample: bool
-) -> torch.Tensor:
-    """Tile table rows, longest work first; ``by_sample``: the samples longest first and each
-    sample's tiles together (longest work first among them), so the programs running at once
-    share one sample's keys and values in L2."""
+def _table(columns: list[torch.Tensor], work: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+    """Tile table rows dealt sample by sample: the samples with the longest tile first, and
+    each sample's tiles together, longest work first among them.
+
+    The programs running at once then read one sample's keys and values (queries, for dK/dV),
+    which stay in L2. Ordering all tiles by work alone interleaves the tiles of every sample
+    under a causal mask (each of a sample's tiles has different work), so dozens of samples'
+    keys and values compete for L2: H200 tile sweep r12, TFLOP/s forward / forward+backward,
+    work order -> by sample: B32xL16384 causal 380/356 -> 455/383, B128xL4096 causal
+    345/290 -> 370/319, B512xL1024 causal 196/168 -> 237/203; unmasked and windowed calls,
+    whose tiles of a sample have equal work and so were already together, are unchanged."""
     table = torch.stack([*columns, torch.zeros_like(work), torch.zeros_like(work)], dim=1)
+    if work.numel() == 0:
+        return table
     order = torch.argsort(work, descending=True, stable=True)
-    if by_sample and work.numel() > 0:
-        sample_work = torch.zeros(int(sample.max()) + 1, dtype=work.dtype)
-        sample_work.scatter_reduce_(0, sample, work, "amax")
-        rank = torch.empty_like(sample_work)
-        rank[torch.argsort(sample_work, descending=True, stable=True)] = torch.arange(
-            sample_work.numel()
-        )
-        order = order[torch.argsort(rank[sample[order]], stable=True)]
+    sample_work = torch.zeros(int(sample.max()) + 1, dtype=work.dtype)
+    sample_work.scatter_reduce_(0, sample, work, "amax")
+    rank = torch.empty_like(sample_work)
+    rank[torch.argsort(sample_work, descending=True, stable=True)] = torch.arange(
+        sample_work.numel()
+    )
+    order = order[torch.argsort(rank[sample[order]], stable=True)]
     return table[order].contiguous()
 
 
-def _query_tile_table(samples, block_m, left, right, by_sample) -> torch.Tensor:
+def _query_tile_table(samples, block_m, left, right) -> torch.Tensor:
     q_len, k_len, q_start, k_start, bias_start = samples
     sample, start = _tiles_of(q_len, block_m)
     lq, lk = q_len[sample], k_len[sample]
@@ -304,10 +303,10 @@ def _query_tile_table(samples, block_m, left, right, by_sample) -> torch.Tensor:
         key_hi = torch.minimum(lk, last_row + shift + right + 1)
     work = (key_hi - key_lo).clamp(min=0)
     columns = [q_start[sample], lq, k_start[sample], lk, start, bias_start[sample]]
-    return _table(columns, work, sample, by_sample)
+    return _table(columns, work, sample)
 
 
-def _key_tile_table(samples, block_n, left, right, by_sample) -> torch.Tensor:
+def _key_tile_table(samples, block_n, left, right) -> torch.Tensor:
     q_len, k_len, q_start, k_start, bias_start = samples
     sample, start = _tiles_of(k_len, block_n)
     lq, lk = q_len[sample], k_len[sample]
@@ -321,7 +320,7 @@ def _key_tile_table(samples, block_n, left, right, by_sample) -> torch.Tensor:
         row_hi = torch.minimum(lq, last_key + left - shift + 1)
     work = (row_hi - row_lo).clamp(min=0)
     columns = [q_start[sample], lq, k_start[sample], lk, start, bias_start[sample]]
-    return _table(columns, work, sample, by_sample)
+    return _table(columns, work, sample)
 
 
 #: Plans of recent batches, keyed by their lengths and tiling: every attention layer of a model
@@ -348,7 +347,6 @@ def _plan(
         config.fwd_block_m,
         config.dkdv_block_n,
         config.dq_block_m,
-        config.tiles_by_sample,
         str(device),
         with_backward,
     )
@@ -362,12 +360,11 @@ def _build_plan(q_len, k_len, left, right, config, device, with_backward) -> _Pl
     k_start = torch.cumsum(k_len, 0) - k_len
     pairs = q_len * k_len
     samples = (q_len, k_len, q_start, k_start, torch.cumsum(pairs, 0) - pairs)
-    by_sample = config.tiles_by_sample
-    tables = [_query_tile_table(samples, config.fwd_block_m, left, right, by_sample)]
+    tables = [_query_tile_table(samples, config.fwd_block_m, left, right)]
     if with_backward:
-        tables.append(_key_tile_table(samples, config.dkdv_block_n, left, right, by_sample))
+        tables.append(_key_tile_table(samples, config.dkdv_block_n, left, right))
         if config.dq_block_m != config.fwd_block_m:
-            tables.append(_query_tile_table(samples, config.dq_block_m, left, right, by_sample))
+            tables.append(_query_tile_table(samples, config.dq_block_m, left, right))
     # One host-to-device copy for all tables.
     sizes = [t.shape[0] for t in tables]
     packed = torch.cat(tables)
@@ -634,7 +631,6 @@ def jagged_flash_attention_from_lengths(
             with_jagged_bias=jagged_bias is not None,
             max_len=longest,
             masked=left is not None or right is not None,
-            banded=left is not None and right is not None,
         )
     launch = _Launch(
         scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
