@@ -5,9 +5,10 @@ validated input (the public, validating entry point is
 :func:`gem_kernels.jagged_flash_attention`, which dispatches here).
 
 Jagged-aware scheduling: the host builds, from the sample lengths, one table row per real tile
-(``(sample, tile)`` pairs for samples that have rows; no program exists for padding) and sorts
-the rows by their amount of work, longest first, so the long tiles start early and the short
-ones fill the tail of the grid. The forward and the dQ kernel walk query tiles; the dK/dV kernel
+(``(sample, tile)`` pairs for samples that have rows; no program exists for padding) and deals
+them sample by sample: the samples with the longest tile first, each sample's tiles together and
+longest work first, so the long tiles start early, the short ones fill the tail of the grid, and
+the programs running at once share one sample's keys and values in L2. The forward and the dQ kernel walk query tiles; the dK/dV kernel
 walks key tiles. Plans are cached by lengths and tiling (a model's layers and their backward
 share one batch), so repeated calls only hash the lengths. The split backward (a dK/dV kernel
 and a dQ kernel) is deterministic: no atomics; the relative-position bias gradient is
@@ -112,10 +113,9 @@ def default_config(
     - up to ``SHORT_SEQUENCE_LEN``: 64x32 forward tiles, 64-key dK/dV tiles stepping 32 query
       rows and 64x32 dQ tiles, 4 warps. B512xL1024 causal 188/168 -> 198/182, non-causal
       313/259 -> 309/278; causal window 256 at B32xL16384 138/133 -> 206/174 (flash varlen
-      in the same run: 143/142). (With the tiles dealt longest work first across samples,
-      the medium tiles below beat these at B512xL1024 causal, 174 -> 185 forward+backward in
-      round r10; dealt by sample, see ``_table``, the short ones lead again: r12 237/203
-      against 219/202.);
+      in the same run: 143/142). With the tiles dealt by work across samples, the medium
+      tiles below beat these at B512xL1024 causal (174 -> 185 forward+backward, round r10);
+      dealt by sample (``_table``) the short ones lead again (r12: 237/203 against 219/202);
     - up to ``MEDIUM_SEQUENCE_LEN``: long forward tiles, the short dK/dV tiles (4 warps) and
       128x64 dQ tiles (8 warps): B256xL2048 causal forward+backward 241 -> 251 (at B128xL4096
       causal 299 -> 298, so longer batches keep the long tiles);
