@@ -77,7 +77,8 @@ class OptimConfig:
     def dense_lr_at(self, step: int, total_steps: int) -> float:
         """Dense learning rate of optimizer step ``step`` (0-based) of ``total_steps``: linear
         warm-up over ``warmup_steps``, then ``lr_schedule`` down to ``min_lr_ratio`` at the
-        last step. A pure function of the step, so a resumed run continues the same curve."""
+        last step. A pure function of the step (and of the run's length), so a run resumed with
+        the same ``max_steps`` / ``epochs`` continues the same curve."""
         warmup = max(1, self.warmup_steps)
         if step + 1 < warmup or self.lr_schedule == "constant":
             return self.dense_lr * min(1.0, (step + 1) / warmup)
