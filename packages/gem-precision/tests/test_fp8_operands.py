@@ -3,6 +3,7 @@ the exactness of the power-of-two scale rule, and the scaled_mm layouts."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -94,12 +95,14 @@ def test_kernel_variants_agree(monkeypatch, options):
     ],
 )
 @pytest.mark.parametrize("elem", ELEM)
-def test_packed_transpose(monkeypatch, options, elem):
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+def test_packed_transpose(monkeypatch, options, elem, in_dtype):
     # x.T stored as packed runs of rows: the reference bits on whole tiles (the packed path)
-    # and on partial ones (the fallback); column sums as x.sum(0).
+    # and on partial ones (the fallback); column sums as x.sum(0). float32 inputs are what a
+    # float32 model's layers quantize (the GEM quality runs).
     monkeypatch.setattr(blockwise, "_DUAL_OPTIONS", {**blockwise._DUAL_OPTIONS, **options})
     for shape in ((384, 256), (200, 300)):
-        x = special_input(*shape, seed=7)
+        x = special_input(*shape, seed=7, dtype=in_dtype)
         finite = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0).to(x.dtype)
         for col_tiles in (False, True):
             for src, col_sum in ((x, False), (finite, True)):
@@ -236,8 +239,11 @@ def test_stochastic_rounding_offsets_of_the_two_layouts():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_kernel_bit_exact():
-    x = special_input(rows=384, cols=512)
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+def test_cuda_kernel_bit_exact(in_dtype):
+    """The compiled kernels against the torch reference, bit for bit, for bfloat16 and float32
+    inputs (a float32 model's layers quantize float32 activations and gradients)."""
+    x = special_input(rows=384, cols=512, dtype=in_dtype)
     for kind in KINDS:
         src = torch.nan_to_num(x) if kind == "tensorwise" else x
         ref = quantize_operand(src, kind, backend="torch")
@@ -246,11 +252,14 @@ def test_cuda_kernel_bit_exact():
             assert same(getattr(ref, field), getattr(got, field).cpu()), (kind, field)
     # The output gradient's kernel: both 1x128 layouts and the bias-gradient column sums.
     finite = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0).to(x.dtype)
-    for elem in ELEM:
-        ref = quantize_operand(finite, "1x128", elem, backend="torch")
-        got = quantize_operand(finite.cuda(), "1x128", elem, backend="triton", col_sum=True)
+    # The activation's kernel of the default recipe: rows 1x128 and x.T in 128x128 tiles.
+    for elem, col_tiles in itertools.product(ELEM, (False, True)):
+        ref = quantize_operand(finite, "1x128", elem, backend="torch", col_tiles=col_tiles)
+        got = quantize_operand(
+            finite.cuda(), "1x128", elem, backend="triton", col_sum=True, col_tiles=col_tiles
+        )
         for field in FIELDS:
-            assert same(getattr(ref, field), getattr(got, field).cpu()), ("col_sum", field)
+            assert same(getattr(ref, field), getattr(got, field).cpu()), (col_tiles, field)
         want = finite.double().sum(0)
         bound = 1e-6 * finite.double().abs().sum(0) + 1e-3
         assert bool(((got.col_sum.cpu().double() - want).abs() <= bound).all())
