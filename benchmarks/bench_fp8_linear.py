@@ -229,6 +229,21 @@ def check(device) -> dict:
     results["fp8_norm_linear_k256_dw_rel_err_vs_cpu"] = rel(
         small.linear.weight.grad, small_cpu.linear.weight.grad
     )
+    # A float32 model's layers (the GEM quality runs): float32 activations, weights and GEMM
+    # results, native against the emulation. Both quantize the same values, so what differs is
+    # the GEMMs' accumulation, and these errors show how far below bfloat16 rounding it is.
+    for k32, n32 in ((192, 32), (32, 96), (1024, 512)):
+        xs32 = torch.randn(16384, k32, generator=gen, device=device)
+        dy32 = torch.randn(16384, n32, generator=gen, device=device)
+        lin32 = Fp8Linear(k32, n32, device=device, dtype=torch.float32)
+        out, xg, lin_cpu, out_c, xc = _with_cpu_copy(
+            lin32, partial(Fp8Linear, k32, n32, dtype=torch.float32), xs32, dy32
+        )
+        tag = f"fp8_linear_fp32_k{k32}_n{n32}"
+        results[f"{tag}_out_rel_err_vs_cpu"] = rel(out, out_c)
+        results[f"{tag}_dx_rel_err_vs_cpu"] = rel(xg.grad, xc.grad)
+        results[f"{tag}_dw_rel_err_vs_cpu"] = rel(lin32.weight.grad, lin_cpu.weight.grad)
+        results[f"{tag}_db_rel_err_vs_cpu"] = rel(lin32.bias.grad, lin_cpu.bias.grad)
     # The backward's norm(x).T tile kernel against the quantised PyTorch norm (rstd may differ
     # in the last bit: at most one FP8 step apart, scales equal).
     xn = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0).to(DTYPE)
