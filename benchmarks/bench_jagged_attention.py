@@ -613,12 +613,11 @@ def _tile_sweep_configs() -> dict[str, JfaTritonConfig]:
     so far are in ``results/h200/jagged_attention_tile_explore.json``."""
     # Round r12 (tiles dealt sample by sample, now the only order) showed the short tiles
     # ahead again at L1024 causal: the regimes' tiles against each other.
-    configs = {
+    return {
         "short": default_config(D, max_len=1024, masked=True),
         "medium": default_config(D, max_len=2048, masked=True),
         "long": default_config(D, masked=True),
     }
-    return configs
 
 
 #: (batch, max_len, causal, window) of the ``--tile-sweep`` cases.
