@@ -13,6 +13,9 @@ task on the same held-out users. Only the numerics of the dense ``nn.Linear`` GE
   Hadamard transform along K, stochastic rounding of gradients, bf16 weight-gradient GEMM);
 * ``gem-heads-bf16``: ``gem`` with the task heads' hidden layers on bf16 GEMMs (the
   per-layer policy's "last layers stay bf16");
+* ``gem-emulated``: ``gem`` with ``GEM_PRECISION_GEMM=emulated``: on a GPU the same quantised
+  operands (the same Triton kernels), but the GEMMs dequantised and multiplied in float32 instead
+  of ``torch._scaled_mm``, which separates the native GEMM's numerics from everything else;
 * ``fp32``: the unchanged model, for reference;
 * ``bf16-repeat``: ``bf16`` run again, the run-to-run noise floor (zero on a deterministic
   device; on a GPU, atomics in the embedding and attention backward make runs differ).
@@ -37,6 +40,7 @@ there). ``--seeds 0,1,2 --jobs 12`` runs every (seed, provider) pair in its own 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import subprocess
@@ -62,7 +66,10 @@ PROVIDERS: dict[str, list[str]] = {
     "gem-sr": ["precision.mode=fp8", "precision.stochastic_rounding_grads=true"],
     "gem-bf16wgrad": ["precision.mode=fp8", "precision.wgrad_in_bf16=true"],
     "gem-heads-bf16": ["precision.mode=fp8", "precision.bf16_layers=heads.*"],
+    "gem-emulated": ["precision.mode=fp8"],
 }
+# Environment of a provider's run (set around it, restored after).
+PROVIDER_ENV: dict[str, dict[str, str]] = {"gem-emulated": {"GEM_PRECISION_GEMM": "emulated"}}
 TASKS = ("ctr", "cvr")
 
 
@@ -87,8 +94,9 @@ def main() -> None:
     )
     parser.add_argument("--jobs", type=int, default=1, help="processes at once with --seeds")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument(  # bf16-repeat only where runs can differ: ask for it on a GPU
-        "--providers", default=",".join(p for p in PROVIDERS if p != "bf16-repeat")
+    parser.add_argument(  # bf16-repeat and gem-emulated only tell something on a GPU
+        "--providers",
+        default=",".join(p for p in PROVIDERS if p not in ("bf16-repeat", "gem-emulated")),
     )
     parser.add_argument("--data-dir", default=str(ROOT / "data" / "fp8_quality"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/cpu/fp8_quality.json"))
@@ -154,10 +162,11 @@ def main() -> None:
             ],
         )
         started = time.perf_counter()
-        trainer = Trainer(config, train_data, output_dir=Path(config.output_dir))
-        losses = trainer.fit(progress=False)
-        train_s = time.perf_counter() - started
-        metrics = trainer.evaluate(eval_data)
+        with _environment(PROVIDER_ENV.get(provider, {})):
+            trainer = Trainer(config, train_data, output_dir=Path(config.output_dir))
+            losses = trainer.fit(progress=False)
+            train_s = time.perf_counter() - started
+            metrics = trainer.evaluate(eval_data)
         results[provider] = metrics
         converted[provider] = len(trainer.precision_converted)
         for task in TASKS:
@@ -237,6 +246,21 @@ def main() -> None:
     )
     write_results(Path(args.out), block, rows)
     print(f"wrote {args.out}")
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """``os.environ`` with ``values`` set, restored on exit."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def run_seeds(args: argparse.Namespace, seeds: list[int], providers: list[str]) -> None:
