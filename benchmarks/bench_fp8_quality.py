@@ -7,15 +7,17 @@ task on the same held-out users. Only the numerics of the dense ``nn.Linear`` GE
 
 * ``bf16``: GEMM operands (forward, dgrad, wgrad) rounded to bfloat16, float32 accumulation and
   float32 master weights (``Bf16GemmLinear``), i.e. a bf16 tensor-core GEMM, emulated;
-* ``gem``: ``Fp8Linear`` with the Hopper recipe (E4M3, 1x128 activations / gradients, 128x128
-  weights, power-of-two scales), emulated with the same numerics as the GPU path;
-* ``gem-rht`` / ``gem-sr`` / ``gem-bf16wgrad``: ``gem`` plus one stability option (random
-  Hadamard transform along K, stochastic rounding of gradients, bf16 weight-gradient GEMM);
-* ``gem-heads-bf16``: ``gem`` with the task heads' hidden layers on bf16 GEMMs (the
-  per-layer policy's "last layers stay bf16");
-* ``gem-emulated``: ``gem`` with ``GEM_PRECISION_GEMM=emulated``: on a GPU the same quantised
-  operands (the same Triton kernels), but the GEMMs dequantised and multiplied in float32 instead
-  of ``torch._scaled_mm``, which separates the native GEMM's numerics from everything else;
+* ``gem``: gem-train's FP8 policy: ``Fp8Linear`` with the Hopper recipe (E4M3, 1x128
+  activations / gradients, 128x128 weights, power-of-two scales; emulated on a CPU with the same
+  numerics), the task heads' hidden layers on bf16 GEMMs (``precision.bf16_layers`` default);
+* ``gem-all-fp8``: every converted layer in FP8, the heads too;
+* ``gem-rht`` / ``gem-sr`` / ``gem-bf16wgrad``: ``gem-all-fp8`` plus one stability option
+  (random Hadamard transform along K, stochastic rounding of gradients, bf16 weight-gradient
+  GEMM), each measured where there is an NE loss to recover;
+* ``gem-all-fp8-emulated``: ``gem-all-fp8`` with ``GEM_PRECISION_GEMM=emulated``: on a GPU the
+  same quantised operands (the same Triton kernels), but the GEMMs dequantised and multiplied in
+  float32 instead of ``torch._scaled_mm``, which separates the native GEMM's numerics from the
+  rest of the GPU path;
 * ``fp32``: the unchanged model, for reference;
 * ``bf16-repeat``: ``bf16`` run again, the run-to-run noise floor (zero on a deterministic
   device; on a GPU, atomics in the embedding and attention backward make runs differ).
@@ -57,19 +59,22 @@ from gem_train import apply_overrides, tiny
 from gem_train.cli import prepare_data
 from gem_train.trainer import Trainer
 
+_ALL_FP8 = ["precision.mode=fp8", "precision.bf16_layers="]
 PROVIDERS: dict[str, list[str]] = {
     "fp32": ["precision.mode=fp32"],
     "bf16": ["precision.mode=bf16"],
     "bf16-repeat": ["precision.mode=bf16"],
     "gem": ["precision.mode=fp8"],
-    "gem-rht": ["precision.mode=fp8", "precision.hadamard=true"],
-    "gem-sr": ["precision.mode=fp8", "precision.stochastic_rounding_grads=true"],
-    "gem-bf16wgrad": ["precision.mode=fp8", "precision.wgrad_in_bf16=true"],
-    "gem-heads-bf16": ["precision.mode=fp8", "precision.bf16_layers=heads.*"],
-    "gem-emulated": ["precision.mode=fp8"],
+    "gem-all-fp8": _ALL_FP8,
+    "gem-rht": [*_ALL_FP8, "precision.hadamard=true"],
+    "gem-sr": [*_ALL_FP8, "precision.stochastic_rounding_grads=true"],
+    "gem-bf16wgrad": [*_ALL_FP8, "precision.wgrad_in_bf16=true"],
+    "gem-all-fp8-emulated": _ALL_FP8,
 }
 # Environment of a provider's run (set around it, restored after).
-PROVIDER_ENV: dict[str, dict[str, str]] = {"gem-emulated": {"GEM_PRECISION_GEMM": "emulated"}}
+PROVIDER_ENV: dict[str, dict[str, str]] = {
+    "gem-all-fp8-emulated": {"GEM_PRECISION_GEMM": "emulated"}
+}
 TASKS = ("ctr", "cvr")
 
 
@@ -94,14 +99,23 @@ def main() -> None:
     )
     parser.add_argument("--jobs", type=int, default=1, help="processes at once with --seeds")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument(  # bf16-repeat and gem-emulated only tell something on a GPU
+    parser.add_argument(  # bf16-repeat and the emulated GEMMs only tell something on a GPU
         "--providers",
-        default=",".join(p for p in PROVIDERS if p not in ("bf16-repeat", "gem-emulated")),
+        default=",".join(p for p in PROVIDERS if p not in ("bf16-repeat", "gem-all-fp8-emulated")),
     )
     parser.add_argument("--data-dir", default=str(ROOT / "data" / "fp8_quality"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/cpu/fp8_quality.json"))
     parser.add_argument(
         "--device", default="cpu", help="cpu (emulated GEMMs) or cuda (native FP8 on Hopper)"
+    )
+    parser.add_argument(
+        "--rename",
+        nargs="+",
+        default=[],
+        metavar="OLD=NEW",
+        help="with --merge: read provider OLD of the input files as NEW (a provider whose "
+        "definition changed name, e.g. gem=gem-all-fp8 gem-heads-bf16=gem when the heads-bf16 "
+        "policy became gem-train's default)",
     )
     parser.add_argument(
         "--merge",
@@ -113,7 +127,10 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.merge:
-        merge_seeds([Path(p) for p in args.merge], Path(args.out))
+        rename = dict(pair.split("=", 1) for pair in args.rename if "=" in pair)
+        if len(rename) != len(args.rename):
+            parser.error(f"--rename takes OLD=NEW pairs, got {args.rename}")
+        merge_seeds([Path(p) for p in args.merge], Path(args.out), rename)
         return
     providers = [p for p in args.providers.split(",") if p]
     unknown = [p for p in providers if p not in PROVIDERS]
@@ -322,27 +339,32 @@ def run_seeds(args: argparse.Namespace, seeds: list[int], providers: list[str]) 
         raise SystemExit(f"{len(jobs) - len(outputs)} of {len(jobs)} runs failed (merged the rest)")
 
 
-def merge_seeds(paths: list[Path], out: Path) -> None:
+def merge_seeds(paths: list[Path], out: Path, rename: dict[str, str] | None = None) -> None:
     """One file from several single-seed runs: each run's rows with ``/seed<k>`` appended to the
     case, and per provider and task the mean and sample std over seeds of NE and of the relative
     NE difference vs bf16 (case ``<task>``, metrics ``ne_mean``, ``ne_rel_diff_vs_bf16_mean``,
-    ``..._std``, ``..._sem`` (standard error of the mean), ``seeds``)."""
+    ``..._std``, ``..._sem`` (standard error of the mean), ``seeds``, ``runs``).
+
+    A provider run more than once at a seed (files of separate sweeps: on a GPU runs differ)
+    keeps every run, the repeats as ``/seed<k>/run<r>``; its NE at that seed is the mean over
+    the runs, which is what the difference vs bf16 (itself averaged the same way) uses."""
     import json
+    import re
     import statistics
 
     rows: list[dict] = []
     runs = []
-    seen: set[tuple] = set()
-    ne: dict[tuple[str, str, object], float] = {}  # (task, provider, seed) -> eval NE
+    seen: dict[tuple, int] = {}  # row key -> runs of it so far
+    ne: dict[tuple[str, str, object], list[float]] = {}  # (task, provider, seed) -> eval NEs
     for path in paths:
         data = json.loads(path.read_text())
         if "runs" in data["meta"]:  # an earlier merge: its per-seed rows, aggregates dropped
             runs.extend(data["meta"]["runs"])
             per_seed = []
             for row in data["rows"]:
-                case, _, seed_text = row["case"].rpartition("/seed")
-                if case and seed_text.isdigit():
-                    per_seed.append(({**row, "case": case}, int(seed_text)))
+                match = re.fullmatch(r"(.+)/seed(\d+)(?:/run\d+)?", row["case"])
+                if match:
+                    per_seed.append(({**row, "case": match[1]}, int(match[2])))
         else:
             seed = data["meta"].get("seed")
             runs.append(
@@ -357,20 +379,24 @@ def merge_seeds(paths: list[Path], out: Path) -> None:
         for row, seed in per_seed:
             if row["metric"] == "ne_rel_diff_vs_bf16":
                 continue  # recomputed below, also across files of the same seed
+            row = {**row, "provider": (rename or {}).get(row["provider"], row["provider"])}
             key = (row["case"], row["provider"], row["mode"], row["metric"], seed)
-            if key in seen:  # the same provider and seed in two files (e.g. bf16 rerun)
-                continue
-            seen.add(key)
-            rows.append({**row, "case": f"{row['case']}/seed{seed}"})
+            run = seen.get(key, 0) + 1  # the same provider and seed in several files
+            seen[key] = run
+            suffix = f"/seed{seed}" + (f"/run{run}" if run > 1 else "")
+            rows.append({**row, "case": row["case"] + suffix})
             if row["mode"] == "eval" and row["metric"] == "ne":
-                ne[(row["case"], row["provider"], seed)] = row["value"]
+                ne.setdefault((row["case"], row["provider"], seed), []).append(row["value"])
     per: dict[tuple[str, str, str], list[float]] = {}
-    for (task, provider, seed), value in sorted(ne.items(), key=str):
+    run_counts: dict[tuple[str, str], int] = {}
+    for (task, provider, seed), values in sorted(ne.items(), key=str):
+        value = statistics.fmean(values)
         per.setdefault((task, provider, "ne"), []).append(value)
+        run_counts[(task, provider)] = run_counts.get((task, provider), 0) + len(values)
         reference = ne.get((task, "bf16", seed))
         if reference is None:
             continue
-        diff = (value - reference) / reference
+        diff = (value - statistics.fmean(reference)) / statistics.fmean(reference)
         per.setdefault((task, provider, "ne_rel_diff_vs_bf16"), []).append(diff)
         rows.append(
             {
@@ -381,7 +407,7 @@ def merge_seeds(paths: list[Path], out: Path) -> None:
                 "value": diff,
             }
         )
-    print(f"{'provider':>14} {'task':>4} {'seeds':>5}  NE diff vs bf16 (mean +- std, sem)")
+    print(f"{'provider':>14} {'task':>4} {'seeds':>5} runs  NE diff vs bf16 (mean +- std, sem)")
     for (task, provider, metric), values in sorted(per.items()):
         mean = statistics.fmean(values)
         std = statistics.stdev(values) if len(values) > 1 else float("nan")
@@ -399,22 +425,23 @@ def merge_seeds(paths: list[Path], out: Path) -> None:
                 }
             )
         if metric == "ne":
-            rows.append(
-                {
-                    "case": task,
-                    "provider": provider,
-                    "mode": "eval",
-                    "metric": "seeds",
-                    "value": float(len(values)),
-                }
-            )
+            for name, count in (("seeds", len(values)), ("runs", run_counts[(task, provider)])):
+                rows.append(
+                    {
+                        "case": task,
+                        "provider": provider,
+                        "mode": "eval",
+                        "metric": name,
+                        "value": float(count),
+                    }
+                )
         else:
             print(
-                f"{provider:>14} {task:>4} {len(values):5d}  {100 * mean:+.3f}% +- {100 * std:.3f}%"
-                f", sem {100 * sem:.3f}%"
+                f"{provider:>14} {task:>4} {len(values):5d} {run_counts[(task, provider)]:4d}  "
+                f"{100 * mean:+.3f}% +- {100 * std:.3f}%, sem {100 * sem:.3f}%"
             )
     command = "python benchmarks/bench_fp8_quality.py " + " ".join(sys.argv[1:])
-    write_results(out, meta("fp8_quality", command.strip(), runs=runs), rows)
+    write_results(out, meta("fp8_quality", command.strip(), runs=runs, renamed=rename or {}), rows)
     print(f"wrote {out}")
 
 

@@ -62,3 +62,30 @@ def test_fp8_with_bf16_layers_mixes_both():
     config = PrecisionConfig(mode="fp8", min_features=16, bf16_layers=("1",))
     assert sorted(apply_precision(model, config)) == ["0", "1"]
     assert type(model[0]) is Fp8Linear and type(model[1]) is Bf16GemmLinear
+
+
+def test_fp8_default_keeps_the_task_heads_bf16():
+    """The default FP8 policy of a GEM model: task heads' hidden layers on bf16 GEMMs (where
+    FP8 lost NE), the sequence tower and DHEN layers in FP8, 1-wide outputs untouched."""
+    from gem_model import GemModel, GemModelConfig
+    from gem_train import tiny
+
+    model_config = GemModelConfig(
+        sequence_features={"hist_item_ids": 50, "hist_category_ids": 8},
+        sparse_features={"user_id": 10, "ad_category_id": 8},
+        num_dense_features=3,
+        max_seq_len=16,
+        architecture=tiny().model,
+    )
+    model = GemModel(model_config)
+    converted = apply_precision(model, PrecisionConfig(mode="fp8", min_features=16))
+    types = {name: type(module) for name, module in model.named_modules()}
+    heads = [name for name in converted if name.startswith("heads.")]
+    assert heads and all(types[name] is Bf16GemmLinear for name in heads)
+    others = [name for name in converted if not name.startswith("heads.")]
+    assert others and all(types[name] is Fp8Linear for name in others)
+    assert all(types[f"heads.{task}.3"] is nn.Linear for task in model_config.tasks)
+    everything = GemModel(model_config)
+    apply_precision(everything, PrecisionConfig(mode="fp8", min_features=16, bf16_layers=()))
+    assert not any(isinstance(module, Bf16GemmLinear) for module in everything.modules())
+    assert any(isinstance(module, Fp8Linear) for module in everything.heads.modules())
