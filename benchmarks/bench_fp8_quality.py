@@ -243,9 +243,11 @@ def main() -> None:
             print(f"{provider:>14}: ctr {diffs[0]:+.3f}%  cvr {diffs[1]:+.3f}%")
 
     command = "python benchmarks/bench_fp8_quality.py " + " ".join(sys.argv[1:])
+    on_gpu = args.device.startswith("cuda")
     block = meta(
         "fp8_quality",
         command.strip(),
+        **({"device": torch.cuda.get_device_name()} if on_gpu else {}),
         steps=args.steps,
         seed=args.seed,
         batch_size=args.batch_size,
@@ -354,12 +356,23 @@ def merge_seeds(paths: list[Path], out: Path, rename: dict[str, str] | None = No
 
     rows: list[dict] = []
     runs = []
+    history: list[dict] = []  # commands of the merges this one builds on
+    devices: set[str] = set()  # where the merged runs trained
     seen: dict[tuple, int] = {}  # row key -> runs of it so far
     ne: dict[tuple[str, str, object], list[float]] = {}  # (task, provider, seed) -> eval NEs
     for path in paths:
         data = json.loads(path.read_text())
+        devices.update(data["meta"].get("device", "unknown").split(" | "))
         if "runs" in data["meta"]:  # an earlier merge: its per-seed rows, aggregates dropped
             runs.extend(data["meta"]["runs"])
+            earlier = data["meta"].get("earlier_merges", [])
+            history.extend(
+                [
+                    *earlier,
+                    {key: data["meta"].get(key) for key in ("command", "commit", "date")}
+                    | {"file": path.name},
+                ]
+            )
             per_seed = []
             for row in data["rows"]:
                 match = re.fullmatch(r"(.+)/seed(\d+)(?:/run\d+)?", row["case"])
@@ -373,6 +386,7 @@ def merge_seeds(paths: list[Path], out: Path, rename: dict[str, str] | None = No
                     "seed": seed,
                     "steps": data["meta"].get("steps"),
                     "lr_schedule": data["meta"].get("lr_schedule", "constant"),
+                    "commit": data["meta"].get("commit"),
                 }
             )
             per_seed = [(row, seed) for row in data["rows"]]
@@ -441,7 +455,18 @@ def merge_seeds(paths: list[Path], out: Path, rename: dict[str, str] | None = No
                 f"{100 * mean:+.3f}% +- {100 * std:.3f}%, sem {100 * sem:.3f}%"
             )
     command = "python benchmarks/bench_fp8_quality.py " + " ".join(sys.argv[1:])
-    write_results(out, meta("fp8_quality", command.strip(), runs=runs, renamed=rename or {}), rows)
+    write_results(
+        out,
+        meta(
+            "fp8_quality",
+            command.strip(),
+            device=" | ".join(sorted(devices)),
+            runs=runs,
+            renamed=rename or {},
+            earlier_merges=history,
+        ),
+        rows,
+    )
     print(f"wrote {out}")
 
 
