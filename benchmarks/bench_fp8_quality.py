@@ -354,6 +354,8 @@ def merge_seeds(paths: list[Path], out: Path, rename: dict[str, str] | None = No
     import re
     import statistics
 
+    rename = rename or {}
+
     rows: list[dict] = []
     runs = []
     history: list[dict] = []  # commands of the merges this one builds on
@@ -393,7 +395,7 @@ def merge_seeds(paths: list[Path], out: Path, rename: dict[str, str] | None = No
         for row, seed in per_seed:
             if row["metric"] == "ne_rel_diff_vs_bf16":
                 continue  # recomputed below, also across files of the same seed
-            row = {**row, "provider": (rename or {}).get(row["provider"], row["provider"])}
+            row = {**row, "provider": rename.get(row["provider"], row["provider"])}
             key = (row["case"], row["provider"], row["mode"], row["metric"], seed)
             run = seen.get(key, 0) + 1  # the same provider and seed in several files
             seen[key] = run
@@ -462,7 +464,7 @@ def merge_seeds(paths: list[Path], out: Path, rename: dict[str, str] | None = No
             command.strip(),
             device=" | ".join(sorted(devices)),
             runs=runs,
-            renamed=rename or {},
+            renamed=rename,
             earlier_merges=history,
         ),
         rows,

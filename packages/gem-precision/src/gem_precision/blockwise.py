@@ -314,16 +314,6 @@ def quantize_operand(
     use_triton = backend == "triton" or (
         backend == "auto" and stochastic_seed is None and _triton.can_run(x)
     )
-    if use_triton and kind == "tensorwise" and cols and x.dtype != torch.bfloat16:
-        # The tile kernel's transposed store of a tensorwise float32 x wrote wrong bytes on the
-        # H200 (Triton 3.6; test_cuda_kernel_bit_exact, 2026-12-01; bit-exact in the
-        # interpreter; bfloat16 x is right). With one scale for the whole tensor the bytes of
-        # x.T are those of x transposed, so they are copied instead.
-        out = _quantize_operand_triton(x, kind, dtype, True, False, col_sum, False)
-        out.data_t, out.scale_t = out.data.t().contiguous(), out.scale
-        if not rows:
-            out.data = out.scale = None
-        return out
     if use_triton:
         return _quantize_operand_triton(x, kind, dtype, rows, cols, col_sum, col_tiles)
     out = _quantize_operand_torch(x, kind, dtype, rows, cols, stochastic_seed, offset, col_tiles)
@@ -399,6 +389,16 @@ def _quantize_operand_triton(
 ) -> Fp8Operand:
     from gem_precision import _triton
 
+    if kind == "tensorwise" and cols and x.dtype != torch.bfloat16:
+        # The tile kernel's transposed store of a tensorwise float32 x wrote wrong bytes on the
+        # H200 (Triton 3.6; test_cuda_kernel_bit_exact, 2026-12-01; bit-exact in the
+        # interpreter; bfloat16 x is right). With one scale for the whole tensor the bytes of
+        # x.T are those of x transposed, so they are copied instead.
+        out = _quantize_operand_triton(x, kind, dtype, True, False, col_sum)
+        out.data_t, out.scale_t = out.data.t().contiguous(), out.scale
+        if not rows:
+            out.data = out.scale = None
+        return out
     x = x if x.stride(1) == 1 else x.contiguous()
     r, c = x.shape
     block_r = BLOCK
