@@ -8,8 +8,8 @@ Jagged-aware scheduling: the host builds, from the sample lengths, one table row
 (``(sample, tile)`` pairs for samples that have rows; no program exists for padding) and deals
 them sample by sample: the samples with the longest tile first, each sample's tiles together and
 longest work first, so the long tiles start early, the short ones fill the tail of the grid, and
-the programs running at once share one sample's keys and values in L2. The forward and the dQ kernel walk query tiles; the dK/dV kernel
-walks key tiles. Plans are cached by lengths and tiling (a model's layers and their backward
+the programs running at once share one sample's keys and values in L2. The forward and the dQ
+kernel walk query tiles; the dK/dV kernel walks key tiles. Plans are cached by lengths and tiling (a model's layers and their backward
 share one batch), so repeated calls only hash the lengths. The split backward (a dK/dV kernel
 and a dQ kernel) is deterministic: no atomics; the relative-position bias gradient is
 accumulated per dK/dV program into its own row of a partial buffer and summed afterwards. With
