@@ -837,19 +837,6 @@ def _self_cross_variants4() -> dict:
     }
 
 
-def _self_cross_variants8() -> dict:
-    """Eighth round (``--explore-set 8``, issue 4, session 12): the fused backward's dQ written
-    by the last key tile into each query tile (``fused_dq_cast``, the default) against the
-    zero fill + separate cast it replaces; "default-again" repeats the default last, so clock
-    drift under load shows as a default/default-again difference."""
-    kinds, modes = ("self", "cross"), ("fwd_bwd",)
-    return {
-        "default": ({}, kinds, modes),
-        "no-cast": (dict(fused_dq_cast=False), kinds, modes),
-        "default-again": ({}, kinds, modes),
-    }
-
-
 def _old_default(spec) -> dict:
     """Overrides that give a case the forward default before warp specialisation (short: 64x32
     tiles, 3 programs per SM and the short-KV cross kernel; long: the hand-pipelined 128x64)."""
@@ -1059,8 +1046,7 @@ def explore_self_cross(device, out_path: Path, workers: int, budget_s: float, ro
     start = time.time()
     shapes = _explore_shapes()
     if round_ >= 3:
-        make = {3: _self_cross_variants3, 4: _self_cross_variants4, 5: _self_cross_variants5,
-                8: _self_cross_variants8}  # fmt: skip
+        make = {3: _self_cross_variants3, 4: _self_cross_variants4, 5: _self_cross_variants5}
         variants = make[round_]()
         config_of = _round3_config
     else:
@@ -1447,7 +1433,7 @@ def main() -> None:
         "--explore-self-cross", action="store_true",
         help="check and time the self/cross forward and backward variants (to --out)",
     )  # fmt: skip
-    parser.add_argument("--explore-set", type=int, default=1, help="variant round (1 to 5, 8)")
+    parser.add_argument("--explore-set", type=int, default=1, help="variant round (1 to 5)")
     parser.add_argument("--warm-variant", default="", help=argparse.SUPPRESS)
     parser.add_argument(
         "--explore-pma-cross", action="store_true",

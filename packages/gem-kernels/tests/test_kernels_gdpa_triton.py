@@ -442,37 +442,6 @@ def test_fused_backward(interpret, one_loop):
     _check(None, PMA_K, num_queries=3, activation="silu", config=config, tol=1e-4)
 
 
-def test_fused_backward_casts_dq_in_the_kernel(interpret, monkeypatch):
-    # fused_dq_cast: the last key tile into each query tile writes dQ in the input dtype and
-    # zeroes its float32 rows and arrival count, so the reused workspace is clean for the next
-    # call; the other paths (a window, a sample with queries and no keys) keep the fill + cast.
-    kernels = gdpa_triton._kernels(True)
-    real, casts = kernels.gdpa_bwd_dkdv_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                casts.append(kwargs["DQ_CAST"])
-                return real[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(kernels, "gdpa_bwd_dkdv_kernel", Spy())
-    monkeypatch.setattr(gdpa_triton, "_DQ_WORKSPACES", {})
-    config = _config(bwd_fused=True, bwd_one_loop=True, short_kv_max=0)
-    for seed in (0, 1):  # the second call reuses the workspace the first one left
-        _check(LONG_SKEWED, None, activation="gelu_fast", tol=1e-4, config=config, seed=seed)
-        ((acc, counts),) = gdpa_triton._DQ_WORKSPACES.values()
-        assert not acc.any() and not counts.any()
-    _check(CROSS_Q, [k + 1 for k in CROSS_K], activation="silu", normalize_by_length=True,
-           config=config)  # fmt: skip
-    assert casts == [True, True, True]
-    _check(CROSS_Q, CROSS_K, activation="silu", config=config)  # Lk = 0 with Lq > 0
-    _check(SELF_LENGTHS, None, activation="relu2", window=(3, 1), config=config)
-    _check(SELF_LENGTHS, None, config=replace(config, fused_dq_cast=False))
-    assert casts == [True, True, True, False, False, False]
-
-
 def test_deterministic_mode_takes_the_dq_kernel(interpret, monkeypatch):
     # The fused backward's float32 atomics have no fixed order: with
     # torch.use_deterministic_algorithms(True) the same config launches the dQ kernel instead.

@@ -837,8 +837,6 @@ def _dkdv_inner(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, NO_SCORE_MASK: tl.constexpr,
     dq_base=None, stride_dqt=0, dq_scale=1.0, FUSED_DQ: tl.constexpr = False,
-    dqo_base=None, stride_dqot=0, count_base=None, count_stride=0, arrivals=0,
-    DQ_CAST: tl.constexpr = False,
 ):  # fmt: skip
     for start in range(start_m, end_m, BLOCK_M):
         offs_m = start + tl.arange(0, BLOCK_M)
@@ -870,27 +868,7 @@ def _dkdv_inner(
             else:
                 dq_ok = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
             tl.atomic_add(ptrs, dq, mask=dq_ok, sem="relaxed")
-            if DQ_CAST:
-                out_ptrs = dqo_base + offs_m.to(tl.int64)[:, None] * stride_dqot + offs_d[None, :]
-                _finish_dq_tile(ptrs, out_ptrs, dq_ok, count_base + start * count_stride, arrivals)
     return dk, dv
-
-
-@triton.jit
-def _finish_dq_tile(acc_ptrs, out_ptrs, ok, count_ptr, arrivals):
-    """Count one key tile's dQ adds into a query tile as done. The last of the ``arrivals`` key
-    tiles to arrive casts the tile's float32 rows to the output dtype, then zeroes them and the
-    count, so the float32 buffer is a workspace left clean for the next call: no zero fill
-    before the kernel and no cast pass after it. The barrier puts every warp's adds before the
-    one thread's release of the count, and that thread's acquire before every warp's reads
-    (the pattern of CUTLASS's serial split-K semaphore)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == arrivals - 1:
-        acc = tl.load(acc_ptrs, mask=ok, other=0.0, cache_modifier=".cg")
-        tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=ok)
-        tl.store(acc_ptrs, tl.zeros_like(acc), mask=ok)
-        tl.store(count_ptr, 0)
 
 
 @triton.jit
@@ -904,19 +882,13 @@ def gdpa_bwd_dkdv_kernel(
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     PACKED: tl.constexpr, ONE_LOOP: tl.constexpr = False,
     dq_ptr=None, stride_dqt=0, stride_dqh=0, FUSED_DQ: tl.constexpr = False,
-    dqo_ptr=None, stride_dqot=0, stride_dqoh=0, count_ptr=None, stride_ct=0,
-    DQ_CAST: tl.constexpr = False,
 ):  # fmt: skip
     """Items are (key tile, head); each loops over the query tiles that see its keys and
     writes its dK, dV rows once (no atomics). ``FUSED_DQ``: the same loop also adds each
     tile's dQ rows into a zeroed float32 ``dq_ptr`` (atomics; no separate dQ kernel, S and dP
-    computed once). ``DQ_CAST`` (with ``FUSED_DQ`` and ``USE_ONE_LOOP``, where every key tile
-    of a sample visits every query tile): the last key tile to add into a query tile writes it
-    to ``dqo_ptr`` in the output dtype and zeroes it again (:func:`_finish_dq_tile`; int32
-    ``count_ptr`` (rows, heads) counts the arrivals, zero before and after the kernel)."""
+    computed once)."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     USE_ONE_LOOP: tl.constexpr = ONE_LOOP and not HAS_LEFT and not HAS_RIGHT
-    tl.static_assert(USE_ONE_LOOP or not DQ_CAST, "DQ_CAST needs the one-loop, unmasked path")
     offs_d = tl.arange(0, BLOCK_D)
     for idx in range(tl.program_id(0), num_items, tl.num_programs(0)):
         info = items_ptr + idx * _W  # items < 2**27: int32 is enough
@@ -952,23 +924,16 @@ def gdpa_bwd_dkdv_kernel(
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dq_base = dq_ptr
         dq_scale = scale
-        dqo_base = dqo_ptr
-        count_base = count_ptr
         if FUSED_DQ:
             dq_base = dq_ptr + q_start * stride_dqt + head * stride_dqh
             if NORMALIZE:
                 dq_scale = scale / tl.maximum(k_len, 1).to(tl.float32)
-        if DQ_CAST:
-            dqo_base = dqo_ptr + q_start * stride_dqot + head * stride_dqoh
-            count_base = count_ptr + q_start * stride_ct + head
         if USE_ONE_LOOP:  # every query tile in one loop, loads masked, no score mask
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, lo_t, hi_t, offs_n,
                 offs_d, shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, True, dq_base, stride_dqt, dq_scale, FUSED_DQ,
-                dqo_base, stride_dqot, count_base, stride_ct, (k_len + BLOCK_N - 1) // BLOCK_N,
-                DQ_CAST,
             )  # fmt: skip
         else:
             dk, dv = _dkdv_inner(

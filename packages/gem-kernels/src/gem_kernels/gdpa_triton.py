@@ -203,14 +203,6 @@ class GdpaTritonConfig(host.FlashTileConfig):
     buffer with atomic adds (summation order not fixed), cast to the input dtype after; no dQ
     kernel. PMA, and every call under ``torch.use_deterministic_algorithms(True)``, keeps the
     dQ kernel."""
-    fused_dq_cast: bool = True
-    """With ``bwd_fused`` and ``bwd_one_loop`` on an unmasked call whose samples with queries
-    all have keys: the last key tile to add into a query tile casts that tile to the input
-    dtype and zeroes its float32 rows again, so the float32 buffer is a workspace reused
-    across calls (kept per device and stream, as large as the largest call's dQ) and neither
-    the zero fill before the kernel nor the cast after it runs (0.115 + 0.180 ms of 4.04 at
-    self B512xL1024 on the H200, ``kernel_profiles.json``). Off: a fresh zeroed buffer and a
-    cast, as before."""
 
     def __hash__(self) -> int:
         # Every call hashes its config several times (config, plan and flag caches): hash the
@@ -287,6 +279,11 @@ def default_config(
     (0.98-1.02x), Q and dO through TMA descriptors (0.73-0.96x, 50-88 spilled registers),
     32-query tiles (0.85-0.94x), 64-key 4-warp items (0.65-0.88x); warp specialisation of the
     loop did not compile on triton 3.6 at 4 warps (8 warps checked correct, not timed).
+    The fused backward's zero fill of the float32 dQ buffer and its cast afterwards take 0.115
+    + 0.180 of 4.04 ms at self B512xL1024 (``kernel_profiles.json``). Letting the last key tile
+    into each query tile cast and re-zero it (an arrival count per tile, a reused workspace)
+    was correct but 1.4-1.7x slower forward+backward (``gdpa_explore8.json``, 2026-12-01): the
+    barrier and the wait on the count inside the pipelined query loop doubled the dK/dV kernel.
     """
     if masked:
         tiles = "masked"
@@ -671,7 +668,6 @@ class _Plan:
     dkdv_partial_rows: int = 0  # > 0: split-Q dK/dV, float32 partial rows
     dkdv_combine: torch.Tensor | None = None  # [key row, first, count, step] per split key row
     dq_partial_blocks: int = 0  # PMA: dQ row blocks (one per (sample, key chunk)) to sum
-    every_query_has_keys: bool = True  # no sample has queries but no keys (dQ rows all zero)
 
 
 def _pma_block_m(num_queries: int, config: GdpaTritonConfig) -> int:
@@ -744,8 +740,7 @@ def _plan(s: _Samples, heads, left, right, config, device, with_backward, interp
     if dkdv_partial is not None:
         dkdv_combine = parts[len(tables) + (1 if fwd_partial_rows else 0)]
     plan = _Plan(parts[0], tables[0][1], short, None, 0, None, 0,
-                 fwd_partial_rows=fwd_partial_rows, fwd_combine=fwd_combine,
-                 every_query_has_keys=bool(np.all((s.k_len > 0) | (s.q_len == 0))))  # fmt: skip
+                 fwd_partial_rows=fwd_partial_rows, fwd_combine=fwd_combine)  # fmt: skip
     if stream:
         plan = replace(plan, stream_bounds=parts[-2].view(-1), fwd_combine=parts[-1],
                        stream_slots=stream_slots)  # fmt: skip
@@ -962,20 +957,7 @@ def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
         and launch.num_queries is None
         and not torch.are_deterministic_algorithms_enabled()
     )
-    # The dK/dV kernel's last key tile into a query tile writes it (see fused_dq_cast).
-    dq_cast = (
-        fused_dq
-        and cfg.fused_dq_cast
-        and cfg.bwd_one_loop
-        and launch.left is None
-        and launch.right is None
-        and plan.every_query_has_keys
-    )
-    dq_out = counts = None
-    if dq_cast:
-        dq_rows, counts = _dq_workspace(q)
-        dq_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    elif fused_dq:  # float32 atomics target of the dK/dV kernel
+    if fused_dq:  # float32 atomics target of the dK/dV kernel
         dq_rows = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     elif launch.num_queries is None:
         dq_rows = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -998,9 +980,7 @@ def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
             num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
             ONE_LOOP=cfg.bwd_one_loop and not pma_m, dq_ptr=dq_rows,
             stride_dqt=dq_rows.stride(0), stride_dqh=dq_rows.stride(1), FUSED_DQ=fused_dq,
-            dqo_ptr=dq_out, stride_dqot=dq_out.stride(0) if dq_cast else 0,
-            stride_dqoh=dq_out.stride(1) if dq_cast else 0, count_ptr=counts,
-            stride_ct=counts.stride(0) if dq_cast else 0, DQ_CAST=dq_cast, **flags,
+            **flags,
         )  # fmt: skip
     if plan.dq_grid > 0 and not fused_dq:
         kernels.gdpa_bwd_dq_kernel[(plan.dq_grid,)](
@@ -1017,9 +997,7 @@ def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
         width = k.shape[1] * k.shape[2]
         for part, grad in ((dk_part, dk), (dv_part, dv)):
             _segment_sum(part.view(-1, width), grad.view(-1, width), plan.dkdv_combine, launch)
-    if dq_cast:
-        dq = dq_out
-    elif launch.num_queries is None:
+    if launch.num_queries is None:
         dq = dq_rows.to(q.dtype)  # no copy unless fused (float32 atomics buffer)
     else:
         nq = launch.num_queries
@@ -1028,24 +1006,6 @@ def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
         else:
             dq = dq_rows.view(-1, nq, q.shape[1], q.shape[2]).sum(0).to(q.dtype)
     return dq, dk, dv
-
-
-# Float32 dQ workspaces of the fused backward with fused_dq_cast, per (device, stream): zero
-# between calls (the kernel zeroes what it adds into); int32 arrival counts per (row, head).
-_DQ_WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _dq_workspace(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float32 dQ rows shaped like ``q``, int32 counts (rows, heads)), both all zero."""
-    stream = torch.cuda.current_stream(q.device).stream_id if q.is_cuda else 0
-    key = (q.device, stream)
-    rows, heads = q.shape[0], q.shape[1]
-    acc, counts = _DQ_WORKSPACES.get(key, (None, None))
-    if acc is None or acc.numel() < q.numel() or counts.numel() < rows * heads:
-        acc = torch.zeros(q.numel(), dtype=torch.float32, device=q.device)
-        counts = torch.zeros(rows * heads, dtype=torch.int32, device=q.device)
-        _DQ_WORKSPACES[key] = (acc, counts)
-    return acc[: q.numel()].view(q.shape), counts[: rows * heads].view(rows, heads)
 
 
 class GdpaFunction(torch.autograd.Function):
