@@ -177,16 +177,18 @@ def summary_rows(target: str, kernels: list[dict]) -> list[dict]:
     """The headline numbers of each profiled kernel as result rows."""
     rows = []
     for k in kernels:
+        provider = k["kernel"].split("(")[0][:60]
         values = {m.split(" [")[0]: v for m, v in k.items()}
         for metric, (name, factor) in _SUMMARY.items():
             value = values.get(name)
             if isinstance(value, float):
-                rows.append(dict(case=target, provider=k["kernel"].split("(")[0][:60],
-                                 mode="profile", metric=metric, value=round(value * factor, 3)))  # fmt: skip
+                rows.append(dict(case=target, provider=provider, mode="profile", metric=metric,
+                                 value=round(value * factor, 3)))  # fmt: skip
         moved = values.get("dram__bytes_read.sum", 0.0) + values.get("dram__bytes_write.sum", 0.0)
-        if moved and values.get("gpu__time_duration.sum"):
-            rows.append(dict(case=target, provider=rows[-1]["provider"], mode="profile",
-                             metric="dram_gbps", value=round(moved / values["gpu__time_duration.sum"], 1)))  # fmt: skip
+        ns = values.get("gpu__time_duration.sum")
+        if moved and isinstance(ns, float) and ns > 0:
+            rows.append(dict(case=target, provider=provider, mode="profile", metric="dram_gbps",
+                             value=round(moved / ns, 1)))  # fmt: skip
     return rows
 
 
