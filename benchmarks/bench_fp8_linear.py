@@ -553,9 +553,32 @@ EXPLORE_BASE = {"t_run": 0, "t_run_colsum": 0, "t_run_x": 0, "partials_reduce": 
 # question of fp8_quant_explore3.json (the default dy launch, the same with the partial sums
 # summed by the Triton kernel, and the same launch without sums).
 EXPLORE_VARIANTS = [
-    ("trun4_w4", "dy", {"t_run_colsum": 4}),
     ("trun4_w4_treduce", "dy", {"t_run_colsum": 4, "partials_reduce": "triton"}),
+    (
+        "trun4_w4_treduce_sumwords",
+        "dy",
+        {"t_run_colsum": 4, "partials_reduce": "triton", "words_by_sum": True},
+    ),  # fmt: skip
+    (
+        "trun4_w8_treduce",
+        "dy",
+        {"t_run_colsum": 4, "tile_warps_colsum": 8, "partials_reduce": "triton"},
+    ),  # fmt: skip
+    (
+        "trun4_w8_treduce_sumwords",
+        "dy",
+        {
+            "t_run_colsum": 4,
+            "tile_warps_colsum": 8,
+            "partials_reduce": "triton",
+            "words_by_sum": True,
+        },
+    ),  # fmt: skip
+    ("trun4_w8", "dy_nobias", {"t_run": 4}),
+    ("trun4_w8_sumwords", "dy_nobias", {"t_run": 4, "words_by_sum": True}),
     ("trun4_w4", "dy_nobias", {"t_run": 4, "tile_warps": 4}),
+    ("trun4_w4_sumwords", "dy_nobias", {"t_run": 4, "tile_warps": 4, "words_by_sum": True}),
+    ("trun4_w4_treduce_again", "dy", {"t_run_colsum": 4, "partials_reduce": "triton"}),  # drift
 ]
 
 # Instruction classes counted per compiled kernel (one 128x128 tile per program, so per tile).

@@ -220,6 +220,7 @@ _DUAL_OPTIONS = {
     "t_run_colsum": 4,
     "t_run_x": 0,
     "partials_reduce": "triton",
+    "words_by_sum": False,
 }
 
 
@@ -482,6 +483,7 @@ def _quantize_operand_triton(
             EVEN=even,
             EARLY_COL=_DUAL_OPTIONS["early_col"],
             T_RUN=t_run,
+            WORDS_BY_SUM=_DUAL_OPTIONS["words_by_sum"] and t_run == 4,
             num_warps=_tile_warps(cols, col_tiles, col_sum),
         )
     elif x.numel():
