@@ -549,35 +549,19 @@ EXPLORE_BASE = {"t_run": 0, "t_run_colsum": 0, "t_run_x": 0, "partials_reduce": 
 # meta.variants lists their options; they do not run with this tree.
 # fp8_quant_explore*.json hold the earlier variants (packed-run lengths, warps, strip / TMA /
 # pipelined kernels, per-warp sums, register caps, warp-owned columns, late sums; their
-# meta.variants lists the options, most of which do not exist any more). This list: the column-sum
-# question of fp8_quant_explore3.json (the default dy launch, the same with the partial sums
-# summed by the Triton kernel, and the same launch without sums).
+# meta.variants lists the options, most of which do not exist any more). This list: the warps
+# question of fp8_quant_explore4.json (dy with its sums at 4 and 8 warps, dy without sums at 8
+# and 4 warps, the first variant again for clock drift); that run also timed x.T runs packed by
+# shifted-byte sums ("words_by_sum", slower, removed).
 EXPLORE_VARIANTS = [
     ("trun4_w4_treduce", "dy", {"t_run_colsum": 4, "partials_reduce": "triton"}),
-    (
-        "trun4_w4_treduce_sumwords",
-        "dy",
-        {"t_run_colsum": 4, "partials_reduce": "triton", "words_by_sum": True},
-    ),  # fmt: skip
     (
         "trun4_w8_treduce",
         "dy",
         {"t_run_colsum": 4, "tile_warps_colsum": 8, "partials_reduce": "triton"},
     ),  # fmt: skip
-    (
-        "trun4_w8_treduce_sumwords",
-        "dy",
-        {
-            "t_run_colsum": 4,
-            "tile_warps_colsum": 8,
-            "partials_reduce": "triton",
-            "words_by_sum": True,
-        },
-    ),  # fmt: skip
-    ("trun4_w8", "dy_nobias", {"t_run": 4}),
-    ("trun4_w8_sumwords", "dy_nobias", {"t_run": 4, "words_by_sum": True}),
+    ("trun4_w8", "dy_nobias", {"t_run": 4, "tile_warps": 8}),
     ("trun4_w4", "dy_nobias", {"t_run": 4, "tile_warps": 4}),
-    ("trun4_w4_sumwords", "dy_nobias", {"t_run": 4, "tile_warps": 4, "words_by_sum": True}),
     ("trun4_w4_treduce_again", "dy", {"t_run_colsum": 4, "partials_reduce": "triton"}),  # drift
 ]
 

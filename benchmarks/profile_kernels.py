@@ -76,7 +76,6 @@ TARGETS = {
     "dy": ("5", "quantize_operand 65536x4096 bf16, both 1x128 layouts + column sums", lambda: _dy(True)),
     "dy_nobias": ("5", "the same without column sums", lambda: _dy(False)),
     "dy_w8": ("5", "dy with 8 warps per tile", lambda: _dy(True, tile_warps_colsum=8)),
-    "dy_sumwords": ("5", "dy, x.T words packed by shifted-byte sums", lambda: _dy(True, words_by_sum=True)),
     "gdpa_self_L1024": ("4", "GDPA self B512xL1024 gelu_fast, forward+backward", lambda: _gdpa_self(1024, 512)),
     "gdpa_self_L4096": ("4", "GDPA self B128xL4096 gelu_fast, forward+backward", lambda: _gdpa_self(4096, 128)),
     "jfa_L1024_full": ("3", "JFA B512xL1024 non-causal, forward+backward", lambda: _jfa(1024, 512, False)),

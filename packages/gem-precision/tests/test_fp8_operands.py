@@ -92,7 +92,6 @@ def test_kernel_variants_agree(monkeypatch, options):
         {"t_run": 4, "t_run_colsum": 16, "t_run_x": 4},
         {"t_run": 0, "t_run_colsum": 0},
         {"partials_reduce": "torch"},
-        {"words_by_sum": True},  # runs of 4 packed by a sum of shifted bytes
     ],
 )
 @pytest.mark.parametrize("elem", ELEM)

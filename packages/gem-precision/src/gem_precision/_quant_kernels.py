@@ -483,15 +483,10 @@ def _store_fp8_t_runs(
     MAX_NORMAL: tl.constexpr,
     T_RUN: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    WORDS_BY_SUM: tl.constexpr = False,
 ):
     """Store the float32 tile ``v`` (tile position i = row (i % GB) * T_RUN + i // GB of the
     program's BLOCK_R rows, GB = BLOCK_R // T_RUN) as FP8 into ``qt`` (C, R), viewed as int32:
-    the T_RUN bytes of a column's run of rows become T_RUN / 4 little-endian words.
-    ``WORDS_BY_SUM`` (T_RUN 4): each byte shifted into place and the 4 of a run summed (their
-    bits are disjoint, so the sum is the OR) along the reshaped run axis, which the load layout
-    keeps in one thread's registers: the words are built and stored in the load layout, with no
-    layout conversion (the permute and splits route the bytes through shared memory)."""
+    the T_RUN bytes of a column's run of rows become T_RUN / 4 little-endian words."""
     if SOFT:
         u = _fp8_bits(_saturate(v, MAX_NORMAL), MBITS, BIAS)
     elif MBITS == 3:
@@ -500,32 +495,22 @@ def _store_fp8_t_runs(
         u = v.to(tl.float8e5).to(tl.uint8, bitcast=True)
     GB: tl.constexpr = BLOCK_R // T_RUN
     BLOCK_C: tl.constexpr = v.shape[1]
-    if WORDS_BY_SUM:
-        tl.static_assert(T_RUN == 4, "WORDS_BY_SUM packs one 4-byte word per run")
-        shift = (tl.arange(0, 4) * 8)[:, None, None]
-        words = _rsum(tl.reshape(u.to(tl.int32), (4, GB, BLOCK_C)) << shift, axis=0)
-        run = tl.arange(0, GB)
-        # The run stride as a runtime value (R // R = 1): with contiguity visible, the store
-        # would be re-laid-out for 16-byte vectors, through shared memory.
-        offs = cols[None, :].to(tl.int64) * (R // 4) + pid_r * GB + run[:, None] * (R // R)
-        tl.store(qt32_ptr + offs, words)
-    else:
-        # (T_RUN, GB, C) -> (GB, C, T_RUN): the run index moves last, then bytes pair into words.
-        u = tl.permute(tl.reshape(u.to(tl.int32), (T_RUN, GB, BLOCK_C)), (1, 2, 0))
-        u = tl.reshape(u, (GB, BLOCK_C, T_RUN // 4, 2, 2))
-        lo, hi = tl.split(u)
-        u = lo | (hi << 8)
-        lo, hi = tl.split(u)
-        words = lo | (hi << 16)
-        run = tl.arange(0, GB)
-        word = tl.arange(0, T_RUN // 4)
-        offs = (
-            cols[None, :, None].to(tl.int64) * (R // 4)
-            + pid_r * (BLOCK_R // 4)
-            + run[:, None, None] * (T_RUN // 4)
-            + word[None, None, :]
-        )
-        tl.store(qt32_ptr + offs, words)
+    # (T_RUN, GB, C) -> (GB, C, T_RUN): the run index moves last, then bytes pair into words.
+    u = tl.permute(tl.reshape(u.to(tl.int32), (T_RUN, GB, BLOCK_C)), (1, 2, 0))
+    u = tl.reshape(u, (GB, BLOCK_C, T_RUN // 4, 2, 2))
+    lo, hi = tl.split(u)
+    u = lo | (hi << 8)
+    lo, hi = tl.split(u)
+    words = lo | (hi << 16)
+    run = tl.arange(0, GB)
+    word = tl.arange(0, T_RUN // 4)
+    offs = (
+        cols[None, :, None].to(tl.int64) * (R // 4)
+        + pid_r * (BLOCK_R // 4)
+        + run[:, None, None] * (T_RUN // 4)
+        + word[None, None, :]
+    )
+    tl.store(qt32_ptr + offs, words)
 
 
 @triton.jit
@@ -566,7 +551,6 @@ def blockwise_tile_kernel(
     BLOCK: tl.constexpr,
     EARLY_COL: tl.constexpr = False,
     T_RUN: tl.constexpr = 0,
-    WORDS_BY_SUM: tl.constexpr = False,
 ):
     """The 1xBLOCK (or ``FIXED``, tensorwise) layouts of :func:`blockwise_dual_kernel` (same
     bits) with fewer instructions per element: one integer max per direction gives the block
@@ -653,18 +637,7 @@ def blockwise_tile_kernel(
             qt = x * _pow2(-e_c)[None, :]
         if T_RUN > 0:
             _store_fp8_t_runs(
-                qt_ptr,
-                qt,
-                pid_r,
-                cols,
-                R,
-                SOFT,
-                MBITS,
-                BIAS,
-                MAX_NORMAL,
-                T_RUN,
-                BLOCK_R,
-                WORDS_BY_SUM,
+                qt_ptr, qt, pid_r, cols, R, SOFT, MBITS, BIAS, MAX_NORMAL, T_RUN, BLOCK_R
             )
         else:
             t_offs = cols[:, None].to(tl.int64) * R + rows[None, :]

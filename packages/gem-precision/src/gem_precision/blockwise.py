@@ -207,9 +207,18 @@ BLOCK = 128
 # maxima and sums then need no exchange between warps: 10 BAR, 30 STS, 12 LDS; but 0.722 ms,
 # the warp-wide loads and stores span 16 rows instead of 4), and the sums reduced after both
 # layouts are stored (222 registers, 0.4068 ms).
+# (2026-12-01, fp8_quant_explore4.json) Both 1x128 layouts without sums: 4 warps 0.3183 ms
+# (80.2% of HBM) against 8 warps 0.3261 (78.3%), the same split in fp8_quant_explore3.json, so
+# "tile_warps" is 4. With the sums, 8 warps (128 registers, 2 programs of 8 warps per SM) take
+# 0.4875 ms against 0.3772 for 4: ncu (kernel_profiles dy_w8) shows the cross-warp exchange of
+# the sums doubling the shared-memory wavefronts (37M loads, 80% of them bank conflicts), with
+# short-scoreboard and MIO-throttle stalls on top. Packing the runs of x.T by a sum of shifted
+# bytes along the run axis (no permute / split) was bit-exact but slower (dy 0.4775 ms, no-sums
+# 0.3314 / 0.388 ms at 8 / 4 warps): the store is still re-laid-out through shared memory, for
+# 4-byte instead of 16-byte vectors, and 4 warps need 255 registers. Removed.
 _DUAL_OPTIONS = {
     "variant": "tile",
-    "tile_warps": 8,
+    "tile_warps": 4,
     "tile_warps_colsum": 4,
     "tile_warps_x": 8,
     "num_warps": 4,
@@ -220,7 +229,6 @@ _DUAL_OPTIONS = {
     "t_run_colsum": 4,
     "t_run_x": 0,
     "partials_reduce": "triton",
-    "words_by_sum": False,
 }
 
 
@@ -483,7 +491,6 @@ def _quantize_operand_triton(
             EVEN=even,
             EARLY_COL=_DUAL_OPTIONS["early_col"],
             T_RUN=t_run,
-            WORDS_BY_SUM=_DUAL_OPTIONS["words_by_sum"] and t_run == 4,
             num_warps=_tile_warps(cols, col_tiles, col_sum),
         )
     elif x.numel():
