@@ -114,7 +114,7 @@ class PrecisionConfig:
     """FP8 only: glob patterns of layers that run bf16 GEMMs instead of FP8. Default: the task
     heads' hidden layers (the last layers; their 1-wide outputs stay float32 anyway). With every
     linear in FP8 the GEM model lost 0.12% CTR / 0.25% CVR eval NE against bf16 on the H200,
-    with the heads in bf16 +0.06% / +0.05% (10 and 15 runs over 5 seeds against 20 of bf16,
+    with the heads in bf16 +0.06% / +0.05% (10 and 20 runs over 5 seeds against 25 of bf16,
     benchmarks/results/h200/fp8_quality.json). ``()`` puts every eligible layer in FP8."""
     wgrad_in_bf16: bool = False
     """FP8 only: weight-gradient GEMM on bf16 operands."""
