@@ -52,11 +52,17 @@ def _gdpa_self(max_len: int, batch: int):
     return _fresh_grads(*bg.provider_gem(case)[1:])
 
 
-def _jfa(max_len: int, batch: int, causal: bool):
+def _jfa(max_len: int, batch: int, causal: bool, bias: str | None = None):
+    """``bias``: ``"rel"`` (rel_pos_bias, 512 buckets) or ``"jagged"`` (jagged_bias), with the
+    benchmark's bias inputs."""
     import bench_jagged_attention as bj
 
     case = bj.Case(batch, max_len, causal, None, "cuda")
-    return _fresh_grads(*bj.provider_gem(case)[1:])
+    extra = {}
+    if bias is not None:
+        rel, jagged = bj._bias_inputs(case, "cuda", jagged=bias == "jagged")
+        extra = {"rel": rel} if bias == "rel" else {"jagged": jagged}
+    return _fresh_grads(*bj.provider_gem(case, **extra)[1:])
 
 
 def _fresh_grads(fwd_bwd, leaves):
@@ -80,6 +86,8 @@ TARGETS = {
     "gdpa_self_L4096": ("4", "GDPA self B128xL4096 gelu_fast, forward+backward", lambda: _gdpa_self(4096, 128)),
     "jfa_L1024_full": ("3", "JFA B512xL1024 non-causal, forward+backward", lambda: _jfa(1024, 512, False)),
     "jfa_L4096_causal": ("3", "JFA B128xL4096 causal, forward+backward", lambda: _jfa(4096, 128, True)),
+    "jfa_L4096_causal_rel": ("3", "the same with rel_pos_bias", lambda: _jfa(4096, 128, True, "rel")),
+    "jfa_L4096_causal_jagged": ("3", "the same with jagged_bias", lambda: _jfa(4096, 128, True, "jagged")),
 }  # fmt: skip
 
 # Metrics kept from ncu's raw page (regular expressions on the metric name).
