@@ -113,16 +113,18 @@ _KEEP = [
 ]
 
 
-def run_target(name: str, warmup: int) -> None:
-    """Warm ``name`` up, then run it once inside the profiler range."""
+def run_target(name: str, warmup: int, profile: bool = True) -> None:
+    """Warm ``name`` up (Triton compiles, plans are cached), then, with ``profile``, run it once
+    inside the profiler range."""
     call = TARGETS[name][2]()
     for _ in range(warmup):
         call()
     torch.cuda.synchronize()
-    torch.cuda.profiler.start()
-    call()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+    if profile:
+        torch.cuda.profiler.start()
+        call()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
 
 
 def _number(text: str):
@@ -222,13 +224,7 @@ def main() -> None:
     parser.add_argument("--no-range", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run:
-        if args.no_range:  # compile-only warm-up
-            call = TARGETS[args.run][2]()
-            for _ in range(args.warmup):
-                call()
-            torch.cuda.synchronize()
-        else:
-            run_target(args.run, args.warmup)
+        run_target(args.run, args.warmup, profile=not args.no_range)
         return
     names = [n for n in args.targets.split(",") if n]
     unknown = sorted(set(names) - set(TARGETS))
