@@ -549,20 +549,22 @@ EXPLORE_BASE = {"t_run": 0, "t_run_colsum": 0, "t_run_x": 0, "partials_reduce": 
 # meta.variants lists their options; they do not run with this tree.
 # fp8_quant_explore*.json hold the earlier variants (packed-run lengths, warps, strip / TMA /
 # pipelined kernels, per-warp sums, register caps, warp-owned columns, late sums; their
-# meta.variants lists the options, most of which do not exist any more). fp8_quant_explore4.json:
-# the warps question (dy with its sums at 4 and 8 warps, dy without sums at 8 and 4 warps; x.T
-# runs packed by shifted-byte sums, "words_by_sum", slower, removed). This list: dy's column
-# maxima and sums reduced jointly (one exchange between warps, 10 barriers instead of 13) or
-# separately, against dy without sums, and the first variant again for clock drift.
+# meta.variants lists the options, most of which do not exist any more). This list: the warps
+# question of fp8_quant_explore4.json (dy with its sums at 4 and 8 warps, dy without sums at 8
+# and 4 warps, the first variant again for clock drift); that run also timed x.T runs packed by
+# shifted-byte sums ("words_by_sum", slower, removed). fp8_quant_explore5.json (commit 9c8d820):
+# dy's column maxima and sums in one two-operand tl.reduce ("joint_col": 10 barriers instead of
+# 13, 199 registers) took 0.403 ms against 0.3753 reduced separately: removed.
 EXPLORE_VARIANTS = [
-    ("trun4_w4_joint", "dy", {"t_run_colsum": 4, "partials_reduce": "triton", "joint_col": True}),
+    ("trun4_w4_treduce", "dy", {"t_run_colsum": 4, "partials_reduce": "triton"}),
     (
-        "trun4_w4_separate",
+        "trun4_w8_treduce",
         "dy",
-        {"t_run_colsum": 4, "partials_reduce": "triton", "joint_col": False},
+        {"t_run_colsum": 4, "tile_warps_colsum": 8, "partials_reduce": "triton"},
     ),  # fmt: skip
+    ("trun4_w8", "dy_nobias", {"t_run": 4, "tile_warps": 8}),
     ("trun4_w4", "dy_nobias", {"t_run": 4, "tile_warps": 4}),
-    ("trun4_w4_joint_again", "dy", {"t_run_colsum": 4, "partials_reduce": "triton"}),  # drift
+    ("trun4_w4_treduce_again", "dy", {"t_run_colsum": 4, "partials_reduce": "triton"}),  # drift
 ]
 
 # Instruction classes counted per compiled kernel (one 128x128 tile per program, so per tile).

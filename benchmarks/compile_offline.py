@@ -64,7 +64,6 @@ PRESETS = {
             BLOCK=128,
             EARLY_COL=True,
             T_RUN=4,
-            JOINT_COL=True,
         ),  # fmt: skip
         {"x_ptr": "bf16", "q_ptr": "fp8e4nv", "qt_ptr": "i32"},
         4,

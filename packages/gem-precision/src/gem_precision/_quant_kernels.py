@@ -53,11 +53,6 @@ if _INTERPRETED:
     def _rsum(x, axis: tl.constexpr):
         return tl.reduce(x, axis, _ADD)
 
-    @triton.jit
-    def _rmax_rsum(m, s, axis: tl.constexpr):
-        # Two numpy reductions: the interpreter runs a joint one element by element (~70x slower).
-        return tl.reduce(m, axis, _MAX), tl.reduce(s, axis, _ADD)
-
 else:
 
     @triton.jit
@@ -67,15 +62,6 @@ else:
     @triton.jit
     def _rsum(x, axis: tl.constexpr):
         return tl.reduce(x, axis, _add_combine)
-
-    @triton.jit
-    def _max_add_combine(max_a, sum_a, max_b, sum_b):
-        return tl.maximum(max_a, max_b), sum_a + sum_b
-
-    @triton.jit
-    def _rmax_rsum(m, s, axis: tl.constexpr):
-        # (max of m, sum of s) in one reduction: one exchange between warps instead of two.
-        return tl.reduce((m, s), axis, _max_add_combine)
 
 
 @triton.jit
@@ -565,7 +551,6 @@ def blockwise_tile_kernel(
     BLOCK: tl.constexpr,
     EARLY_COL: tl.constexpr = False,
     T_RUN: tl.constexpr = 0,
-    JOINT_COL: tl.constexpr = True,
 ):
     """The 1xBLOCK (or ``FIXED``, tensorwise) layouts of :func:`blockwise_dual_kernel` (same
     bits) with fewer instructions per element: one integer max per direction gives the block
@@ -614,20 +599,15 @@ def blockwise_tile_kernel(
             x = x + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         if not EVEN:
             x = tl.where(mask, x, 0.0)
+    if COLSUM:
+        tl.store(cs_ptr + pid_r.to(tl.int64) * C + cols, _rsum(x, axis=0), mask=cmask)
     if FIXED:
         e_fixed = tl.load(exp_ptr)
     else:
         bits = _abs_bits(x)
-    # JOINT_COL: the column maxima and sums in one reduction (one exchange between warps).
-    JOINT: tl.constexpr = JOINT_COL and COLSUM and EARLY_COL and COL and not FIXED and not COL_TILE
-    if JOINT:
-        col_bits, col_sum = _rmax_rsum(bits, x, 0)
-        tl.store(cs_ptr + pid_r.to(tl.int64) * C + cols, col_sum, mask=cmask)
-    elif COLSUM:
-        tl.store(cs_ptr + pid_r.to(tl.int64) * C + cols, _rsum(x, axis=0), mask=cmask)
     if not FIXED and (ROW or COL_TILE):
         row_bits = _rmax(bits, axis=1)
-    if EARLY_COL and COL and not FIXED and not COL_TILE and not JOINT:
+    if EARLY_COL and COL and not FIXED and not COL_TILE:
         col_bits = _rmax(bits, axis=0)
     if ROW:
         if FIXED:

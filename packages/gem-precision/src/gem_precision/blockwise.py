@@ -229,7 +229,6 @@ _DUAL_OPTIONS = {
     "t_run_colsum": 4,
     "t_run_x": 0,
     "partials_reduce": "triton",
-    "joint_col": True,
 }
 
 
@@ -492,7 +491,6 @@ def _quantize_operand_triton(
             EVEN=even,
             EARLY_COL=_DUAL_OPTIONS["early_col"],
             T_RUN=t_run,
-            JOINT_COL=_DUAL_OPTIONS["joint_col"],
             num_warps=_tile_warps(cols, col_tiles, col_sum),
         )
     elif x.numel():
