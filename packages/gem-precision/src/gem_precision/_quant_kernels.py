@@ -64,6 +64,12 @@ else:
         return tl.reduce(x, axis, _add_combine)
 
 
+# The tensorwise kind's x.T is its row layout transposed, which quantize_operand copies: the
+# kernels' transposed FP8 store of a FIXED tile wrote wrong bytes on the H200 (Triton 3.6 for
+# float32 x, Triton 3.8 for bfloat16 x), so they refuse to compile it.
+_FIXED_ROWS_ONLY = tl.constexpr("FIXED (tensorwise) kernels write the row layout only")
+
+
 @triton.jit
 def _pow2(e):
     """Exact float32 ``2**e`` for int32 ``e`` in [-127, 127] (``2**-127`` is subnormal)."""
@@ -358,7 +364,8 @@ def blockwise_dual_kernel(
       outer-dim-major layout ``scaled_mm`` wants); ``qt`` (C, R) uses 1xBLOCK blocks along R
       of x.T, scales ``st`` stored (R/BLOCK, C).
     * ``TILE``: one scale per BLOCKxBLOCK tile for both, ``s`` stored (R/BLOCK, C/BLOCK).
-    * ``FIXED``: one exponent for everything, read from ``exp_ptr``; no scales written.
+    * ``FIXED``: one exponent for everything, read from ``exp_ptr``; no scales written; ``q``
+      only (see :data:`_FIXED_ROWS_ONLY`).
     * ``NORM``: ``x`` is first normalised, ``(x - mean[r]) * rstd[r] * w[c] + b[c]``.
     * ``COLSUM``: also write per-program column sums of ``x`` to ``cs`` (R/BLOCK_R, C).
 
@@ -395,9 +402,7 @@ def blockwise_dual_kernel(
             q = _saturate(x * inv, MAX_NORMAL)
             offs = rows[:, None].to(tl.int64) * C + cols[None, :]
             _store_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS)
-        if COL:
-            qt = _saturate(x * inv, MAX_NORMAL)
-            _store_fp8_t(qt_ptr, qt, rows, cols, R, rmask, cmask, SOFT, MBITS, BIAS, TRANS)
+        tl.static_assert(not COL, _FIXED_ROWS_ONLY)
     elif TILE:
         amax = _rmax(_rmax(ax, axis=1), axis=0)
         bad = _rmax(_rmax(nonfin, axis=1), axis=0)
@@ -624,9 +629,8 @@ def blockwise_tile_kernel(
             else:
                 tl.store(s_ptr + s_offs, _pow2(e_r), mask=rmask)
     if COL:
-        if FIXED:
-            qt = x * _pow2(-(tl.full((BLOCK,), 0, tl.int32) + e_fixed))[None, :]
-        elif COL_TILE:
+        tl.static_assert(not FIXED, _FIXED_ROWS_ONLY)
+        if COL_TILE:
             # One scale per BLOCK_R x BLOCK tile (the max of the row maxima).
             e_t = _exponent_from_bits(_rmax(row_bits, axis=0), EMAX, MIN_EXP, MAX_EXP)
             qt = x * _pow2(-e_t)
@@ -654,7 +658,7 @@ def blockwise_tile_kernel(
             # (C/BLOCK, R/BLOCK_R) contiguous: the layout of a 128x128 operand's scale_t.
             n_row_blocks = (R + BLOCK_R - 1) // BLOCK_R
             tl.store(st_ptr + pid_c.to(tl.int64) * n_row_blocks + pid_r, _pow2(e_t))
-        elif not FIXED:
+        else:
             if EVEN:
                 tl.store(st_ptr + pid_r.to(tl.int64) * C + cols, _pow2(e_c))
             else:

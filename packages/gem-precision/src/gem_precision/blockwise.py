@@ -398,11 +398,11 @@ def _quantize_operand_triton(
 ) -> Fp8Operand:
     from gem_precision import _triton
 
-    if kind == "tensorwise" and cols and x.dtype != torch.bfloat16:
-        # The tile kernel's transposed store of a tensorwise float32 x wrote wrong bytes on the
-        # H200 (Triton 3.6; test_cuda_kernel_bit_exact, 2026-12-01; bit-exact in the
-        # interpreter; bfloat16 x is right). With one scale for the whole tensor the bytes of
-        # x.T are those of x transposed, so they are copied instead.
+    if kind == "tensorwise" and cols:
+        # With one scale for the whole tensor the bytes of x.T are those of x transposed, so
+        # they are copied. The tile kernel's own transposed store wrote wrong bytes on the H200
+        # in both compilers we run, for different inputs: Triton 3.6 for float32 x, Triton 3.8
+        # for bfloat16 x (test_cuda_kernel_bit_exact, 2026-12-01; bit-exact in the interpreter).
         out = _quantize_operand_triton(x, kind, dtype, True, False, col_sum)
         out.data_t, out.scale_t = out.data.t().contiguous(), out.scale
         if not rows:
