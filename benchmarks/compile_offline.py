@@ -9,6 +9,7 @@ shared memory); other Triton versions generate different code.
 
     python benchmarks/compile_offline.py dy            # the dy quantise tile kernel (4 warps)
     python benchmarks/compile_offline.py gdpa_dkdv     # GDPA's fused dK/dV/dQ backward
+    python benchmarks/compile_offline.py mx_dequant    # MX (1x32, E4M3) -> bfloat16
     python benchmarks/compile_offline.py dy --warps 8 --set COLSUM=False
 
 Spills inside an inner loop cost every iteration: ``spills_in_innermost_loops`` counts them
@@ -66,6 +67,24 @@ PRESETS = {
             T_RUN=4,
         ),  # fmt: skip
         {"x_ptr": "bf16", "q_ptr": "fp8e4nv", "qt_ptr": "i32"},
+        4,
+        3,
+    ),
+    "mx_dequant": (
+        "packages/gem-precision/src/gem_precision/_quant_kernels.py",
+        "mx_dequantize_kernel",
+        dict(
+            MBITS=3,
+            BIAS=7,
+            E4M3FN=True,
+            SOFT=False,
+            SQUARE=False,
+            BS=32,
+            BF16_BITS=False,
+            BLOCK_R=8,
+            BLOCK_C=1024,
+        ),  # fmt: skip
+        {"q_ptr": "fp8e4nv", "s_ptr": "u8", "out_ptr": "bf16"},
         4,
         3,
     ),
