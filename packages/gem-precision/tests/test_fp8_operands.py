@@ -189,6 +189,15 @@ def test_values_and_layouts_match_quantize_blockwise():
     assert float((back - x).norm() / x.norm()) < 0.05
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (3, 70), (64, 64), (130, 65)])
+def test_fp8_transpose_kernel(shape):
+    # The tensorwise kind's x.T: a byte transpose, partial tiles included, both FP8 formats.
+    gen = torch.Generator().manual_seed(shape[1])
+    for elem in ELEM:
+        data = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).view(elem)
+        assert same(blockwise._transpose_fp8(data), data.t().contiguous())
+
+
 def test_col_sum_in_the_same_pass():
     x = torch.randn(300, 256, dtype=torch.float32)
     for backend in ("triton", "torch"):

@@ -64,9 +64,9 @@ else:
         return tl.reduce(x, axis, _add_combine)
 
 
-# The tensorwise kind's x.T is its row layout transposed, which quantize_operand copies: the
-# kernels' transposed FP8 store of a FIXED tile wrote wrong bytes on the H200 (Triton 3.6 for
-# float32 x, Triton 3.8 for bfloat16 x), so they refuse to compile it.
+# The tensorwise kind's x.T is its row layout transposed (transpose_bytes_kernel): the kernels'
+# x.T of a FIXED tile wrote wrong bytes on the H200 (Triton 3.6 for float32 x, Triton 3.8 for
+# any x; see quantize_operand), so they refuse to compile it.
 _FIXED_ROWS_ONLY = tl.constexpr("FIXED (tensorwise) kernels write the row layout only")
 
 
@@ -624,7 +624,7 @@ def blockwise_tile_kernel(
     if COLSUM:
         tl.store(cs_ptr + pid_r.to(tl.int64) * C + cols, _rsum(x, axis=0), mask=cmask)
     if FIXED:
-        e_fixed = tl.load(exp_ptr)
+        inv_fixed = _pow2(-tl.load(exp_ptr))  # one scalar for the whole tensor
     else:
         bits = _abs_bits(x)
     if not FIXED and (ROW or COL_TILE):
@@ -633,10 +633,10 @@ def blockwise_tile_kernel(
         col_bits = _rmax(bits, axis=0)
     if ROW:
         if FIXED:
-            e_r = tl.full((BLOCK_R,), 0, tl.int32) + e_fixed
+            q = x * inv_fixed
         else:
             e_r = _exponent_from_bits(row_bits, EMAX, MIN_EXP, MAX_EXP)
-        q = x * _pow2(-e_r)[:, None]
+            q = x * _pow2(-e_r)[:, None]
         offs = rows[:, None].to(tl.int64) * C + cols[None, :]
         _to_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS, MAX_NORMAL, EVEN)
         if not FIXED:
@@ -831,3 +831,14 @@ def norm_backward_kernel(
         tl.store(dw_part_ptr + pid * C + cols, dw_acc, mask=cmask)
     if HAS_B:
         tl.store(db_part_ptr + pid * C + cols, db_acc, mask=cmask)
+
+
+@triton.jit
+def transpose_bytes_kernel(src_ptr, dst_ptr, R, C, BLOCK: tl.constexpr):
+    """``dst`` (C, R) = ``src`` (R, C) transposed, for one-byte elements (uint8 views)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows[:, None] < R) & (cols[None, :] < C)
+    tile = tl.load(src_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], mask=mask)
+    t_offs = cols[:, None].to(tl.int64) * R + rows[None, :]
+    tl.store(dst_ptr + t_offs, tl.trans(tile), mask=tl.trans(mask))
