@@ -129,11 +129,14 @@ def _load_module(path: Path) -> types.ModuleType:
     return module
 
 
+FLOAT_ARGS = ("scale", "qk_scale", "eps")
+
+
 def compile_sm90(path, kernel, constexprs, pointer_types, warps, stages) -> dict:
     """Compile ``kernel`` of ``path`` for sm_90 and summarise the result. Pointer arguments
-    (``*_ptr``) take ``pointer_types`` (``"*"``: the default, else fp32), ``scale`` is fp32,
-    other runtime arguments i32; pointers and strides are marked 16-divisible, as the launches
-    specialise them."""
+    (``*_ptr``) take ``pointer_types`` (``"*"``: the default, else fp32), :data:`FLOAT_ARGS`
+    are fp32, other runtime arguments i32; pointers and strides (except the kernel's
+    ``do_not_specialize`` ones) are marked 16-divisible, as the launches specialise them."""
     fn = getattr(_load_module(ROOT / path), kernel)
     names = fn.arg_names
     signature = {}
@@ -143,8 +146,15 @@ def compile_sm90(path, kernel, constexprs, pointer_types, warps, stages) -> dict
         elif name.endswith("_ptr"):
             signature[name] = "*" + pointer_types.get(name, pointer_types.get("*", "fp32"))
         else:
-            signature[name] = "fp32" if name == "scale" else "i32"
-    hinted = [i for i, n in enumerate(names) if n.endswith("_ptr") or n.startswith("stride")]
+            signature[name] = "fp32" if name in FLOAT_ARGS else "i32"
+    unhinted = set(getattr(fn, "do_not_specialize", None) or ())
+    hinted = [
+        i
+        for i, n in enumerate(names)
+        if (n.endswith("_ptr") or n.startswith("stride"))
+        and n not in unhinted
+        and i not in unhinted
+    ]
     hinted += [i for i, n in enumerate(names) if n in ("R", "C")]  # the quantise kernels' shape
     source = ASTSource(
         fn,
