@@ -535,9 +535,10 @@ def _transpose_fp8(data: torch.Tensor) -> torch.Tensor:
     r, c = data.shape
     out = torch.empty((c, r), dtype=data.dtype, device=data.device)
     block = 64
-    _triton.kernels(data).transpose_bytes_kernel[(-(-r // block), -(-c // block))](
-        data.view(torch.uint8), out.view(torch.uint8), r, c, BLOCK=block, num_warps=4
-    )
+    if data.numel():
+        _triton.kernels(data).transpose_bytes_kernel[(-(-r // block), -(-c // block))](
+            data.view(torch.uint8), out.view(torch.uint8), r, c, BLOCK=block, num_warps=4
+        )
     return out
 
 
