@@ -375,3 +375,38 @@ def test_cuda_ragged_rows_match_emulation(m, monkeypatch):
     for name, cpu, gpu in zip(("y", "dx", "dw"), *results, strict=True):
         err = float((gpu - cpu).norm() / cpu.norm())
         assert err < 2e-2, (name, m, err)
+
+
+def test_bias_epilogue_refusal_is_remembered_per_output_dtype(monkeypatch, fake_native):
+    """A refused bias epilogue for float32 outputs falls back to a separate add, and later
+    bfloat16 GEMMs of the same scaling still get the bias fused (it was keyed by scaling only,
+    which cost bfloat16 layers a pass over their output after any float32 layer ran)."""
+    from gem_precision import scaled_gemm
+    from gem_precision.blockwise import quantize_operand
+
+    monkeypatch.setattr(scaled_gemm, "_NO_BIAS_EPILOGUE", set())
+    with_bias = []
+
+    def refuse_float32_bias(a, b, scale_a, scale_b, bias=None, out_dtype=None, **kw):
+        with_bias.append((out_dtype, bias is not None))
+        if bias is not None and out_dtype == torch.float32:
+            raise RuntimeError("bias is not supported with float32 output")  # as cuBLAS may
+        return fake_native(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse_float32_bias)
+    torch.manual_seed(7)
+    x, w = torch.randn(64, 512), torch.randn(256, 512)
+    xq, wq = quantize_operand(x, "1x128"), quantize_operand(w, "128x128")
+    args = (xq.data, xq.scale, "1x128", wq.data, wq.scale, "128x128")
+    want = scaled_gemm.scaled_mm_nt(*args, out_dtype=torch.float32)  # the emulation
+    for dtype in (torch.float32, torch.bfloat16, torch.float32):
+        bias = torch.randn(256).to(dtype)
+        got = scaled_gemm.scaled_mm_nt(*args, out_dtype=dtype, native=True, bias=bias)
+        expect = want + bias.float()
+        assert float((got.float() - expect).norm() / expect.norm()) < 4e-3
+    assert with_bias == [
+        (torch.float32, True),  # refused ...
+        (torch.float32, False),  # ... so the bias is added after the GEMM
+        (torch.bfloat16, True),  # bfloat16 keeps its fused bias
+        (torch.float32, False),  # the float32 refusal is remembered
+    ]

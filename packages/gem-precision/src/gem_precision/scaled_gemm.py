@@ -35,8 +35,11 @@ __all__ = [
 ]
 
 _WARNED: set[str] = set()
-# Scaling pairs for which _scaled_mm refused a bias epilogue (the bias is then added apart).
-_NO_BIAS_EPILOGUE: set[tuple[str, str]] = set()
+# (scaling pair, output dtype) for which _scaled_mm refused a bias epilogue (the bias is then
+# added apart). The output dtype is part of the key: a refusal for float32 outputs (a float32
+# model's layers) must not cost bfloat16 layers their fused bias (an extra pass over the
+# output: +0.4 ms, 6%, for a 65536 x 4096 x 4096 forward+backward on the H200).
+_NO_BIAS_EPILOGUE: set[tuple[str, str, torch.dtype]] = set()
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -133,7 +136,7 @@ def _native_scaled_mm(a_data, a_scale, a_kind, b_data, b_scale, b_kind, out_dtyp
     """``torch._scaled_mm`` on prepared operands, or None (after one warning) if torch
     rejects the scaling."""
     scale_b = b_scale.t() if b_scale.dim() == 2 else b_scale
-    key = (a_kind, b_kind)
+    key = (a_kind, b_kind, out_dtype)
     if bias is not None and bias.dtype == out_dtype and key not in _NO_BIAS_EPILOGUE:
         try:  # the bias in cuBLAS's epilogue saves a pass over the output
             return torch._scaled_mm(
