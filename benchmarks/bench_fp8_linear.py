@@ -540,10 +540,12 @@ def _norm_linear_case(rows, errors, k, n, device) -> None:
 # (name, operand, option overrides): "dy" = both 1x128 layouts with column sums (the output
 # gradient of a linear with bias), "dy_nobias" the same without sums, "xtiles" = rows and
 # 128x128 tiles of x.T. Every variant is bit-exact on the CPU interpreter (unit tests). The
-# overrides apply on top of the defaults with EXPLORE_BASE (the defaults before the packed
-# transposes and the Triton sum of the partial column sums), so a name means the same kernels
-# whatever the defaults are now.
-EXPLORE_BASE = {"t_run": 0, "t_run_colsum": 0, "t_run_x": 0, "partials_reduce": "torch"}
+# overrides apply on top of the defaults with EXPLORE_BASE; each results file records both
+# (meta.defaults, meta.variants). Until fp8_quant_explore5.json EXPLORE_BASE held the defaults
+# from before the packed transposes and the Triton sum of the partials ({"t_run": 0,
+# "t_run_colsum": 0, "t_run_x": 0, "partials_reduce": "torch"}); since fp8_quant_explore6.json
+# (L2 prefetch) it is empty: variants of the current defaults.
+EXPLORE_BASE: dict = {}
 # fp8_quant_explore2.json (2026-12-01) holds variants of kernels and options removed since (a
 # strip kernel with TMA / pipelining, timing probes, per-warp column sums, register caps): its
 # meta.variants lists their options; they do not run with this tree.
@@ -556,15 +558,16 @@ EXPLORE_BASE = {"t_run": 0, "t_run_colsum": 0, "t_run_x": 0, "partials_reduce": 
 # dy's column maxima and sums in one two-operand tl.reduce ("joint_col": 10 barriers instead of
 # 13, 199 registers) took 0.403 ms against 0.3753 reduced separately: removed.
 EXPLORE_VARIANTS = [
-    ("trun4_w4_treduce", "dy", {"t_run_colsum": 4, "partials_reduce": "triton"}),
-    (
-        "trun4_w8_treduce",
-        "dy",
-        {"t_run_colsum": 4, "tile_warps_colsum": 8, "partials_reduce": "triton"},
-    ),  # fmt: skip
-    ("trun4_w8", "dy_nobias", {"t_run": 4, "tile_warps": 8}),
-    ("trun4_w4", "dy_nobias", {"t_run": 4, "tile_warps": 4}),
-    ("trun4_w4_treduce_again", "dy", {"t_run_colsum": 4, "partials_reduce": "triton"}),  # drift
+    ("pf_off", "dy", {"prefetch_colsum": 0.0}),
+    ("pf0.85sm", "dy", {"prefetch_colsum": 0.85}),
+    ("pf1.0sm", "dy", {"prefetch_colsum": 1.0}),
+    ("pf1.15sm", "dy", {"prefetch_colsum": 1.15}),
+    ("pf1.3sm", "dy", {"prefetch_colsum": 1.3}),
+    ("pf_off", "dy_nobias", {"prefetch": 0.0}),
+    ("pf1.25sm", "dy_nobias", {"prefetch": 1.25}),
+    ("pf1.5sm", "dy_nobias", {"prefetch": 1.5}),
+    ("pf1.75sm", "dy_nobias", {"prefetch": 1.75}),
+    ("pf_off_again", "dy", {"prefetch_colsum": 0.0}),
 ]
 
 # Instruction classes counted per compiled kernel (one 128x128 tile per program, so per tile).

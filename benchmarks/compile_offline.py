@@ -65,6 +65,7 @@ PRESETS = {
             BLOCK=128,
             EARLY_COL=True,
             T_RUN=4,
+            PREFETCH=132,
         ),  # fmt: skip
         {"x_ptr": "bf16", "q_ptr": "fp8e4nv", "qt_ptr": "i32"},
         4,

@@ -248,6 +248,33 @@ def test_stochastic_rounding_offsets_of_the_two_layouts():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("per_sm", [None, 0.01, 0.1], ids=["default", "one_ahead", "tenth"])
+def test_cuda_l2_prefetch_bit_exact(monkeypatch, per_sm):
+    """The tile kernel's L2 prefetch (bfloat16, whole tiles) on a grid long enough that
+    programs prefetch, including tiles of the next column of tiles: the same bits as the
+    reference, with the default distances and with short ones (1 and 13 programs ahead on
+    132 SMs)."""
+    if per_sm is not None:
+        opts = {k: per_sm for k in ("prefetch", "prefetch_colsum", "prefetch_x")}
+        monkeypatch.setattr(blockwise, "_DUAL_OPTIONS", {**blockwise._DUAL_OPTIONS, **opts})
+    x = special_input(rows=128 * 300, cols=384, finite=True)
+    for col_sum, col_tiles in ((True, False), (False, False), (False, True)):
+        if col_tiles and per_sm is None:
+            continue  # no prefetch by default for x with tiles of x.T
+        ref = quantize_operand(x, "1x128", backend="torch", col_tiles=col_tiles)
+        got = quantize_operand(
+            x.cuda(), "1x128", backend="triton", col_sum=col_sum, col_tiles=col_tiles
+        )
+        for field in FIELDS:
+            assert same(getattr(ref, field), getattr(got, field).cpu()), (col_sum, field)
+        if col_sum:
+            want = x.double().sum(0)
+            bound = 1e-6 * x.double().abs().sum(0) + 1e-3
+            assert bool(((got.col_sum.cpu().double() - want).abs() <= bound).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
 def test_cuda_kernel_bit_exact(in_dtype):
     """The compiled kernels against the torch reference, bit for bit, for bfloat16 and float32

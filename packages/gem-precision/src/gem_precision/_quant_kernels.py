@@ -536,6 +536,36 @@ def _store_fp8_t_runs(
 
 
 @triton.jit
+def _prefetch_tile_l2(
+    x_ptr, pid_r, pid_c, stride_xr, AHEAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Ask L2 for the x tile of the program launched ``AHEAD`` programs after this one (grid
+    (R/BLOCK_R, C/BLOCK) of whole bfloat16 tiles, launched row-tile first): two 128-byte lines
+    per row, each thread its own row. HBM then streams the later tile while the resident
+    programs reduce theirs, and no registers wait for it. (One ``cp.async.bulk.prefetch`` per
+    row instead needs a warp-uniform address: ptxas loops over the warp's rows, 254 registers,
+    slower on the H200, ``fp8_quant_explore6.json``.)"""
+    n_r = tl.num_programs(0)
+    later = pid_r + AHEAD
+    tile_c = pid_c + later // n_r
+    if tile_c < tl.num_programs(1):
+        tl.static_assert(
+            BLOCK * x_ptr.dtype.element_ty.primitive_bitwidth == 2048,
+            "prefetch: rows of 256 bytes (128 bfloat16)",
+        )
+        rows = (later % n_r) * BLOCK_R + tl.arange(0, BLOCK_R)
+        addr = (x_ptr + rows.to(tl.int64) * stride_xr + tile_c * BLOCK).to(tl.int64, bitcast=True)
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; prefetch.global.L2 [$1+128]; mov.b32 $0, 0;",
+            "=r,l",
+            [addr],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+@triton.jit
 def blockwise_tile_kernel(
     x_ptr,
     q_ptr,
@@ -573,6 +603,7 @@ def blockwise_tile_kernel(
     BLOCK: tl.constexpr,
     EARLY_COL: tl.constexpr = False,
     T_RUN: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = 0,
 ):
     """The 1xBLOCK (or ``FIXED``, tensorwise) layouts of :func:`blockwise_dual_kernel` (same
     bits) with fewer instructions per element: one integer max per direction gives the block
@@ -586,6 +617,9 @@ def blockwise_tile_kernel(
     are loaded in an order that puts runs of ``T_RUN`` consecutive rows of ``x`` into one
     thread's registers (with the load layouts Triton picks), so ``qt`` is stored as packed
     ``T_RUN``-byte words with no transpose through shared memory (one byte load each before).
+    ``PREFETCH`` (> 0; needs ``EVEN`` and bfloat16 ``x``, compiled only): after loading its tile
+    each program asks L2 for the tile of the program ``PREFETCH`` launches later
+    (:func:`_prefetch_tile_l2`).
     """
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -604,6 +638,8 @@ def blockwise_tile_kernel(
     x_offs = rows[:, None].to(tl.int64) * stride_xr + cols[None, :]
     if EVEN:
         x_in = tl.load(x_ptr + x_offs)
+        if PREFETCH > 0:
+            _prefetch_tile_l2(x_ptr, pid_r, pid_c, stride_xr, PREFETCH, BLOCK_R, BLOCK)
         if BF16_BITS:
             x = (x_in.to(tl.int32) << 16).to(tl.float32, bitcast=True)
         else:
