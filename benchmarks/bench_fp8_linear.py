@@ -551,23 +551,24 @@ EXPLORE_BASE: dict = {}
 # meta.variants lists their options; they do not run with this tree.
 # fp8_quant_explore*.json hold the earlier variants (packed-run lengths, warps, strip / TMA /
 # pipelined kernels, per-warp sums, register caps, warp-owned columns, late sums; their
-# meta.variants lists the options, most of which do not exist any more). This list: the warps
-# question of fp8_quant_explore4.json (dy with its sums at 4 and 8 warps, dy without sums at 8
-# and 4 warps, the first variant again for clock drift); that run also timed x.T runs packed by
-# shifted-byte sums ("words_by_sum", slower, removed). fp8_quant_explore5.json (commit 9c8d820):
-# dy's column maxima and sums in one two-operand tl.reduce ("joint_col": 10 barriers instead of
-# 13, 199 registers) took 0.403 ms against 0.3753 reduced separately: removed.
+# meta.variants lists the options, most of which do not exist any more). fp8_quant_explore4.json:
+# the warps question (dy with its sums at 4 and 8 warps, without sums at 8 and 4); that run also
+# timed x.T runs packed by shifted-byte sums ("words_by_sum", slower, removed).
+# fp8_quant_explore5.json (commit 9c8d820): dy's column maxima and sums in one two-operand
+# tl.reduce ("joint_col": 10 barriers instead of 13, 199 registers) took 0.403 ms against 0.3753
+# reduced separately: removed. fp8_quant_explore6-11.json (2026-12-01, second session that day):
+# the L2 prefetch distances (line and bulk prefetches), a register cap of 168, x.T runs packed by
+# inline PTX, and the partial sums reduced by the last program of each column of tiles (an
+# arrival counter; 0.394 against 0.336 ms: spills and the atomics, removed). This list: what the
+# two kept options (prefetch, PTX-packed runs) each contribute to the defaults.
 EXPLORE_VARIANTS = [
-    ("pf_off", "dy", {"prefetch_colsum": 0.0}),
-    ("pf0.85sm", "dy", {"prefetch_colsum": 0.85}),
-    ("pf1.0sm", "dy", {"prefetch_colsum": 1.0}),
-    ("pf1.15sm", "dy", {"prefetch_colsum": 1.15}),
-    ("pf1.3sm", "dy", {"prefetch_colsum": 1.3}),
-    ("pf_off", "dy_nobias", {"prefetch": 0.0}),
-    ("pf1.25sm", "dy_nobias", {"prefetch": 1.25}),
-    ("pf1.5sm", "dy_nobias", {"prefetch": 1.5}),
-    ("pf1.75sm", "dy_nobias", {"prefetch": 1.75}),
-    ("pf_off_again", "dy", {"prefetch_colsum": 0.0}),
+    ("default", "dy", {}),
+    ("no_asm", "dy", {"t_run_asm_colsum": False}),
+    ("no_prefetch", "dy", {"prefetch_colsum": 0.0}),
+    ("neither", "dy", {"t_run_asm_colsum": False, "prefetch_colsum": 0.0}),
+    ("default", "dy_nobias", {}),
+    ("no_prefetch", "dy_nobias", {"prefetch": 0.0}),
+    ("default_again", "dy", {}),  # drift
 ]
 
 # Instruction classes counted per compiled kernel (one 128x128 tile per program, so per tile).

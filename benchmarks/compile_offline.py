@@ -65,7 +65,8 @@ PRESETS = {
             BLOCK=128,
             EARLY_COL=True,
             T_RUN=4,
-            PREFETCH=132,
+            PREFETCH=165,
+            RUN_ASM=True,
         ),  # fmt: skip
         {"x_ptr": "bf16", "q_ptr": "fp8e4nv", "qt_ptr": "i32"},
         4,

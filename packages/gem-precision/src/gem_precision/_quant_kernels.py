@@ -505,25 +505,47 @@ def _store_fp8_t_runs(
     MAX_NORMAL: tl.constexpr,
     T_RUN: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    RUN_ASM: tl.constexpr = False,
 ):
     """Store the float32 tile ``v`` (tile position i = row (i % GB) * T_RUN + i // GB of the
     program's BLOCK_R rows, GB = BLOCK_R // T_RUN) as FP8 into ``qt`` (C, R), viewed as int32:
     the T_RUN bytes of a column's run of rows become T_RUN / 4 little-endian words."""
-    if SOFT:
-        u = _fp8_bits(_saturate(v, MAX_NORMAL), MBITS, BIAS)
-    elif MBITS == 3:
-        u = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # saturates (see _to_fp8)
-    else:
-        u = v.to(tl.float8e5).to(tl.uint8, bitcast=True)
     GB: tl.constexpr = BLOCK_R // T_RUN
     BLOCK_C: tl.constexpr = v.shape[1]
-    # (T_RUN, GB, C) -> (GB, C, T_RUN): the run index moves last, then bytes pair into words.
-    u = tl.permute(tl.reshape(u.to(tl.int32), (T_RUN, GB, BLOCK_C)), (1, 2, 0))
-    u = tl.reshape(u, (GB, BLOCK_C, T_RUN // 4, 2, 2))
-    lo, hi = tl.split(u)
-    u = lo | (hi << 8)
-    lo, hi = tl.split(u)
-    words = lo | (hi << 16)
+    if RUN_ASM and not SOFT:
+        # Each word straight from its 4 float32 values: two saturating x2 conversions and a
+        # move (the bytes are not unpacked to int32 and shifted back together).
+        v = tl.reshape(tl.permute(tl.reshape(v, (T_RUN, GB, BLOCK_C)), (1, 2, 0)),
+                       (GB, BLOCK_C, T_RUN // 4, 2, 2))  # fmt: skip
+        even_t, odd_t = tl.split(v)
+        t0, t2 = tl.split(even_t)
+        t1, t3 = tl.split(odd_t)
+        if MBITS == 3:
+            words = tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
+                "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
+                "=r,f,f,f,f", [t0, t1, t2, t3], dtype=tl.int32, is_pure=True, pack=1,
+            )  # fmt: skip
+        else:
+            words = tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; cvt.rn.satfinite.e5m2x2.f32 lo, $2, $1; "
+                "cvt.rn.satfinite.e5m2x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
+                "=r,f,f,f,f", [t0, t1, t2, t3], dtype=tl.int32, is_pure=True, pack=1,
+            )  # fmt: skip
+    else:
+        if SOFT:
+            u = _fp8_bits(_saturate(v, MAX_NORMAL), MBITS, BIAS)
+        elif MBITS == 3:
+            u = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)  # saturates (see _to_fp8)
+        else:
+            u = v.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        # (T_RUN, GB, C) -> (GB, C, T_RUN): the run index moves last, then bytes pair into words.
+        u = tl.permute(tl.reshape(u.to(tl.int32), (T_RUN, GB, BLOCK_C)), (1, 2, 0))
+        u = tl.reshape(u, (GB, BLOCK_C, T_RUN // 4, 2, 2))
+        lo, hi = tl.split(u)
+        u = lo | (hi << 8)
+        lo, hi = tl.split(u)
+        words = lo | (hi << 16)
     run = tl.arange(0, GB)
     word = tl.arange(0, T_RUN // 4)
     offs = (
@@ -604,6 +626,7 @@ def blockwise_tile_kernel(
     EARLY_COL: tl.constexpr = False,
     T_RUN: tl.constexpr = 0,
     PREFETCH: tl.constexpr = 0,
+    RUN_ASM: tl.constexpr = False,
 ):
     """The 1xBLOCK (or ``FIXED``, tensorwise) layouts of :func:`blockwise_dual_kernel` (same
     bits) with fewer instructions per element: one integer max per direction gives the block
@@ -694,7 +717,18 @@ def blockwise_tile_kernel(
             qt = x * _pow2(-e_c)[None, :]
         if T_RUN > 0:
             _store_fp8_t_runs(
-                qt_ptr, qt, pid_r, cols, R, SOFT, MBITS, BIAS, MAX_NORMAL, T_RUN, BLOCK_R
+                qt_ptr,
+                qt,
+                pid_r,
+                cols,
+                R,
+                SOFT,
+                MBITS,
+                BIAS,
+                MAX_NORMAL,
+                T_RUN,
+                BLOCK_R,
+                RUN_ASM,
             )
         else:
             t_offs = cols[:, None].to(tl.int64) * R + rows[None, :]

@@ -231,9 +231,18 @@ _DUAL_OPTIONS = {
     "partials_reduce": "triton",
     # L2 prefetch distance of the tile kernel in programs, per SM of the GPU (0: off), with
     # column sums / without / x with 128x128 tiles of x.T (see _prefetch_distance).
-    "prefetch_colsum": 1.0,
+    "prefetch_colsum": 1.25,
     "prefetch": 1.5,
     "prefetch_x": 0.0,
+    # ptxas register cap of the tile kernel with column sums (None: ptxas decides; 168, for 3
+    # programs per SM, spilled 22 registers and was no faster, fp8_quant_explore9.json).
+    "maxnreg_colsum": None,
+    # Packed runs of x.T made by inline PTX (two x2 conversions and a move per word, sm_89+),
+    # without / with column sums: dy with sums and the prefetch 0.3624 -> 0.3356 ms (71.0 ->
+    # 76.7% of HBM; 8192 columns 72.5 -> 78.2%), without sums slower (86.4 -> 76.6%), and
+    # without the prefetch slower (0.4422 ms) (fp8_quant_explore9-11.json).
+    "t_run_asm": False,
+    "t_run_asm_colsum": True,
 }
 
 
@@ -401,16 +410,34 @@ def _tile_t_run(cols: bool, col_tiles: bool, col_sum: bool) -> int:
 def _prefetch_distance(x: torch.Tensor, cols: bool, col_tiles: bool, col_sum: bool) -> int:
     """How many programs ahead the tile kernel prefetches x into L2, 0 for none.
 
-    H200 (65536 x 4096 bfloat16, fp8_quant_explore6/7.json): dy with column sums 0.3760 ->
+    H200 (65536 x 4096 bfloat16, fp8_quant_explore6-8/10.json): dy with column sums 0.3760 ->
     0.3632 ms (68.5 -> 70.9% of HBM; 8192 columns 69.8 -> 72.5%) at one SM's worth of programs
-    ahead (132), slower below 96 or at 528; without sums 0.3176 -> 0.2951 ms (80.4 -> 86.5%) at
-    192 (1.5 per SM); x with tiles of x.T (8 warps, more programs per SM) gains nothing. Scaled
-    by the SM count so the distance keeps its meaning (programs resident per SM) on other GPUs.
+    ahead (132), slower below 96 or at 528, and with the runs of x.T packed by inline PTX best at
+    1.25 per SM (0.3348 ms); without sums 0.3176 -> 0.2951 ms (80.4 -> 86.5%) at 1.5 per SM; x
+    with tiles of x.T (8 warps, more programs per SM) gains nothing. Scaled by the SM count so
+    the distance keeps its meaning (programs resident per SM) on other GPUs.
     """
     if not cols:
         return 0
     key = "prefetch_x" if col_tiles else ("prefetch_colsum" if col_sum else "prefetch")
     return int(_DUAL_OPTIONS[key] * _sm_count(x.device))
+
+
+def _register_cap(x: torch.Tensor, cols: bool, col_tiles: bool, col_sum: bool) -> dict:
+    cap = _DUAL_OPTIONS["maxnreg_colsum"]
+    if cap is None or not (x.is_cuda and cols and col_sum and not col_tiles):
+        return {}
+    return {"maxnreg": cap}
+
+
+def _run_asm(x: torch.Tensor, col_sum: bool) -> bool:
+    key = "t_run_asm_colsum" if col_sum else "t_run_asm"
+    return _DUAL_OPTIONS[key] and x.is_cuda and _capability(x.device) >= (8, 9)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 @functools.cache
@@ -463,10 +490,10 @@ def _quantize_operand_triton(
         else:
             amax = torch.zeros((), device=dev)
         exp = _pow2_exponent_tensor(amax.reshape(1), dtype).to(torch.int32)
-    sums = torch.empty((nr, c), dtype=torch.float32, device=dev) if col_sum else dummy
     variant = _DUAL_OPTIONS["variant"] if kind != "128x128" else "dual"
     if col_tiles:
         variant = "tile"  # the only kernel that writes tile scales for one layout
+    sums = torch.empty((nr, c), dtype=torch.float32, device=dev) if col_sum else dummy
     # Outputs and options shared by the tile and dual kernels (no norm: plain quantisation).
     outputs = (
         _triton.fp8_arg(q, soft) if rows else dummy,
@@ -523,7 +550,9 @@ def _quantize_operand_triton(
             EARLY_COL=_DUAL_OPTIONS["early_col"],
             T_RUN=t_run,
             PREFETCH=prefetch,
+            RUN_ASM=bool(t_run) and _run_asm(x, col_sum),
             num_warps=_tile_warps(cols, col_tiles, col_sum),
+            **_register_cap(x, cols, col_tiles, col_sum),
         )
     elif x.numel():
         x_arg, bf16_bits = _triton.float_arg(x, soft)
