@@ -520,18 +520,12 @@ def _store_fp8_t_runs(
         even_t, odd_t = tl.split(v)
         t0, t2 = tl.split(even_t)
         t1, t3 = tl.split(odd_t)
-        if MBITS == 3:
-            words = tl.inline_asm_elementwise(
-                "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; "
-                "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
-                "=r,f,f,f,f", [t0, t1, t2, t3], dtype=tl.int32, is_pure=True, pack=1,
-            )  # fmt: skip
-        else:
-            words = tl.inline_asm_elementwise(
-                "{ .reg .b16 lo, hi; cvt.rn.satfinite.e5m2x2.f32 lo, $2, $1; "
-                "cvt.rn.satfinite.e5m2x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
-                "=r,f,f,f,f", [t0, t1, t2, t3], dtype=tl.int32, is_pure=True, pack=1,
-            )  # fmt: skip
+        CVT: tl.constexpr = "cvt.rn.satfinite." + ("e4m3x2" if MBITS == 3 else "e5m2x2") + ".f32"
+        words = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; " + CVT + " lo, $2, $1; " + CVT + " hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }",
+            "=r,f,f,f,f", [t0, t1, t2, t3], dtype=tl.int32, is_pure=True, pack=1,
+        )  # fmt: skip
     else:
         if SOFT:
             u = _fp8_bits(_saturate(v, MAX_NORMAL), MBITS, BIAS)
