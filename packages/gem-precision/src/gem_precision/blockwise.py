@@ -234,9 +234,6 @@ _DUAL_OPTIONS = {
     "prefetch_colsum": 1.25,
     "prefetch": 1.5,
     "prefetch_x": 0.0,
-    # ptxas register cap of the tile kernel with column sums (None: ptxas decides; 168, for 3
-    # programs per SM, spilled 22 registers and was no faster, fp8_quant_explore9.json).
-    "maxnreg_colsum": None,
     # Packed runs of x.T made by inline PTX (two x2 conversions and a move per word, sm_89+),
     # without / with column sums: dy with sums and the prefetch 0.3624 -> 0.3356 ms (71.0 ->
     # 76.7% of HBM; 8192 columns 72.5 -> 78.2%), without sums slower (86.4 -> 76.6%), and
@@ -423,13 +420,6 @@ def _prefetch_distance(x: torch.Tensor, cols: bool, col_tiles: bool, col_sum: bo
     return int(_DUAL_OPTIONS[key] * _sm_count(x.device))
 
 
-def _register_cap(x: torch.Tensor, cols: bool, col_tiles: bool, col_sum: bool) -> dict:
-    cap = _DUAL_OPTIONS["maxnreg_colsum"]
-    if cap is None or not (x.is_cuda and cols and col_sum and not col_tiles):
-        return {}
-    return {"maxnreg": cap}
-
-
 def _run_asm(x: torch.Tensor, col_sum: bool) -> bool:
     key = "t_run_asm_colsum" if col_sum else "t_run_asm"
     return _DUAL_OPTIONS[key] and x.is_cuda and _capability(x.device) >= (8, 9)
@@ -552,7 +542,6 @@ def _quantize_operand_triton(
             PREFETCH=prefetch,
             RUN_ASM=bool(t_run) and _run_asm(x, col_sum),
             num_warps=_tile_warps(cols, col_tiles, col_sum),
-            **_register_cap(x, cols, col_tiles, col_sum),
         )
     elif x.numel():
         x_arg, bf16_bits = _triton.float_arg(x, soft)
