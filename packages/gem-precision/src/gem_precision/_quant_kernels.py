@@ -637,6 +637,8 @@ def blockwise_tile_kernel(
     ``PREFETCH`` (> 0; needs ``EVEN`` and bfloat16 ``x``, compiled only): after loading its tile
     each program asks L2 for the tile of the program ``PREFETCH`` launches later
     (:func:`_prefetch_tile_l2`).
+    ``RUN_ASM`` (with ``T_RUN``; compiled for sm_89+ only): each packed word of ``qt`` is made by
+    inline PTX from its 4 float32 values (:func:`_store_fp8_t_runs`), same bits.
     """
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
