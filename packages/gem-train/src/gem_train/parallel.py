@@ -3,8 +3,8 @@
 torchrec's ``DistributedModelParallel`` shards the embedding tables and, by default, wraps the
 rest of the model in DDP. :class:`DenseParallel` decides what happens to that dense rest:
 
-* ``dense="ddp"``: torchrec's own DDP wrapper (unchanged behaviour), minus the expert
-  parameters when expert parallelism is on.
+* ``dense="ddp"``: torchrec's DDP wrapper with buckets fixed at construction (so that resume
+  is exact), minus the expert parameters when expert parallelism is on.
 * ``dense="fsdp"``: a ``DataParallelWrapper`` that applies FSDP2 (``gem_parallel.apply_fsdp``)
   over the ``(replicate, shard)`` dense mesh instead of DDP. The sharded tables and the expert
   parameters are left out (``ignored_params``).
@@ -336,8 +336,8 @@ class DenseParallel:
         )
         return planner.collective_plan(model, get_default_sharders(), dist.GroupMember.WORLD)
 
-    def data_parallel_wrapper(self, model: nn.Module) -> DataParallelWrapper | None:
-        """The wrapper DMP applies to the dense part (None: torchrec's default DDP)."""
+    def data_parallel_wrapper(self, model: nn.Module) -> DataParallelWrapper:
+        """The wrapper DMP applies to the dense part: FSDP2, or DDP with a fixed bucket layout."""
         if self.config.dense == "fsdp":
             assert self.mesh is not None
             self.fsdp_wrapper = FSDPWrapper(
@@ -347,11 +347,18 @@ class DenseParallel:
                 mx_all_gather=self.config.fsdp_all_gather == "mx",
             )
             return self.fsdp_wrapper
-        if self._expert_params:
-            ids = {id(p) for p in self._expert_params}
-            names = [name for name, p in model.named_parameters() if id(p) in ids]
-            return DefaultDataParallelWrapper(params_to_ignore=names)
-        return None
+        ids = {id(p) for p in self._expert_params}
+        names = [name for name, p in model.named_parameters() if id(p) in ids]
+        # DDP with static_graph (torchrec's default) reduces its first step's gradients in one
+        # bucket, then rebuilds the buckets in the order the gradients became ready. The
+        # all-reduce (gloo's and NCCL's rings alike) sums an element's ranks in an order set by
+        # its offset in the bucket, so a resumed job's first step, reduced in the first-step
+        # layout, differed in the last bits from the uninterrupted job's. Without the rebuild
+        # (the only public way: find_unused_parameters) the layout is fixed at construction and
+        # resume is exact; the cost is a host-side walk of the autograd graph per step.
+        return DefaultDataParallelWrapper(
+            static_graph=False, find_unused_parameters=True, params_to_ignore=names
+        )
 
     # ------------------------------------------------------------ optimizer
     def is_expert(self, parameter: torch.Tensor) -> bool:
@@ -506,7 +513,7 @@ class SparseParallel:
         mesh = DeviceMesh(
             self.device.type, ranks, mesh_dim_names=("sparse_replica", "model_parallel")
         )
-        wrapper = dense.data_parallel_wrapper(model) or DefaultDataParallelWrapper()
+        wrapper = dense.data_parallel_wrapper(model)
         self.sharded = shard_sparse(
             model,
             mesh,
