@@ -51,11 +51,29 @@ def make_inputs(lengths, generator):
     return sequence, sparse, dense
 
 
-@pytest.mark.parametrize("self_attention", ["jagged_flash", "block"])
-def test_forward_backward_reaches_every_parameter(self_attention):
+V1 = {
+    "attention_window": 4,
+    "position": "rope",
+    "ffn": "swiglu",
+    "history_cross": True,
+    "dhen_experts": ("attention", "mlp", "cross", "dot"),
+}
+ARCHITECTURES = {
+    "v0": {},
+    "block": {"self_attention": "block", "position": "rope"},
+    "v1": V1,
+    "v1-rel-pos": {**V1, "position": "rel_pos_bias"},
+    "v1-full-causal-gelu": {**V1, "attention_window": 0, "ffn": "gelu", "position": "none"},
+    "v1-no-target": {**V1, "target_attention": False},
+    "v1-two-layers": {**V1, "num_sequence_layers": 2},
+}
+
+
+@pytest.mark.parametrize("architecture", list(ARCHITECTURES))
+def test_forward_backward_reaches_every_parameter(architecture):
     generator = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    model = GemModel(make_config(self_attention=self_attention))
+    model = GemModel(make_config(**ARCHITECTURES[architecture]))
     # an empty history, a length-1 history, one at the cap, odd lengths
     sequence, sparse, dense = make_inputs([0, 1, 70, 5, 33], generator)
     logits = model(sequence, sparse, dense)
@@ -82,10 +100,11 @@ def test_history_changes_the_prediction_only_with_the_sequence_tower():
         assert differ == should_differ
 
 
-def test_prediction_of_a_sample_does_not_depend_on_the_rest_of_the_batch():
+@pytest.mark.parametrize("architecture", ["v0", "v1"])
+def test_prediction_of_a_sample_does_not_depend_on_the_rest_of_the_batch(architecture):
     generator = torch.Generator().manual_seed(2)
     torch.manual_seed(0)
-    model = GemModel(make_config()).eval()
+    model = GemModel(make_config(**ARCHITECTURES[architecture])).eval()
     sequence, sparse, dense = make_inputs([3, 0, 12, 7], generator)
     full = model(sequence, sparse, dense)
     for i in range(4):
@@ -109,15 +128,15 @@ def _take(jagged, index):
     return JaggedTensor(values=values, lengths=jagged.lengths()[index])
 
 
-@pytest.mark.parametrize("self_attention", ["jagged_flash", "block"])
-def test_bf16_attention_matches_fp32_and_keeps_the_residual_dtype(self_attention):
+@pytest.mark.parametrize("architecture", ["v0", "block", "v1", "v1-rel-pos"])
+def test_bf16_attention_matches_fp32_and_keeps_the_residual_dtype(architecture):
     """attention_dtype='bfloat16' (the Triton path on CUDA) changes only q/k/v rounding."""
     generator = torch.Generator().manual_seed(1)
     sequence, sparse, dense = make_inputs([0, 1, 70, 5, 33], generator)
     outputs, grads = [], []
     for dtype in ("float32", "bfloat16", "auto"):
         torch.manual_seed(0)
-        model = GemModel(make_config(self_attention=self_attention, attention_dtype=dtype))
+        model = GemModel(make_config(**ARCHITECTURES[architecture], attention_dtype=dtype))
         logits = model(sequence, sparse, dense)
         assert logits.dtype == torch.float32
         logits.sum().backward()
@@ -151,6 +170,11 @@ def test_too_long_history_is_rejected():
         ({"dropout": 1.5}, "dropout"),
         ({"attention_dtype": "float8"}, "attention_dtype"),
         ({"max_seq_len": 0}, "max_seq_len"),
+        ({"position": "alibi"}, "position must be one of"),
+        ({"ffn": "relu"}, "ffn must be one of"),
+        ({"attention_window": -1}, "attention_window must be an int >= 0"),
+        ({"self_attention": "block", "position": "rope", "attention_window": 8}, "'block'"),
+        ({"self_attention": "block"}, "position='rope'"),
     ],
 )
 def test_bad_config_is_rejected(changes, message):
@@ -174,6 +198,62 @@ def test_heads_start_at_the_base_rate():
 def test_new_dhen_layers_start_as_the_identity():
     from gem_model import DHENLayer
 
-    layer = DHENLayer(5, 16, 2, ("attention", "mlp", "cross"), 32, 0.0)
+    layer = DHENLayer(5, 16, 2, ("attention", "mlp", "cross", "dot"), 32, 0.0)
     tokens = torch.randn(3, 5, 16)
     torch.testing.assert_close(layer(tokens), tokens)
+
+
+@pytest.mark.parametrize("position", ["none", "rope", "rel_pos_bias"])
+def test_windowed_attention_sees_only_the_last_events(position):
+    """With window w, the last event's output depends on the w events before it, not earlier."""
+    from gem_model import JaggedSelfAttentionLayer
+
+    torch.manual_seed(0)
+    window, length = 3, 9
+    layer = JaggedSelfAttentionLayer(
+        16, 2, "jagged_flash", window=window, position=position, ffn="swiglu", max_len=length
+    )
+    if layer.rel_pos_bias is not None:
+        torch.nn.init.normal_(layer.rel_pos_bias)
+    tokens = torch.randn(length, 16)
+    offsets = torch.tensor([0, length])
+    positions = torch.arange(length)
+    base = layer(tokens, offsets, length, positions)[-1]
+    early, late = tokens.clone(), tokens.clone()
+    early[length - window - 2] = torch.randn(16)  # outside the last event's window
+    late[length - window - 1] = torch.randn(16)  # the oldest event inside it
+    torch.testing.assert_close(layer(early, offsets, length, positions)[-1], base)
+    assert not torch.allclose(layer(late, offsets, length, positions)[-1], base)
+
+
+def test_rope_makes_self_attention_depend_on_order():
+    """Without a position signal, causal attention of the last event over a permuted history
+    prefix is the same; with RoPE it is not."""
+    from gem_model import JaggedSelfAttentionLayer
+
+    torch.manual_seed(0)
+    tokens = torch.randn(6, 16)
+    swapped = tokens[[1, 0, 2, 3, 4, 5]]
+    offsets, positions = torch.tensor([0, 6]), torch.arange(6)
+    for position, same in (("none", True), ("rope", False)):
+        layer = JaggedSelfAttentionLayer(16, 2, "jagged_flash", position=position, max_len=6)
+        a = layer(tokens, offsets, 6, positions)[-1]
+        b = layer(swapped, offsets, 6, positions)[-1]
+        assert torch.allclose(a, b, atol=1e-5) == same, position
+
+
+def test_history_cross_reads_the_feature_tokens():
+    """The history cross makes each event depend on its own sample's feature tokens only."""
+    from gem_model import HistoryFeatureCrossAttention
+
+    torch.manual_seed(0)
+    cross = HistoryFeatureCrossAttention(16, 2, "silu")
+    tokens = torch.randn(7, 16)
+    offsets = torch.tensor([0, 0, 3, 7])  # an empty history first
+    features = torch.randn(3, 4, 16)
+    base = cross(tokens, offsets, 4, features)
+    changed = features.clone()
+    changed[1] = torch.randn(4, 16)
+    out = cross(tokens, offsets, 4, changed)
+    torch.testing.assert_close(out[3:], base[3:])
+    assert not torch.allclose(out[:3], base[:3])

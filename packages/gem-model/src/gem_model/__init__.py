@@ -1,10 +1,11 @@
 """gem-model: the GEM recommendation model (torchrec embeddings, jagged sequence tower, DHEN, CTR/CVR heads)."""
 
 from gem_model.config import GemArchitecture, GemModelConfig
-from gem_model.dhen import AttentionExpert, CrossExpert, DHENLayer, MLPExpert
+from gem_model.dhen import AttentionExpert, CrossExpert, DHENLayer, DotProductExpert, MLPExpert
 from gem_model.model import GemModel
 from gem_model.sequence import (
     CandidateCrossAttention,
+    HistoryFeatureCrossAttention,
     JaggedSelfAttentionLayer,
     PoolingByMultiheadAttention,
 )
@@ -17,6 +18,8 @@ __all__ = [
     "AttentionExpert",
     "MLPExpert",
     "CrossExpert",
+    "DotProductExpert",
+    "HistoryFeatureCrossAttention",
     "JaggedSelfAttentionLayer",
     "PoolingByMultiheadAttention",
     "CandidateCrossAttention",

@@ -9,7 +9,11 @@ __all__ = ["GemArchitecture", "GemModelConfig"]
 _SELF_ATTENTION_KINDS = ("jagged_flash", "block")
 ATTENTION_DTYPES = ("auto", "float32", "bfloat16", "float16")
 """Values of ``GemArchitecture.attention_dtype`` ("auto" or names of torch dtypes)."""
-_EXPERT_KINDS = ("attention", "mlp", "cross")
+_EXPERT_KINDS = ("attention", "mlp", "cross", "dot")
+POSITION_SIGNALS = ("none", "rope", "rel_pos_bias")
+"""Values of ``GemArchitecture.position``."""
+FFN_KINDS = ("gelu", "swiglu")
+"""Values of ``GemArchitecture.ffn``."""
 
 
 @dataclass(frozen=True)
@@ -23,7 +27,26 @@ class GemArchitecture:
     num_sequence_layers: int = 1
     """Self-attention layers over the history."""
     self_attention: str = "jagged_flash"
-    """'jagged_flash' (causal softmax attention over the whole history) or 'block' (64-token blocks with RoPE)."""
+    """'jagged_flash' (causal softmax attention, windowed by ``attention_window``) or 'block'
+    (full attention inside 64-token blocks, RoPE fused into the kernel)."""
+    attention_window: int = 0
+    """'jagged_flash': each event attends to itself and the ``attention_window`` events before
+    it (JFA ``window=(w, 0)`` with causal); 0 attends to the whole history before it."""
+    position: str = "none"
+    """Position signal of the self-attention: 'rope' (rotary q and k by the event's index in
+    its history), 'rel_pos_bias' (a learned per-head bias per causal distance, inside JFA) or
+    'none'. Every event token also carries the learned recency embedding (its distance from
+    the end of the history), which the pooling and cross-attention read. 'block' attention
+    always applies RoPE in its kernel and needs 'rope'."""
+    ffn: str = "gelu"
+    """Feed-forward of the sequence layers: 'gelu' (d -> 4d -> d) or 'swiglu' (d -> 8d/3 -> d,
+    gated)."""
+    history_cross: bool = False
+    """GEM's user x ad cross-attention: every history event attends over the sample's
+    non-sequence feature tokens (ad, pooled sparse features, dense projection) through GDPA
+    cross (long jagged queries, short keys and values)."""
+    target_attention: bool = True
+    """The candidate ad's query attends over the history (GDPA, one query per sample)."""
     pma_queries: int = 4
     """Learned queries of the PMA pooling that compresses the history into this many tokens."""
     sequence_activation: str = "silu"
@@ -31,7 +54,9 @@ class GemArchitecture:
     dhen_layers: int = 2
     """Stacked DHEN interaction layers over the feature tokens."""
     dhen_experts: tuple[str, ...] = ("attention", "mlp", "cross")
-    """Experts of every DHEN layer; their outputs are summed (so they can be split across ranks)."""
+    """Experts of every DHEN layer, drawn from 'attention' (self-attention over the feature
+    tokens), 'mlp', 'cross' (DCN-v2, low rank) and 'dot' (pairwise dot products of the tokens,
+    FM-style); their outputs are summed (so they can be split across ranks)."""
     expert_hidden_dim: int = 128
     """Hidden width of the MLP expert and of the task heads."""
     dropout: float = 0.0
@@ -66,6 +91,23 @@ class GemArchitecture:
         for name in ("pma_queries", "expert_hidden_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.position not in POSITION_SIGNALS:
+            raise ValueError(f"position must be one of {POSITION_SIGNALS}, got {self.position!r}")
+        if self.ffn not in FFN_KINDS:
+            raise ValueError(f"ffn must be one of {FFN_KINDS}, got {self.ffn!r}")
+        window = self.attention_window
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"attention_window must be an int >= 0, got {window!r}")
+        if self.self_attention == "block" and window:
+            raise ValueError(
+                "attention_window applies to self_attention='jagged_flash'; 'block' attends "
+                f"within 64-token blocks (got attention_window={window})"
+            )
+        if self.self_attention == "block" and self.position != "rope":
+            raise ValueError(
+                "self_attention='block' applies RoPE inside its kernel: set position='rope' "
+                f"(got {self.position!r})"
+            )
         if self.attention_dtype not in ATTENTION_DTYPES:
             raise ValueError(
                 f"attention_dtype must be one of {ATTENTION_DTYPES}, got {self.attention_dtype!r}"

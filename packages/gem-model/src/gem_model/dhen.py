@@ -1,7 +1,7 @@
 """DHEN interaction stack: layers of heterogeneous experts over the feature tokens.
 
 Each layer normalises its input, sums the outputs of its experts (attention
-across tokens, an MLP over all tokens, a low-rank cross network) and adds them
+across tokens, an MLP over all tokens, a low-rank cross network, pairwise dot products) and adds them
 to the residual stream. Pre-norm keeps an identity path from every feature
 token to the heads, and every expert's output layer starts at zero, so a new
 layer is the identity: on noisy click labels, randomly initialised experts
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["AttentionExpert", "MLPExpert", "CrossExpert", "DHENLayer"]
+__all__ = ["AttentionExpert", "MLPExpert", "CrossExpert", "DotProductExpert", "DHENLayer"]
 
 
 class AttentionExpert(nn.Module):
@@ -68,6 +68,22 @@ class CrossExpert(nn.Module):
         return (flat * self.up(self.down(flat))).view_as(tokens)
 
 
+class DotProductExpert(nn.Module):
+    """FM-style interaction: the dot products of every pair of tokens (and each token with
+    itself), scaled by ``dim ** -0.5``, mapped back to the tokens by a linear layer."""
+
+    def __init__(self, num_tokens: int, dim: int) -> None:
+        super().__init__()
+        rows, cols = torch.triu_indices(num_tokens, num_tokens)
+        self.register_buffer("pairs", rows * num_tokens + cols, persistent=False)
+        self.scale = dim**-0.5
+        self.out = nn.Linear(rows.numel(), num_tokens * dim)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        gram = torch.bmm(tokens, tokens.transpose(1, 2)).flatten(1) * self.scale
+        return self.out(gram[:, self.pairs]).view_as(tokens)
+
+
 class DHENLayer(nn.Module):
     """One DHEN layer: ``x + sum_e expert_e(norm(x))``."""
 
@@ -89,6 +105,8 @@ class DHENLayer(nn.Module):
                 built.append(MLPExpert(num_tokens, dim, hidden_dim, dropout))
             elif kind == "cross":
                 built.append(CrossExpert(num_tokens, dim, max(1, hidden_dim // 4)))
+            elif kind == "dot":
+                built.append(DotProductExpert(num_tokens, dim))
             else:
                 raise ValueError(f"unknown DHEN expert kind {kind!r}")
         self.experts = nn.ModuleList(built)

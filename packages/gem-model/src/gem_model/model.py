@@ -20,6 +20,7 @@ from gem_model.config import GemModelConfig
 from gem_model.dhen import DHENLayer
 from gem_model.sequence import (
     CandidateCrossAttention,
+    HistoryFeatureCrossAttention,
     JaggedSelfAttentionLayer,
     PoolingByMultiheadAttention,
 )
@@ -39,7 +40,7 @@ def _select_keys(features: KeyedJaggedTensor, keys: list[str]) -> KeyedJaggedTen
 
 
 class GemModel(nn.Module):
-    """GEM v0 for CTR/CVR prediction.
+    """GEM for CTR/CVR prediction.
 
     Inputs (one batch of ``B`` users):
 
@@ -51,9 +52,13 @@ class GemModel(nn.Module):
     Returns ``(B, len(config.tasks))`` logits.
 
     The history tokens are the sum of the history features' embeddings plus a
-    learned recency embedding. The candidate feature shares its table with
-    ``candidate_history_feature``, so the candidate and the history meet in one
-    embedding space. Pass ``device=torch.device("meta")`` when torchrec's
+    learned recency embedding. They pass the self-attention layers (windowed, with the
+    architecture's position signal), then, with ``history_cross``, attend over the sample's
+    non-sequence feature tokens; PMA pools them into a few tokens and, with
+    ``target_attention``, the candidate's query reads them. The candidate feature shares its
+    table with ``candidate_history_feature``, so the candidate and the history meet in one
+    embedding space. The feature tokens (pooled sparse features, the dense projection, and
+    the sequence tower's tokens and the candidate's embedding) go through DHEN to the heads. Pass ``device=torch.device("meta")`` when torchrec's
     ``DistributedModelParallel`` will shard and materialise the tables.
     """
 
@@ -120,19 +125,38 @@ class GemModel(nn.Module):
             )
             self.sequence_layers = nn.ModuleList(
                 JaggedSelfAttentionLayer(
-                    dim, arch.num_heads, arch.self_attention, arch.dropout, attention_dtype
+                    dim,
+                    arch.num_heads,
+                    arch.self_attention,
+                    arch.dropout,
+                    attention_dtype,
+                    window=arch.attention_window,
+                    position=arch.position,
+                    ffn=arch.ffn,
+                    max_len=config.max_seq_len,
                 )
                 for _ in range(arch.num_sequence_layers)
+            )
+            self.history_cross = (
+                HistoryFeatureCrossAttention(
+                    dim, arch.num_heads, arch.sequence_activation, attention_dtype
+                )
+                if arch.history_cross
+                else None
             )
             self.sequence_norm = nn.LayerNorm(dim)
             self.pma = PoolingByMultiheadAttention(
                 dim, arch.num_heads, arch.pma_queries, arch.sequence_activation, attention_dtype
             )
-            self.cross_attention = CandidateCrossAttention(
-                dim, arch.num_heads, arch.sequence_activation, attention_dtype
+            self.cross_attention = (
+                CandidateCrossAttention(
+                    dim, arch.num_heads, arch.sequence_activation, attention_dtype
+                )
+                if arch.target_attention
+                else None
             )
-            # PMA tokens, the cross-attention token, and the candidate's own embedding.
-            num_tokens += arch.pma_queries + 2
+            # PMA tokens, the target-attention token, and the candidate's own embedding.
+            num_tokens += arch.pma_queries + (1 if arch.target_attention else 0) + 1
 
         self.num_tokens = num_tokens
         self.interaction = nn.Sequential(
@@ -178,14 +202,19 @@ class GemModel(nn.Module):
         if config.use_sequence_tower:
             if sequence_features is None:
                 raise ValueError("sequence_features is required when use_sequence_tower=True")
-            tokens.extend(self._sequence_tokens(sequence_features, sparse_features))
+            tokens.extend(self._sequence_tokens(sequence_features, sparse_features, tokens))
         features = torch.stack(tokens, dim=1)
         features = self.interaction_norm(self.interaction(features)).flatten(1)
         return torch.cat([self.heads[task](features) for task in config.tasks], dim=1)
 
     def _sequence_tokens(
-        self, sequence_features: KeyedJaggedTensor, sparse_features: KeyedJaggedTensor
+        self,
+        sequence_features: KeyedJaggedTensor,
+        sparse_features: KeyedJaggedTensor,
+        feature_tokens: list[torch.Tensor],
     ) -> list[torch.Tensor]:
+        """The sequence tower's tokens, then the candidate's embedding; ``feature_tokens`` (the
+        pooled sparse and dense tokens, each ``(B, dim)``) are the history cross's keys."""
         config = self.config
         candidate = sparse_features[config.candidate_feature]
         lookup = KeyedJaggedTensor.concat(
@@ -217,13 +246,10 @@ class GemModel(nn.Module):
             lengths,
             output_size=tokens.shape[0],  # known: no host sync
         )
-        from_end = (
-            offsets[1:][sample_of_token] - 1 - torch.arange(tokens.shape[0], device=tokens.device)
-        )
+        token_index = torch.arange(tokens.shape[0], device=tokens.device)
+        from_end = offsets[1:][sample_of_token] - 1 - token_index
+        positions = token_index - offsets[:-1][sample_of_token]  # index in the history (RoPE)
         tokens = self.token_norm(tokens + self.recency(from_end))
-        for layer in self.sequence_layers:
-            tokens = layer(tokens, offsets, config.max_seq_len)
-        tokens = self.sequence_norm(tokens)
 
         # The candidate has exactly one id per sample; its embedding comes from the shared table.
         candidate_embedding = embedded[config.candidate_feature].values()
@@ -231,6 +257,15 @@ class GemModel(nn.Module):
             raise ValueError(
                 f"sparse_features[{config.candidate_feature!r}] must hold exactly one id per sample"
             )
-        pma_tokens = self.pma(tokens, offsets, config.max_seq_len)
-        cross_token = self.cross_attention(candidate_embedding, tokens, offsets, config.max_seq_len)
-        return [*pma_tokens.unbind(1), cross_token, candidate_embedding]
+        max_len = config.max_seq_len
+        for layer in self.sequence_layers:
+            tokens = layer(tokens, offsets, max_len, positions)
+        if self.history_cross is not None:
+            features = torch.stack([*feature_tokens, candidate_embedding], dim=1)
+            tokens = self.history_cross(tokens, offsets, max_len, features)
+        tokens = self.sequence_norm(tokens)
+        pma_tokens = self.pma(tokens, offsets, max_len)
+        if self.cross_attention is None:
+            return [*pma_tokens.unbind(1), candidate_embedding]
+        target_token = self.cross_attention(candidate_embedding, tokens, offsets, max_len)
+        return [*pma_tokens.unbind(1), target_token, candidate_embedding]

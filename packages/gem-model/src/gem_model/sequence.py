@@ -1,4 +1,5 @@
-"""Sequence tower: jagged self-attention over the history, PMA pooling and candidate cross-attention.
+"""Sequence tower: jagged self-attention over the history, history x feature cross-attention,
+PMA pooling and candidate cross-attention.
 
 Every layer works on the jagged layout (tokens of all samples concatenated plus
 ``offsets``), so no sample is ever padded to the longest history.
@@ -8,9 +9,57 @@ from __future__ import annotations
 
 import torch
 from gem_kernels import block_attention, gdpa, jagged_flash_attention
+from gem_kernels.reference import apply_rope
 from torch import nn
+from torch.nn import functional as F
 
-__all__ = ["JaggedSelfAttentionLayer", "PoolingByMultiheadAttention", "CandidateCrossAttention"]
+__all__ = [
+    "JaggedSelfAttentionLayer",
+    "HistoryFeatureCrossAttention",
+    "PoolingByMultiheadAttention",
+    "CandidateCrossAttention",
+    "rel_pos_buckets",
+    "swiglu_hidden_dim",
+]
+
+# JFA's Triton kernels take rel_pos_bias tables of up to this many buckets.
+_MAX_REL_POS_BUCKETS = 2048
+
+
+def rel_pos_buckets(window: int, max_len: int) -> int:
+    """Buckets of the learned relative-position bias: one per visible causal distance
+    ``0 .. span`` (JFA's table is centred on distance 0, so it has ``2 * (span + 1)`` entries),
+    where ``span`` is the window, or the history cap; longer distances share the last bucket."""
+    span = min(window if window else max_len, _MAX_REL_POS_BUCKETS // 2 - 1)
+    return 2 * (span + 1)
+
+
+def swiglu_hidden_dim(dim: int) -> int:
+    """SwiGLU's hidden width: 8/3 of ``dim`` (the GELU FFN's 4x at equal parameters and FLOPs),
+    rounded up to a multiple of 16 for the GEMM tiles."""
+    return -(-8 * dim // 3 // 16) * 16
+
+
+class _FeedForward(nn.Module):
+    """Pre-norm FFN: ``gelu`` (d -> 4d -> d) or ``swiglu`` (gated, d -> 8d/3 -> d)."""
+
+    def __init__(self, dim: int, kind: str, dropout: float) -> None:
+        super().__init__()
+        self.kind = kind
+        hidden = 4 * dim if kind == "gelu" else swiglu_hidden_dim(dim)
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden if kind == "gelu" else 2 * hidden)
+        self.dropout = nn.Dropout(dropout)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.up(self.norm(tokens))
+        if self.kind == "gelu":
+            hidden = F.gelu(hidden)
+        else:
+            gate, value = hidden.chunk(2, dim=-1)
+            hidden = F.silu(gate) * value
+        return self.down(self.dropout(hidden))
 
 
 def _cast(dtype: torch.dtype | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -22,7 +71,14 @@ def _cast(dtype: torch.dtype | None, *tensors: torch.Tensor) -> tuple[torch.Tens
 
 
 class JaggedSelfAttentionLayer(nn.Module):
-    """Pre-norm transformer layer with causal softmax attention over each history."""
+    """Pre-norm transformer layer: causal softmax attention over each history, then an FFN.
+
+    ``kind="jagged_flash"`` sees the last ``window + 1`` events up to each query (``window=0``:
+    the whole history before it) with a position signal: ``"rope"`` (rotary q and k by each
+    event's index in its history), ``"rel_pos_bias"`` (a learned per-head bias per causal
+    distance, added inside JFA) or ``"none"``. ``kind="block"`` is full attention inside
+    64-token blocks with RoPE fused into the kernel.
+    """
 
     def __init__(
         self,
@@ -31,33 +87,119 @@ class JaggedSelfAttentionLayer(nn.Module):
         kind: str,
         dropout: float = 0.0,
         attention_dtype: torch.dtype | None = None,
+        *,
+        window: int = 0,
+        position: str = "none",
+        ffn: str = "gelu",
+        max_len: int = 1,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.kind = kind
         self.attention_dtype = attention_dtype
+        self.window = window
+        self.position = position
         self.attn_norm = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.attn_out = nn.Linear(dim, dim)
-        self.ffn_norm = nn.LayerNorm(dim)
-        self.ffn = nn.Sequential(
-            nn.Linear(dim, 4 * dim), nn.GELU(), nn.Dropout(dropout), nn.Linear(4 * dim, dim)
+        self.rel_pos_bias = (
+            nn.Parameter(torch.zeros(num_heads, rel_pos_buckets(window, max_len)))
+            if position == "rel_pos_bias"
+            else None
         )
+        self.ffn = _FeedForward(dim, ffn, dropout)
 
-    def forward(self, tokens: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        offsets: torch.Tensor,
+        max_len: int,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``positions``: each token's index in its history (needed for ``"rope"``)."""
         num_tokens, dim = tokens.shape
         q, k, v = (
             self.qkv(self.attn_norm(tokens))
             .view(num_tokens, 3, self.num_heads, dim // self.num_heads)
             .unbind(1)
         )
+        if self.position == "rope" and self.kind != "block":
+            if positions is None:
+                raise ValueError("position='rope' needs the tokens' positions")
+            q, k = apply_rope(q, positions), apply_rope(k, positions)
         q, k, v = _cast(self.attention_dtype, q, k, v)
         if self.kind == "block":
             attended = block_attention(q, k, v, offsets, max_len)
         else:
-            attended = jagged_flash_attention(q, k, v, offsets, max_q=max_len, causal=True)
+            attended = jagged_flash_attention(
+                q,
+                k,
+                v,
+                offsets,
+                max_q=max_len,
+                causal=True,
+                window=(self.window, 0) if self.window else None,
+                rel_pos_bias=self.rel_pos_bias,
+            )
         tokens = tokens + self.attn_out(attended.reshape(num_tokens, dim).to(tokens.dtype))
-        return tokens + self.ffn(self.ffn_norm(tokens))
+        return tokens + self.ffn(tokens)
+
+
+class HistoryFeatureCrossAttention(nn.Module):
+    """GEM's user x ad cross-attention: every history event (long, jagged queries) attends over
+    its sample's non-sequence feature tokens (short keys and values: the ad, the pooled sparse
+    features, the dense projection) through GDPA cross, and the result is added to the event.
+
+    Complements :class:`CandidateCrossAttention`, where the one candidate query reads the
+    history: here each event learns how it relates to this ad and user before it is pooled.
+    GDPA's values are averaged over the fixed number of feature tokens.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        activation: str,
+        attention_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.activation = activation
+        self.attention_dtype = attention_dtype
+        self.query_norm = nn.LayerNorm(dim)
+        self.q_proj = nn.Linear(dim, dim)
+        self.feature_norm = nn.LayerNorm(dim)
+        self.kv_proj = nn.Linear(dim, 2 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(
+        self, tokens: torch.Tensor, offsets: torch.Tensor, max_len: int, features: torch.Tensor
+    ) -> torch.Tensor:
+        """``tokens`` ``(T, dim)`` jagged by ``offsets``; ``features`` ``(B, F, dim)``."""
+        batch_size, num_features, dim = features.shape
+        head_dim = dim // self.num_heads
+        q = self.q_proj(self.query_norm(tokens)).view(-1, self.num_heads, head_dim)
+        k, v = (
+            self.kv_proj(self.feature_norm(features))
+            .view(batch_size * num_features, 2, self.num_heads, head_dim)
+            .unbind(1)
+        )
+        q, k, v = _cast(self.attention_dtype, q, k, v)
+        feature_offsets = torch.arange(
+            0, (batch_size + 1) * num_features, num_features, device=offsets.device
+        ).to(offsets.dtype)
+        attended = gdpa(
+            q,
+            k,
+            v,
+            q_offsets=offsets,
+            k_offsets=feature_offsets,
+            max_q=max_len,
+            max_k=num_features,
+            activation=self.activation,
+            normalize_by_length=True,
+        )
+        return tokens + self.out(attended.reshape(-1, dim).to(tokens.dtype))
 
 
 class PoolingByMultiheadAttention(nn.Module):

@@ -130,11 +130,18 @@ class ExpertParallelDHENLayer(nn.Module):
 
 
 def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
-    """The GEM model's FSDP units in forward order: sequence layers, PMA, cross-attention,
-    interaction layers and task heads. The root unit keeps the small rest (norms, recency,
+    """The GEM model's FSDP units in forward order: sequence layers, the history cross, PMA,
+    the target attention, interaction layers and task heads. The root unit keeps the small rest (norms, recency,
     dense projection); the torchrec-sharded tables are never FSDP units."""
     blocks: list[nn.Module] = []
-    for name in ("sequence_layers", "pma", "cross_attention", "interaction", "heads"):
+    for name in (
+        "sequence_layers",
+        "history_cross",
+        "pma",
+        "cross_attention",
+        "interaction",
+        "heads",
+    ):
         child = getattr(model, name, None)
         if child is None:
             continue
