@@ -16,7 +16,7 @@ from gem_precision.fsdp_fp8 import (
     enable_mx_all_gather,
     mx_all_gather_bytes,
 )
-from gem_precision.fused_norm import Fp8NormLinear, norm_quantize
+from gem_precision.fused_norm import Fp8NormLinear, NormLinear, norm_quantize
 from gem_precision.hadamard import (
     hadamard_matrix,
     inverse_random_hadamard_transform,
@@ -87,6 +87,7 @@ __all__ = [
     "random_hadamard_transform",
     "stochastic_round_to_fp8",
     "Fp8NormLinear",
+    "NormLinear",
     "Fp8Operand",
     "MxKernelConfig",
     "dequantize_mx_triton",

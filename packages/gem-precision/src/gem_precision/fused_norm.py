@@ -13,11 +13,16 @@ Where Triton cannot run (CPU without ``TRITON_INTERPRET=1``) or the recipe needs
 (tensorwise, stochastic rounding, bf16 wgrad, Hadamard, MXFP8), :class:`Fp8NormLinear` computes
 the norm in float32 with PyTorch and hands it to :class:`~gem_precision.Fp8Linear`: the same
 numerics, unfused.
+
+:class:`NormLinear` is the high-precision module a model is built from: plain
+``F.layer_norm`` / ``F.rms_norm`` then ``nn.Linear``, with Fp8NormLinear's parameter names, so
+:func:`~gem_precision.convert_to_fp8` can turn it into an :class:`Fp8NormLinear` in place.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gem_precision import _triton
@@ -33,7 +38,7 @@ from gem_precision.linear import Fp8Linear, Fp8Recipe, _gemm_out_dtype, _path
 from gem_precision.mx import MX_ELEMENT_DTYPES
 from gem_precision.scaled_gemm import scaled_mm_nt
 
-__all__ = ["Fp8NormLinear", "norm_forward_reference", "norm_quantize"]
+__all__ = ["Fp8NormLinear", "NormLinear", "norm_forward_reference", "norm_quantize"]
 
 _KINDS = ("rms", "layer")
 
@@ -365,6 +370,93 @@ class _FusedNormFp8LinearFunction(torch.autograd.Function):
         return tuple(grads)
 
 
+def _init_norm(module, in_features, out_features, norm, eps, elementwise_affine, device, dtype):
+    """Checks the arguments shared by :class:`NormLinear` and :class:`Fp8NormLinear` and gives
+    ``module`` its ``norm``, ``eps``, ``norm_weight`` and ``norm_bias`` (one place, so the two
+    stay interchangeable)."""
+    for name, value in (("in_features", in_features), ("out_features", out_features)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if norm not in _KINDS:
+        raise ValueError(f"norm must be 'rms' or 'layer', got {norm!r}")
+    if not isinstance(eps, float) or eps <= 0:
+        raise ValueError(f"eps must be a positive float, got {eps!r}")
+    module.norm, module.eps = norm, eps
+    factory = {"device": device, "dtype": dtype}
+    module.norm_weight = (
+        nn.Parameter(torch.ones(in_features, **factory)) if elementwise_affine else None
+    )
+    module.norm_bias = (
+        nn.Parameter(torch.zeros(in_features, **factory))
+        if elementwise_affine and norm == "layer"
+        else None
+    )
+
+
+class NormLinear(nn.Module):
+    """``Linear(Norm(x))`` in high precision: the module to build a model's norm -> linear pairs
+    from, so that :func:`~gem_precision.convert_to_fp8` can fuse the norm into the FP8
+    quantisation of the GEMM input (it becomes an :class:`Fp8NormLinear`) wherever the policy
+    selects the linear.
+
+    The forward is ``F.layer_norm`` (or ``F.rms_norm``) then ``self.linear``: the same ops as
+    ``nn.LayerNorm`` (``nn.RMSNorm``) + ``nn.Linear``, bit for bit, with nothing added. The
+    default ``eps`` is ``nn.LayerNorm``'s (``Fp8NormLinear`` defaults to RMSNorm with 1e-6;
+    conversion keeps the ``norm`` and ``eps`` of the module it replaces).
+
+    Args:
+        in_features, out_features, bias: as :class:`torch.nn.Linear`.
+        norm: ``"layer"`` (LayerNorm, scale and shift) or ``"rms"`` (RMSNorm, scale only).
+        eps: the norm's epsilon.
+        elementwise_affine: learn the norm's scale (and shift for LayerNorm).
+
+    Parameters, named like :class:`Fp8NormLinear`'s so state dicts carry over:
+    ``norm_weight`` / ``norm_bias`` (the norm's), ``linear.weight`` / ``linear.bias`` (an
+    :class:`torch.nn.Linear`, which ``convert_to_bf16_gemms`` may swap on its own).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        norm: str = "layer",
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        _init_norm(self, in_features, out_features, norm, eps, elementwise_affine, device, dtype)
+        self.linear = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``linear(norm(x))`` over the last dim; leading dims are kept."""
+        shape = (self.linear.in_features,)
+        if self.norm == "layer":
+            y = F.layer_norm(x, shape, self.norm_weight, self.norm_bias, self.eps)
+        else:
+            y = F.rms_norm(x, shape, self.norm_weight, self.eps)
+        return self.linear(y)
+
+    def extra_repr(self) -> str:
+        return f"norm={self.norm!r}, eps={self.eps}"
+
+
+def _fp8_norm_linear(module: NormLinear, recipe: Fp8Recipe) -> Fp8NormLinear:
+    """The :class:`Fp8NormLinear` of ``module`` (what :func:`~gem_precision.convert_to_fp8`
+    puts in its place), holding its parameters (shared, not copied, so optimizers and state
+    dicts keep working) and its norm, eps and train/eval mode."""
+    new = Fp8NormLinear.__new__(Fp8NormLinear)
+    nn.Module.__init__(new)
+    new.norm, new.eps = module.norm, module.eps
+    new.norm_weight = module.norm_weight
+    new.norm_bias = module.norm_bias
+    new.linear = Fp8Linear.from_linear(module.linear, recipe)
+    return new.train(module.training)
+
+
 class Fp8NormLinear(nn.Module):
     """``Linear(Norm(x))`` with the norm fused into the FP8 quantisation of the GEMM input.
 
@@ -393,21 +485,10 @@ class Fp8NormLinear(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if norm not in _KINDS:
-            raise ValueError(f"norm must be 'rms' or 'layer', got {norm!r}")
-        if not isinstance(eps, float) or eps <= 0:
-            raise ValueError(f"eps must be a positive float, got {eps!r}")
-        self.norm, self.eps = norm, eps
-        factory = {"device": device, "dtype": dtype}
-        self.norm_weight = (
-            nn.Parameter(torch.ones(in_features, **factory)) if elementwise_affine else None
+        _init_norm(self, in_features, out_features, norm, eps, elementwise_affine, device, dtype)
+        self.linear = Fp8Linear(
+            in_features, out_features, bias=bias, recipe=recipe, device=device, dtype=dtype
         )
-        self.norm_bias = (
-            nn.Parameter(torch.zeros(in_features, **factory))
-            if elementwise_affine and norm == "layer"
-            else None
-        )
-        self.linear = Fp8Linear(in_features, out_features, bias=bias, recipe=recipe, **factory)
 
     def _fused(self, x: torch.Tensor) -> tuple[bool, bool]:
         recipe = self.linear.recipe

@@ -531,7 +531,8 @@ class PrecisionPolicy:
 
     A layer is converted when its qualified name matches one of ``include``, matches none of
     ``exclude``, is not in ``keep_high_precision`` and ``min(in_features, out_features) >=
-    min_features``. Patterns are :mod:`fnmatch` globs on the dotted module name.
+    min_features``. Patterns are :mod:`fnmatch` globs on the dotted module name. The linear of
+    a :class:`~gem_precision.NormLinear` is one of these layers, named ``<name>.linear``.
     """
 
     include: tuple[str, ...] = ("*",)
@@ -576,7 +577,8 @@ class ConversionReport:
     """What :func:`convert_to_fp8` did."""
 
     converted: list[str] = field(default_factory=list)
-    """Qualified names of the layers replaced by :class:`Fp8Linear`."""
+    """Qualified names of the layers replaced by :class:`Fp8Linear` (``<name>.linear`` for a
+    :class:`~gem_precision.NormLinear` replaced by an :class:`~gem_precision.Fp8NormLinear`)."""
     kept: dict[str, str] = field(default_factory=dict)
     """Linear layers left alone, with the reason."""
 
@@ -590,11 +592,18 @@ class ConversionReport:
 def convert_to_fp8(module: nn.Module, policy: PrecisionPolicy | None = None) -> ConversionReport:
     """Replace (in place) the ``nn.Linear`` children of ``module`` selected by ``policy``.
 
-    Converted layers share their parameters with the originals, so optimizers built before the
-    conversion keep working. Layers that are already :class:`Fp8Linear` are left as they are.
-    Raises ``ValueError`` if a name in ``policy.keep_high_precision`` is not a linear layer of
-    ``module``.
+    A selected linear that is the ``linear`` of a :class:`~gem_precision.NormLinear` (named
+    ``<name>.linear``) does not become an :class:`Fp8Linear` on its own: the whole NormLinear
+    becomes an :class:`~gem_precision.Fp8NormLinear` (norm fused into the quantisation of the
+    GEMM input) with the same norm, eps and parameter names. Converted layers share their
+    parameters with the originals, so optimizers built before the conversion keep working and
+    state dict keys do not change. Layers that are already :class:`Fp8Linear` are left as they
+    are. Raises ``ValueError`` if a name in ``policy.keep_high_precision`` is not a linear layer
+    of ``module``.
     """
+    # fused_norm builds on this module (Fp8Linear), so it can only be imported at call time.
+    from gem_precision.fused_norm import NormLinear, _fp8_norm_linear
+
     policy = policy or PrecisionPolicy()
     report = ConversionReport()
     report.converted, report.kept = _swap_linears(
@@ -603,6 +612,7 @@ def convert_to_fp8(module: nn.Module, policy: PrecisionPolicy | None = None) -> 
         lambda linear: Fp8Linear.from_linear(linear, policy.recipe),
         skip=(Fp8Linear,),
         hint="wrap it with Fp8Linear.from_linear",
+        owner=(NormLinear, lambda norm_linear: _fp8_norm_linear(norm_linear, policy.recipe)),
     )
     return report
 
@@ -627,12 +637,15 @@ def _swap_linears(
     *,
     skip: tuple[type, ...],
     hint: str,
+    owner: tuple[type, Callable[[nn.Module], nn.Module]] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """Replace in place every ``nn.Linear`` of ``module`` that ``policy`` does not keep.
 
     Layers that are instances of ``skip`` (already converted) are left alone. Returns the names
     replaced by ``make(linear)`` and, for the kept ones, the policy's reason. ``hint`` says what
-    to do instead when ``module`` itself is a linear layer.
+    to do instead when ``module`` itself is a linear layer. With ``owner=(cls, make_owner)``, a
+    selected linear that is the ``linear`` child of a ``cls`` module is converted by replacing
+    that module with ``make_owner(it)`` (under the linear's name in the result).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
@@ -660,6 +673,15 @@ def _swap_linears(
             raise ValueError(f"module itself is an nn.Linear; {hint}")
         parent_name, _, child_name = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, child_name, make(linear))
+        if owner is not None and isinstance(parent, owner[0]) and child_name == "linear":
+            if not parent_name:
+                raise ValueError(
+                    f"module itself is a {owner[0].__name__}; convert a module that contains it"
+                )
+            outer_name, _, attr = parent_name.rpartition(".")
+            outer = module.get_submodule(outer_name) if outer_name else module
+            setattr(outer, attr, owner[1](parent))
+        else:
+            setattr(parent, child_name, make(linear))
         converted.append(name)
     return converted, kept
