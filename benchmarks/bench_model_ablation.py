@@ -9,6 +9,9 @@ architecture, so every row can be rerun by hand:
     uv run --extra cpu gem-train --recipe tiny --set compare_no_sequence=false --set seed=1 \\
         --set model.history_cross=false          # the v1-no-gem-cross row of seed 1
 
+Runs that do not fit one sitting go by ``--variants`` subsets into separate files, joined by
+``--merge a.json b.json --out model_ablation.json``.
+
 Rows: case ``<task>/seed<N>``, provider the variant, metric ``ne``; per variant and task the
 case ``<task>`` with ``ne_mean`` and ``ne_sem`` (standard error of the mean over seeds).
 """
@@ -48,7 +51,6 @@ VARIANTS = {
     "v1-no-window": {**V1, "model.attention_window": "0"},
     "v1-no-gem-cross": {**V1, "model.history_cross": "false"},
     "v1-no-target": {**V1, "model.target_attention": "false"},
-    "v1-rope": {**V1, "model.position": "rope"},
     "v1-rel-pos": {**V1, "model.position": "rel_pos_bias"},
     "v1-no-position": {**V1, "model.position": "none"},
 }
@@ -87,7 +89,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--data-dir", default=str(ROOT / "data" / "tiny"))
     parser.add_argument("--work-dir", default=str(ROOT / "runs" / "model_ablation"))
+    parser.add_argument("--merge", nargs="+", help="join result files of disjoint variants")
     args = parser.parse_args()
+    if args.merge:
+        parts = [json.loads(Path(path).read_text()) for path in args.merge]
+        merged = {**parts[0]["meta"], "merged_from": [part["meta"] for part in parts]}
+        merged["variants"] = {k: v for part in parts for k, v in part["meta"]["variants"].items()}
+        write_results(Path(args.out), merged, [row for part in parts for row in part["rows"]])
+        return
     seeds = [int(s) for s in args.seeds.split(",")]
     variants = args.variants.split(",")
     unknown = sorted(set(variants) - set(VARIANTS))

@@ -141,7 +141,7 @@ def test_bf16_attention_matches_fp32_and_keeps_the_residual_dtype(architecture):
         assert logits.dtype == torch.float32
         logits.sum().backward()
         outputs.append(logits.detach())
-        grads.append(model.sequence_layers[0].qkv.weight.grad.clone())
+        grads.append(model.sequence_layers[0].qkv.linear.weight.grad.clone())
     torch.testing.assert_close(outputs[1], outputs[0], atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(outputs[2], outputs[0], atol=0, rtol=0)  # auto on CPU: float32
     scale = grads[0].abs().max()

@@ -2,6 +2,7 @@
 
 from gem_model.config import GemArchitecture, GemModelConfig
 from gem_model.dhen import AttentionExpert, CrossExpert, DHENLayer, DotProductExpert, MLPExpert
+from gem_model.flops import ModelFlops, model_flops
 from gem_model.model import GemModel
 from gem_model.sequence import (
     CandidateCrossAttention,
@@ -12,6 +13,8 @@ from gem_model.sequence import (
 
 __all__ = [
     "GemModel",
+    "ModelFlops",
+    "model_flops",
     "GemModelConfig",
     "GemArchitecture",
     "DHENLayer",

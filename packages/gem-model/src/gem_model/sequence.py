@@ -2,7 +2,9 @@
 PMA pooling and candidate cross-attention.
 
 Every layer works on the jagged layout (tokens of all samples concatenated plus
-``offsets``), so no sample is ever padded to the longest history.
+``offsets``), so no sample is ever padded to the longest history. A LayerNorm that feeds one
+linear layer is a ``gem_precision.NormLinear``: when the precision policy runs that linear in
+FP8, it becomes the fused norm -> quantise ``Fp8NormLinear``.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 from gem_kernels import block_attention, gdpa, jagged_flash_attention
 from gem_kernels.reference import apply_rope
+from gem_precision import NormLinear
 from torch import nn
 from torch.nn import functional as F
 
@@ -47,13 +50,12 @@ class _FeedForward(nn.Module):
         super().__init__()
         self.kind = kind
         hidden = 4 * dim if kind == "gelu" else swiglu_hidden_dim(dim)
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, hidden if kind == "gelu" else 2 * hidden)
+        self.up = NormLinear(dim, hidden if kind == "gelu" else 2 * hidden)
         self.dropout = nn.Dropout(dropout)
         self.down = nn.Linear(hidden, dim)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        hidden = self.up(self.norm(tokens))
+        hidden = self.up(tokens)
         if self.kind == "gelu":
             hidden = F.gelu(hidden)
         else:
@@ -99,8 +101,7 @@ class JaggedSelfAttentionLayer(nn.Module):
         self.attention_dtype = attention_dtype
         self.window = window
         self.position = position
-        self.attn_norm = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
+        self.qkv = NormLinear(dim, 3 * dim)
         self.attn_out = nn.Linear(dim, dim)
         self.rel_pos_bias = (
             nn.Parameter(torch.zeros(num_heads, rel_pos_buckets(window, max_len)))
@@ -119,7 +120,7 @@ class JaggedSelfAttentionLayer(nn.Module):
         """``positions``: each token's index in its history (needed for ``"rope"``)."""
         num_tokens, dim = tokens.shape
         q, k, v = (
-            self.qkv(self.attn_norm(tokens))
+            self.qkv(tokens)
             .view(num_tokens, 3, self.num_heads, dim // self.num_heads)
             .unbind(1)
         )
@@ -166,10 +167,8 @@ class HistoryFeatureCrossAttention(nn.Module):
         self.num_heads = num_heads
         self.activation = activation
         self.attention_dtype = attention_dtype
-        self.query_norm = nn.LayerNorm(dim)
-        self.q_proj = nn.Linear(dim, dim)
-        self.feature_norm = nn.LayerNorm(dim)
-        self.kv_proj = nn.Linear(dim, 2 * dim)
+        self.q_proj = NormLinear(dim, dim)
+        self.kv_proj = NormLinear(dim, 2 * dim)
         self.out = nn.Linear(dim, dim)
 
     def forward(
@@ -178,9 +177,9 @@ class HistoryFeatureCrossAttention(nn.Module):
         """``tokens`` ``(T, dim)`` jagged by ``offsets``; ``features`` ``(B, F, dim)``."""
         batch_size, num_features, dim = features.shape
         head_dim = dim // self.num_heads
-        q = self.q_proj(self.query_norm(tokens)).view(-1, self.num_heads, head_dim)
+        q = self.q_proj(tokens).view(-1, self.num_heads, head_dim)
         k, v = (
-            self.kv_proj(self.feature_norm(features))
+            self.kv_proj(features)
             .view(batch_size * num_features, 2, self.num_heads, head_dim)
             .unbind(1)
         )
@@ -222,9 +221,8 @@ class PoolingByMultiheadAttention(nn.Module):
         self.activation = activation
         self.attention_dtype = attention_dtype
         self.queries = nn.Parameter(torch.randn(num_queries, dim) * dim**-0.5)
-        self.norm = nn.LayerNorm(dim)
         self.q_proj = nn.Linear(dim, dim)
-        self.kv_proj = nn.Linear(dim, 2 * dim)
+        self.kv_proj = NormLinear(dim, 2 * dim)
         self.out = nn.Linear(dim, dim)
 
     def forward(self, tokens: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -232,7 +230,7 @@ class PoolingByMultiheadAttention(nn.Module):
         num_queries, dim = self.queries.shape
         head_dim = dim // self.num_heads
         q = self.q_proj(self.queries).view(num_queries, self.num_heads, head_dim)
-        k, v = self.kv_proj(self.norm(tokens)).view(-1, 2, self.num_heads, head_dim).unbind(1)
+        k, v = self.kv_proj(tokens).view(-1, 2, self.num_heads, head_dim).unbind(1)
         q, k, v = _cast(self.attention_dtype, q, k, v)
         pooled = gdpa(
             q,
