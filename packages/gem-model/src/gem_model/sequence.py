@@ -120,9 +120,7 @@ class JaggedSelfAttentionLayer(nn.Module):
         """``positions``: each token's index in its history (needed for ``"rope"``)."""
         num_tokens, dim = tokens.shape
         q, k, v = (
-            self.qkv(tokens)
-            .view(num_tokens, 3, self.num_heads, dim // self.num_heads)
-            .unbind(1)
+            self.qkv(tokens).view(num_tokens, 3, self.num_heads, dim // self.num_heads).unbind(1)
         )
         if self.position == "rope" and self.kind != "block":
             if positions is None:
