@@ -63,6 +63,8 @@ def test_run_trains_evaluates_and_writes_metrics(small_config):
     lines = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     assert any(line["split"] == "train" for line in lines)
     assert any(line["split"] == "eval" and "ne_ctr" in line for line in lines)
+    # Every train line carries the model TFLOP per step (gem_model.model_flops of its batches).
+    assert all(line["model_tflop"] > 0 for line in lines if line["split"] == "train")
 
 
 def test_a_crash_while_saving_leaves_the_previous_checkpoint_in_use(small_config, tmp_path):

@@ -176,6 +176,40 @@ class SyntheticConfig:
         )
         _require(sum(self.action_weights) > 0, "action_weights must not all be zero")
 
+    @classmethod
+    def gpu_scale(cls, max_seq_len: int, **overrides: Any) -> SyntheticConfig:
+        """A config with GEM-like history lengths for ``max_seq_len`` in the thousands.
+
+        The length fields scale with the cap (every other field keeps its default):
+        1% empty histories, 35% heavy users uniform in ``[0.6, 1] * max_seq_len``, the rest a
+        log-normal bulk with median ``max_seq_len / 4`` and sigma 0.9, clipped to the cap.
+        Lengths are then heavy-tailed, fill half the cap on average (mean ~0.50, median
+        ~0.48 of ``max_seq_len``; a tenth of the histories are shorter than a tenth of it) and
+        ~4% are exactly at the cap (users whose activity outgrew the window). ``overrides``
+        replace any field, these included, e.g.
+        ``SyntheticConfig.gpu_scale(4096, seed=1, num_items=1_000_000)``.
+        """
+        if not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool):
+            raise TypeError(
+                f"SyntheticConfig.gpu_scale: max_seq_len must be an int, got {max_seq_len!r}"
+            )
+        if max_seq_len < 1:
+            raise ValueError(
+                f"SyntheticConfig.gpu_scale: max_seq_len must be >= 1, got {max_seq_len}"
+            )
+        names = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise TypeError(f"SyntheticConfig.gpu_scale: unknown fields {unknown}")
+        lengths = {
+            "empty_history_prob": 0.01,
+            "long_history_prob": 0.35,
+            "long_history_min_fraction": 0.6,
+            "short_history_median": max(1.0, 0.25 * max_seq_len),
+            "short_history_sigma": 0.9,
+        }
+        return cls(max_seq_len=max_seq_len, **{**lengths, **overrides})
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict of every field (tuples become lists)."""
         return {

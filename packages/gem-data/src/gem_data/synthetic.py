@@ -49,6 +49,11 @@ _HIDDEN_STREAM = 0x6E6D5F68
 ) = range(12)
 _NUM_SCALARS = 12  # followed by max_user_segments uniforms for the segment ids
 _PROB_EPS = 1e-7
+# Limits of the item-search guide table (buckets per category, entries in all).
+_MAX_LOG_ITEM_BUCKETS = 16
+_MAX_ITEM_GUIDE_ENTRIES = 1 << 22
+# Generation chunks hold at most this many history events (see ``_generate``).
+_CHUNK_EVENTS = 1 << 19
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,58 @@ def hidden_parameters(config: SyntheticConfig) -> HiddenParameters:
     )
 
 
+@functools.lru_cache(maxsize=8)
+def _item_search_guide(config: SyntheticConfig) -> tuple[np.ndarray, int]:
+    """Guide table that turns the item search into a lookup plus a short scan.
+
+    Category ``c``'s keys are split at ``c + b / buckets`` (exact floats: ``buckets`` is a
+    power of two); entry ``c * (buckets + 1) + b`` is the number of keys ``<=`` that edge, so
+    a query in bucket ``b`` lies between entries ``b`` and ``b + 1``. With about two buckets
+    per item a bucket holds half a key on average (Zipf tails hold a few), so the scan is
+    short and the result is exactly ``searchsorted(keys, query, side="right")``.
+    """
+    keys = hidden_parameters(config).item_popularity_keys
+    num_categories = config.num_categories
+    items_per_category = -(-config.num_items // num_categories)
+    # Bounded so the table stays small (it is read at random once per event).
+    log_buckets = min(
+        (2 * items_per_category - 1).bit_length(),
+        _MAX_LOG_ITEM_BUCKETS,
+        max(0, (_MAX_ITEM_GUIDE_ENTRIES // num_categories).bit_length() - 1),
+    )
+    buckets = 1 << log_buckets
+    edges = np.arange(num_categories)[:, None] + np.arange(buckets + 1) / buckets
+    guide = np.searchsorted(keys, edges.reshape(-1), side="right")
+    return guide.astype(np.int32 if len(keys) < 2**31 else np.int64), buckets
+
+
+def _search_item_keys(
+    config: SyntheticConfig, category: np.ndarray, uniforms: np.ndarray
+) -> np.ndarray:
+    """``searchsorted(item_popularity_keys, category + uniforms, side="right")``, faster.
+
+    A plain binary search over all items costs ~15 dependent cache misses per event; the guide
+    table narrows each query to a handful of keys first.
+    """
+    keys = hidden_parameters(config).item_popularity_keys
+    guide, buckets = _item_search_guide(config)
+    query = category + uniforms
+    # query - category is exact (Sterbenz; query itself for category 0) and in [0, 1]; a query
+    # rounded up to category + 1 is still inside the last bucket's closed upper edge.
+    bucket = np.minimum(((query - category) * buckets).astype(np.int64), buckets - 1)
+    entry = category * (buckets + 1) + bucket
+    return _advance(keys, guide[entry], guide[entry + 1], query)
+
+
+@functools.lru_cache(maxsize=8)
+def _recency_weights(config: SyntheticConfig) -> np.ndarray:
+    """``recency_decay ** k`` for ``k < max_seq_len``, one table instead of a power per event.
+
+    Computed by the same vectorised ``**`` as per event, so the values are identical.
+    """
+    return config.recency_decay ** np.arange(config.max_seq_len, dtype=np.float64)
+
+
 def _history_length(config: SyntheticConfig, u_mixture: float, u_tail: float, z: float) -> int:
     cap = config.max_seq_len
     if u_mixture < config.empty_history_prob:
@@ -184,7 +241,10 @@ def _draw(config: SyntheticConfig, start_index: int, num_samples: int) -> dict[s
     lengths = np.empty(num_samples, dtype=np.int64)
     history_uniforms: list[np.ndarray] = []
     for row in range(num_samples):
-        rng = np.random.default_rng([config.seed, start_index + row])
+        # default_rng([seed, index]) spelt out: the same generator without its argument checks.
+        rng = np.random.Generator(
+            np.random.PCG64(np.random.SeedSequence([config.seed, start_index + row]))
+        )
         u = rng.random(num_scalars)
         z = rng.standard_normal(1 + num_dense)
         scalars[row] = u
@@ -222,6 +282,41 @@ def _pick(cdf_rows: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
     return np.minimum((cdf_rows <= uniforms[:, None]).sum(axis=1), cdf_rows.shape[1] - 1)
 
 
+def _pick_from_rows(cdf_rows: np.ndarray, rows: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
+    """``_pick(cdf_rows[rows], uniforms)`` without materialising one CDF row per pick.
+
+    Every row gets a guide over ``buckets`` equal slices of [0, 1]: entry ``g`` counts the
+    row's CDF values ``<= g / buckets``. A pick in slice ``g`` starts from that count and scans
+    the values inside the slice (half a value on average, as there are two slices per value),
+    so the result is exactly the number of values ``<= u``. ``buckets`` is a power of two:
+    scaling by it is exact, so the slice of ``u`` and the guide counts have no rounding.
+    """
+    num_rows, width = cdf_rows.shape
+    buckets = 1 << (2 * width - 1).bit_length()
+    # cdf <= g / buckets  <=>  ceil(cdf * buckets) <= g
+    first_slice = np.ceil(cdf_rows * buckets).astype(np.int64)
+    row_entry = np.arange(num_rows)[:, None] * (buckets + 1)
+    counts = np.bincount((row_entry + first_slice).reshape(-1), minlength=num_rows * (buckets + 1))
+    guide = np.cumsum(counts.reshape(num_rows, buckets + 1), axis=1)
+    guide += np.arange(0, num_rows * width, width)[:, None]  # positions in the flat CDF array
+    entry = rows * (buckets + 1) + (uniforms * buckets).astype(np.int64)
+    guide = guide.reshape(-1)
+    position = _advance(cdf_rows.reshape(-1), guide[entry], guide[entry + 1], uniforms)
+    return np.minimum(position - rows * width, width - 1)
+
+
+def _advance(
+    keys: np.ndarray, position: np.ndarray, end: np.ndarray, queries: np.ndarray
+) -> np.ndarray:
+    """Moves each ``position`` past the keys ``<= query``, up to ``end`` (keys sorted there)."""
+    active = np.flatnonzero(position < end)
+    while active.size:
+        active = active[keys[position[active]] <= queries[active]]
+        position[active] += 1
+        active = active[position[active] < end[active]]
+    return position
+
+
 def _uniform_int(uniforms: np.ndarray, high: int | np.ndarray) -> np.ndarray:
     """Integers uniform in ``[0, high)`` from uniforms in ``[0, 1)``."""
     return np.minimum(np.floor(uniforms * high).astype(np.int64), np.asarray(high) - 1)
@@ -256,20 +351,27 @@ def _generate_chunk(
     num_events = int(offsets[-1])
     event_sample = np.repeat(np.arange(num_samples), lengths)
     event_position = np.arange(num_events) - offsets[:-1][event_sample]  # 0 = oldest
-    event_length = lengths[event_sample]
+    # Per-sample values are spread to the events with repeat (a copy) rather than a gather.
+    event_length = np.repeat(lengths, lengths)
 
     # Interests: long-term and recent category distributions per user.
-    long_cdf = _row_cdf(draws["gammas"][:, :num_categories])
-    recent_cdf = _row_cdf(draws["gammas"][:, num_categories:])
+    # Stored as rows 2i (long-term) and 2i + 1 (recent) of one array for the history picks.
+    interest_cdf = np.empty((num_samples, 2, num_categories))
+    interest_cdf[:, 0] = _row_cdf(draws["gammas"][:, :num_categories])
+    interest_cdf[:, 1] = _row_cdf(draws["gammas"][:, num_categories:])
+    recent_cdf = interest_cdf[:, 1]
 
     # History categories drift from the long-term to the recent interest.
-    relative_position = (event_position + 1) / np.maximum(event_length, 1)
+    relative_position = (event_position + 1) / event_length
     from_recent = u_source < relative_position**config.interest_drift_power
-    event_cdf = np.where(from_recent[:, None], recent_cdf[event_sample], long_cdf[event_sample])
-    hist_category = _pick(event_cdf, u_category)
+    hist_category = _pick_from_rows(
+        interest_cdf.reshape(2 * num_samples, num_categories),
+        2 * event_sample + from_recent,
+        u_category,
+    )
 
     # Items: Zipf popularity inside the category (keys are category + CDF, so one search).
-    position = np.searchsorted(hidden.item_popularity_keys, hist_category + u_item, side="right")
+    position = _search_item_keys(config, hist_category, u_item)
     position = np.clip(
         position,
         hidden.category_item_offsets[hist_category],
@@ -277,19 +379,22 @@ def _generate_chunk(
     )
     hist_item = hidden.category_item_ids[position]
 
-    action_cdf = np.cumsum(config.action_probs)
-    hist_action = np.minimum(
-        np.searchsorted(action_cdf, u_action, side="right"), NUM_ACTION_TYPES - 1
-    ).astype(np.int64)
+    # Inverse CDF of the action: the number of CDF entries <= u, clipped to the last action
+    # (so the last entry, ~1, needs no compare), one vectorised compare per entry.
+    hist_action = np.zeros(num_events, dtype=np.int64)
+    for edge in np.cumsum(config.action_probs)[: NUM_ACTION_TYPES - 1]:
+        hist_action += edge <= u_action
 
     # Strictly increasing integer timestamps (exact int64 arithmetic).
     gaps = 1 + np.floor(-config.mean_event_gap_seconds * np.log1p(-u_gap)).astype(np.int64)
     cumulative_gaps = np.cumsum(gaps)
-    gap_before_sample = np.concatenate([[0], cumulative_gaps])[offsets[:-1]]
+    gap_before_sample = np.zeros(num_samples, dtype=np.int64)
+    after_events = offsets[:-1] > 0
+    gap_before_sample[after_events] = cumulative_gaps[offsets[:-1][after_events] - 1]
     history_start = _TIMESTAMP_ORIGIN + np.floor(scalars[:, _U_TIME] * _TIMESTAMP_SPAN).astype(
         np.int64
     )
-    hist_timestamp = history_start[event_sample] + cumulative_gaps - gap_before_sample[event_sample]
+    hist_timestamp = np.repeat(history_start - gap_before_sample, lengths) + cumulative_gaps
 
     # User features: 1..max distinct segments (drawn with replacement, duplicates removed).
     max_segments = config.max_user_segments
@@ -325,10 +430,10 @@ def _generate_chunk(
     # Hidden label model. Interest: recency- and action-weighted share of history events whose
     # category equals the ad's category.
     events_after = event_length - 1 - event_position
-    event_weight = np.asarray(config.action_weights)[hist_action] * (
-        config.recency_decay ** events_after.astype(np.float64)
+    event_weight = (
+        np.asarray(config.action_weights)[hist_action] * _recency_weights(config)[events_after]
     )
-    matches = (hist_category == ad_category[event_sample]).astype(np.float64)
+    matches = hist_category == np.repeat(ad_category, lengths)
     weight_total = _segment_sum(event_weight, event_sample, num_samples)
     weight_matched = _segment_sum(event_weight * matches, event_sample, num_samples)
     interest = np.where(weight_total > 0, weight_matched / np.maximum(weight_total, 1e-300), 0.0)
@@ -400,11 +505,41 @@ def _check_range(start_index: int, num_samples: int) -> None:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
+#: Labels, true probabilities and hidden terms that ``_generate`` returns besides the table.
+_SAMPLE_ARRAYS = ("click", "conversion", "click_prob", "conversion_prob")
+
+
+def _generate(
+    config: SyntheticConfig, start_index: int, num_samples: int
+) -> tuple[pa.Table, dict[str, np.ndarray]]:
+    """Samples ``[start_index, start_index + num_samples)`` as a table, plus flat arrays.
+
+    Generated in chunks of at most ``_CHUNK_EVENTS // max_seq_len`` samples: per-event
+    temporaries then stay small (cache-resident, no page faults on fresh allocations) and the
+    memory does not grow with ``num_samples`` (at ``max_seq_len`` 4096 one chunk of 4096
+    samples would hold ~8M events and several GB of temporaries). Samples do not depend on the
+    chunking. The arrays are ``_SAMPLE_ARRAYS`` and ``_generate_chunk``'s hidden terms.
+    """
+    step = max(1, _CHUNK_EVENTS // config.max_seq_len)
+    bounds = [
+        (lo, min(step, start_index + num_samples - lo))
+        for lo in range(start_index, start_index + num_samples, step)
+    ] or [(start_index, 0)]
+    tables, parts = [], []
+    for lo, count in bounds:
+        columns, hidden = _generate_chunk(config, lo, count)
+        tables.append(_columns_to_table(columns, config.num_dense_features))
+        parts.append({**{name: columns[name] for name in _SAMPLE_ARRAYS}, **hidden})
+    # Not combined: a copy of every event, and Parquet writes the same pages either way.
+    table = pa.concat_tables(tables)
+    arrays = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+    return table, arrays
+
+
 def generate_table(config: SyntheticConfig, start_index: int, num_samples: int) -> pa.Table:
     """Samples ``[start_index, start_index + num_samples)`` as a table with the dataset schema."""
     _check_range(start_index, num_samples)
-    columns, _ = _generate_chunk(config, int(start_index), int(num_samples))
-    return _columns_to_table(columns, config.num_dense_features)
+    return _generate(config, int(start_index), int(num_samples))[0]
 
 
 def _logloss_sum(probs: np.ndarray, labels: np.ndarray) -> float:
@@ -434,25 +569,27 @@ def normalized_entropy(probs: np.ndarray, labels: np.ndarray) -> float:
     return _logloss_sum(probs, labels) / probs.size / _binary_entropy(rate)
 
 
+def _interest_quantiles(interest: np.ndarray) -> np.ndarray:
+    """The marginal distribution of the interest match, as 256 quantiles of a sample of it."""
+    return np.quantile(interest, (np.arange(256) + 0.5) / 256)
+
+
 def _no_sequence_probs(
-    hidden: dict[str, np.ndarray], reference_interest: np.ndarray, config: SyntheticConfig
+    ctr_base: np.ndarray, cvr_base: np.ndarray, quantiles: np.ndarray, config: SyntheticConfig
 ) -> tuple[np.ndarray, np.ndarray]:
     """Bayes-optimal predictions that do not see the history.
 
     The interest match is independent of every non-sequence feature (categories are exchangeable
     and the ad is uniform within its category), so the best prediction without the history
-    averages the true probability over the marginal distribution of the interest.
+    averages the true probability over the marginal distribution of the interest
+    (``_interest_quantiles``). Rows are independent: the predictions for a slice of the inputs
+    are that slice of the predictions, so the work can be split.
     """
-    quantiles = np.quantile(reference_interest, (np.arange(256) + 0.5) / 256)
-    click = np.empty(len(hidden["ctr_base"]))
+    click = np.empty(len(ctr_base))
     conversion = np.empty_like(click)
     for lo in range(0, len(click), 4096):
-        ctr = _sigmoid(
-            hidden["ctr_base"][lo : lo + 4096, None] + config.ctr_interest_weight * quantiles
-        )
-        cvr = _sigmoid(
-            hidden["cvr_base"][lo : lo + 4096, None] + config.cvr_interest_weight * quantiles
-        )
+        ctr = _sigmoid(ctr_base[lo : lo + 4096, None] + config.ctr_interest_weight * quantiles)
+        cvr = _sigmoid(cvr_base[lo : lo + 4096, None] + config.cvr_interest_weight * quantiles)
         click[lo : lo + 4096] = ctr.mean(axis=1)
         conversion[lo : lo + 4096] = (ctr * cvr).mean(axis=1)
     return click, conversion
@@ -471,15 +608,17 @@ def reference_normalized_entropy(
     _check_range(start_index, num_samples)
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    columns, hidden = _generate_chunk(config, int(start_index), int(num_samples))
-    no_seq_click, no_seq_conversion = _no_sequence_probs(hidden, hidden["interest"], config)
+    _, arrays = _generate(config, int(start_index), int(num_samples))
+    no_seq_click, no_seq_conversion = _no_sequence_probs(
+        arrays["ctr_base"], arrays["cvr_base"], _interest_quantiles(arrays["interest"]), config
+    )
     return {
         "oracle": {
-            "ctr": normalized_entropy(columns["click_prob"], columns["click"]),
-            "cvr": normalized_entropy(columns["conversion_prob"], columns["conversion"]),
+            "ctr": normalized_entropy(arrays["click_prob"], arrays["click"]),
+            "cvr": normalized_entropy(arrays["conversion_prob"], arrays["conversion"]),
         },
         "no_sequence": {
-            "ctr": normalized_entropy(no_seq_click, columns["click"]),
-            "cvr": normalized_entropy(no_seq_conversion, columns["conversion"]),
+            "ctr": normalized_entropy(no_seq_click, arrays["click"]),
+            "cvr": normalized_entropy(no_seq_conversion, arrays["conversion"]),
         },
     }

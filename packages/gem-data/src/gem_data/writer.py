@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import math
 import multiprocessing
@@ -20,8 +21,8 @@ from gem_data.config import NUM_ACTION_TYPES, SyntheticConfig
 from gem_data.schema import DatasetFormatError, dataset_schema
 from gem_data.synthetic import (
     _binary_entropy,
-    _columns_to_table,
-    _generate_chunk,
+    _generate,
+    _interest_quantiles,
     _logloss_sum,
     _no_sequence_probs,
     hidden_parameters,
@@ -128,22 +129,14 @@ def _write_shard(
         ) as writer:
             for lo in range(start_index, start_index + num_samples, row_group_size):
                 count = min(row_group_size, start_index + num_samples - lo)
-                columns, hidden = _generate_chunk(config, lo, count)
-                writer.write_table(
-                    _columns_to_table(columns, config.num_dense_features), row_group_size=count
-                )
+                table, arrays = _generate(config, lo, count)
+                writer.write_table(table, row_group_size=count)
                 # NE from the float32 probabilities that are stored, so it can be recomputed exactly.
-                stats["ctr_logloss"] += _logloss_sum(columns["click_prob"], columns["click"])
+                stats["ctr_logloss"] += _logloss_sum(arrays["click_prob"], arrays["click"])
                 stats["cvr_logloss"] += _logloss_sum(
-                    columns["conversion_prob"], columns["conversion"]
+                    arrays["conversion_prob"], arrays["conversion"]
                 )
-                stats["parts"].append(
-                    {
-                        "click": columns["click"],
-                        "conversion": columns["conversion"],
-                        **hidden,
-                    }
-                )
+                stats["parts"].append(arrays)
                 if _progress_counter is not None:
                     with _progress_counter.get_lock():
                         _progress_counter.value += count
@@ -213,41 +206,61 @@ def write_synthetic_dataset(
         )
     ]
 
-    if workers == 1 or num_shards == 1:
-        results = []
-        with tqdm(total=num_samples, desc="generating", unit="sample", disable=not progress) as bar:
+    with contextlib.ExitStack() as stack:
+        pool = None
+        if workers > 1 and num_shards > 1:
+            context = _pool_context()
+            hidden_parameters(config)  # computed once here; forked workers inherit the cache
+            counter = context.Value("q", 0)
+            # Flush before forking so children do not inherit (and later re-print) buffered
+            # output.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pool = stack.enter_context(
+                concurrent.futures.ProcessPoolExecutor(
+                    max_workers=min(workers, num_shards),
+                    mp_context=context,
+                    initializer=_init_worker,
+                    initargs=(counter,),
+                )
+            )
+        bar = stack.enter_context(
+            tqdm(total=num_samples, desc="generating", unit="sample", disable=not progress)
+        )
+        if pool is None:
+            results = []
             for job in jobs:
                 results.append(_write_shard(*job))
                 bar.update(job[3])
-    else:
-        context = _pool_context()
-        hidden_parameters(config)  # computed once here; forked workers inherit the cache
-        counter = context.Value("q", 0)
-        # Flush before forking so children do not inherit (and later re-print) buffered output.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        with concurrent.futures.ProcessPoolExecutor(
-            max_workers=min(workers, num_shards),
-            mp_context=context,
-            initializer=_init_worker,
-            initargs=(counter,),
-        ) as pool:
+        else:
             futures = [pool.submit(_write_shard, *job) for job in jobs]
-            with tqdm(
-                total=num_samples, desc="generating", unit="sample", disable=not progress
-            ) as bar:
-                pending = set(futures)
-                while pending:
-                    _, pending = concurrent.futures.wait(pending, timeout=0.2)
-                    bar.update(counter.value - bar.n)
+            pending = set(futures)
+            while pending:
+                _, pending = concurrent.futures.wait(pending, timeout=0.2)
+                bar.update(counter.value - bar.n)
             results = [future.result() for future in futures]
+
+        parts = [part for result in results for part in result["parts"]]
+        hidden = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
+        # The no-sequence predictions cost ~3 us per sample, as much as a tiny sample's
+        # generation: split per shard over the same workers (rows are independent).
+        quantiles = _interest_quantiles(hidden["interest"])
+        shards = [slice(lo - start_index, lo - start_index + count) for _, _, lo, count, _ in jobs]
+        arguments = (
+            [hidden["ctr_base"][shard] for shard in shards],
+            [hidden["cvr_base"][shard] for shard in shards],
+            [quantiles] * num_shards,
+            [config] * num_shards,
+        )
+        run = map if pool is None else pool.map
+        predictions = list(run(_no_sequence_probs, *arguments))
+    no_seq_click = np.concatenate([click for click, _ in predictions])
+    no_seq_conversion = np.concatenate([conversion for _, conversion in predictions])
 
     for stale in directory.glob("part-*.parquet"):
         if stale.name not in names:
             stale.unlink()
 
-    parts = [part for result in results for part in result["parts"]]
-    hidden = {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
     click_mean = float(hidden["click"].astype(np.float64).mean())
     conversion_mean = float(hidden["conversion"].astype(np.float64).mean())
     oracle_ne = {
@@ -256,7 +269,6 @@ def write_synthetic_dataset(
         / num_samples
         / _binary_entropy(conversion_mean),
     }
-    no_seq_click, no_seq_conversion = _no_sequence_probs(hidden, hidden["interest"], config)
     no_sequence_ne = {
         "ctr": normalized_entropy(no_seq_click, hidden["click"]),
         "cvr": normalized_entropy(no_seq_conversion, hidden["conversion"]),

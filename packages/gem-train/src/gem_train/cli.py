@@ -35,9 +35,22 @@ def prepare_data(data: DataConfig, *, progress: bool = True) -> tuple[DatasetInf
     return _prepare_data(data, progress=progress)
 
 
+def synthetic_config(data: DataConfig) -> SyntheticConfig:
+    """The generator's config for ``data`` (its profile, cap, table sizes and seed)."""
+    fields = {
+        "seed": data.seed,
+        "num_items": data.num_items,
+        "num_users": data.num_users,
+        "num_ads": data.num_ads,
+    }
+    if data.profile == "gem":
+        return SyntheticConfig.gpu_scale(data.max_seq_len, **fields)
+    return SyntheticConfig(max_seq_len=data.max_seq_len, **fields)
+
+
 def _prepare_data(data: DataConfig, *, progress: bool) -> tuple[DatasetInfo, DatasetInfo]:
     root = Path(data.directory)
-    synthetic = SyntheticConfig(seed=data.seed, max_seq_len=data.max_seq_len)
+    synthetic = synthetic_config(data)
     splits = {"train": (0, data.num_train), "eval": (data.num_train, data.num_eval)}
     infos = []
     for split, (start, count) in splits.items():

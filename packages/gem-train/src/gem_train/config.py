@@ -15,6 +15,7 @@ __all__ = [
     "PARALLEL_DENSE_MODES",
     "PARALLEL_SPARSE_MODES",
     "SAVED_ACTIVATION_MODES",
+    "DATA_PROFILES",
     "DataConfig",
     "OptimConfig",
     "ParallelConfig",
@@ -22,6 +23,10 @@ __all__ = [
     "TrainConfig",
     "apply_overrides",
 ]
+
+
+DATA_PROFILES = ("tiny", "gem")
+"""Values of ``DataConfig.profile``."""
 
 
 @dataclass
@@ -42,6 +47,33 @@ class DataConfig:
     """Parquet files per split."""
     workers: int = 2
     """Processes generating shards in parallel."""
+    profile: str = "tiny"
+    """History lengths of the generator: 'tiny' (short histories, median 8, a tenth near the
+    cap: ``gem_data.SyntheticConfig``'s defaults) or 'gem' (GEM-like at GPU scale: heavy-tailed,
+    half the cap filled on average, a few percent at the cap: ``SyntheticConfig.gpu_scale``)."""
+    num_items: int = 20_000
+    """Rows of the history item table (and ids the generator draws)."""
+    num_users: int = 1_000_000
+    """Rows of the user-id table."""
+    num_ads: int = 2_000
+    """Rows of the ad-id table."""
+
+    def __post_init__(self) -> None:
+        if self.profile not in DATA_PROFILES:
+            raise ValueError(f"data.profile must be one of {DATA_PROFILES}, got {self.profile!r}")
+        for name in (
+            "num_train",
+            "num_eval",
+            "max_seq_len",
+            "num_shards",
+            "workers",
+            "num_items",
+            "num_users",
+            "num_ads",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"data.{name} must be an int >= 1, got {value!r}")
 
 
 @dataclass

@@ -362,9 +362,13 @@ class DenseParallel:
         # its offset in the bucket, so a resumed job's first step, reduced in the first-step
         # layout, differed in the last bits from the uninterrupted job's. Without the rebuild
         # (the only public way: find_unused_parameters) the layout is fixed at construction and
-        # resume is exact; the cost is a host-side walk of the autograd graph per step.
+        # resume is exact; the cost is a host-side walk of the autograd graph per step, paid
+        # only where there is something to reduce.
+        fixed_buckets = dist.get_world_size() > 1
         return DefaultDataParallelWrapper(
-            static_graph=False, find_unused_parameters=True, params_to_ignore=names
+            static_graph=not fixed_buckets,
+            find_unused_parameters=fixed_buckets,
+            params_to_ignore=names,
         )
 
     # ------------------------------------------------------------ optimizer

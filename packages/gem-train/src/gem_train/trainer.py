@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from gem_data import Batch, DatasetInfo, ParquetBatchLoader, ShardedBatchLoader
-from gem_model import GemModel, GemModelConfig
+from gem_model import GemModel, GemModelConfig, model_flops
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.nn import functional as F
 from torchrec.distributed import DistributedModelParallel
@@ -209,6 +209,7 @@ class Trainer:
         checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else self.output_dir / "checkpoints"
         show = sys.stdout.isatty() if progress is None else progress
         losses: list[float] = []
+        flops: list[float] = []  # model FLOPs of each step (gem_model.model_flops), this rank
         started = time.perf_counter()
         label = "GEM" if self.use_sequence_tower else "GEM without sequence"
         with Progress(
@@ -224,6 +225,9 @@ class Trainer:
             )
             while self.step < self.total_steps:
                 for batch in self.loader:
+                    # From the host copy of the lengths: no device sync.
+                    lengths = batch.sequence_offsets.diff()
+                    flops.append(model_flops(self.model_config, lengths).total)
                     loss = self.train_step(batch.to(self.device, non_blocking=True))
                     losses.append(loss)
                     bar.update(task, advance=1, loss=loss)
@@ -237,6 +241,11 @@ class Trainer:
                             * config.batch_size
                             * self.world_size
                             / (time.perf_counter() - started),
+                            # This rank's model TFLOP per step (forward + backward), over the
+                            # steps since the last log line.
+                            model_tflop=sum(flops[-config.log_every :])
+                            / len(flops[-config.log_every :])
+                            / 1e12,
                             **self.saved_activations.metrics(),
                         )
                     if config.checkpoint_every and self.step % config.checkpoint_every == 0:
