@@ -46,6 +46,8 @@ def test_content_independent_of_shards_workers_and_splits(tmp_path, dataset, con
         config, tmp_path / "pooled", num_samples=600, num_shards=4, workers=2, progress=False
     )
     assert _read_all(pooled).equals(reference)
+    # The no-sequence predictions are split over the workers per shard: rows are independent.
+    assert pooled.no_sequence_ne == dataset.no_sequence_ne
     first = write_synthetic_dataset(
         config, tmp_path / "a", num_samples=250, num_shards=1, workers=1, progress=False
     )
