@@ -6,16 +6,15 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
-from gem_model import GemArchitecture, GemModel, GemModelConfig
+from gem_model import GemModel
 from gem_model.dhen import DotProductExpert
 from gem_model.flops import ModelFlops, model_flops
+from gem_model_inputs import V1, make_inputs
+from gem_model_inputs import make_config as _make_config
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
-from torchrec import KeyedJaggedTensor
 
-SEQUENCE = {"hist_item_ids": 500, "hist_category_ids": 16, "hist_action_types": 3}
-SPARSE = {"user_id": 1000, "user_segments": 20, "ad_id": 300, "ad_category_id": 16}
 MAX_LEN = 70
 DIM = 32
 # An empty history, a length-1 history, one at the cap, odd lengths, one exact 64-token block.
@@ -23,51 +22,11 @@ LENGTHS = [0, 1, MAX_LEN, 5, 33, 67, 64]
 ATTENTION = 4 * DIM  # forward FLOPs of one visible (query, key) pair: Q K^T and P V
 ATTENTION_FWD_BWD = 3.5
 
-ARCHITECTURE_FIELDS = set(GemArchitecture.__dataclass_fields__)
-
 
 def make_config(**changes):
-    """A small config; ``changes`` may name fields of either GemModelConfig or GemArchitecture."""
-    architecture = {"embedding_dim": DIM, "num_heads": 2, "pma_queries": 3, "expert_hidden_dim": 32}
-    architecture.update({k: v for k, v in changes.items() if k in ARCHITECTURE_FIELDS})
-    base = dict(
-        sequence_features=SEQUENCE,
-        sparse_features=SPARSE,
-        num_dense_features=3,
-        max_seq_len=MAX_LEN,
-        architecture=GemArchitecture(**architecture),
-    )
-    base.update({k: v for k, v in changes.items() if k not in ARCHITECTURE_FIELDS})
-    return GemModelConfig(**base)
+    return _make_config(dim=DIM, max_seq_len=MAX_LEN, **changes)
 
 
-def make_inputs(lengths, generator):
-    lengths = torch.tensor(lengths)
-    batch, total = lengths.numel(), int(lengths.sum())
-    sequence = KeyedJaggedTensor.from_lengths_sync(
-        keys=list(SEQUENCE),
-        values=torch.cat(
-            [torch.randint(0, n, (total,), generator=generator) for n in SEQUENCE.values()]
-        ),
-        lengths=lengths.repeat(len(SEQUENCE)),
-    )
-    sparse = KeyedJaggedTensor.from_lengths_sync(
-        keys=list(SPARSE),
-        values=torch.cat(
-            [torch.randint(0, n, (batch,), generator=generator) for n in SPARSE.values()]
-        ),
-        lengths=torch.ones(batch * len(SPARSE), dtype=torch.long),
-    )
-    return sequence, sparse, torch.randn(batch, 3, generator=generator)
-
-
-V1 = {
-    "attention_window": 4,
-    "position": "rope",
-    "ffn": "swiglu",
-    "history_cross": True,
-    "dhen_experts": ("attention", "mlp", "cross", "dot"),
-}
 ARCHITECTURES = {
     "v0": {},
     "block": {"self_attention": "block", "position": "rope"},
