@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 from gem_train import Trainer
 from gem_train.checkpoint import latest_checkpoint
 from gem_train.cli import prepare_data, run
+from gem_train.throughput import PHASES, StepClock, peak_tflops
 
 
 def test_resume_gives_the_same_next_losses_as_an_uninterrupted_run(small_config, tmp_path):
@@ -63,8 +65,32 @@ def test_run_trains_evaluates_and_writes_metrics(small_config):
     lines = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     assert any(line["split"] == "train" for line in lines)
     assert any(line["split"] == "eval" and "ne_ctr" in line for line in lines)
-    # Every train line carries the model TFLOP per step (gem_model.model_flops of its batches).
-    assert all(line["model_tflop"] > 0 for line in lines if line["split"] == "train")
+    # Every train line carries the model TFLOP per step (gem_model.model_flops of its batches),
+    # the throughput and the time split; MFU needs a GPU's peak.
+    for line in (line for line in lines if line["split"] == "train"):
+        assert line["model_tflop"] > 0 and line["tflops"] > 0
+        assert line["tokens_per_s"] > 0 and line["samples_per_s"] > 0
+        assert line["mfu"] is None and line["mfu_measured"] is None
+        phases = sum(line[f"time_{phase}"] for phase in PHASES)
+        assert 0 < phases <= line["step_ms"] / 1e3 * 1.01
+
+
+def test_peak_table_and_step_clock():
+    assert peak_tflops("NVIDIA H200") == 989.4
+    assert peak_tflops("NVIDIA GH200 480GB") == 989.4
+    assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_tflops("Some Future GPU") is None
+    assert peak_tflops(torch.device("cpu")) is None
+    clock = StepClock(torch.device("cpu"))
+    clock.add("data", 0.5)
+    clock.start()
+    time.sleep(0.01)
+    clock.mark("forward")
+    clock.finish()
+    seconds = clock.take()
+    assert set(seconds) == set(PHASES)
+    assert seconds["data"] == 0.5 and seconds["forward"] >= 0.01 and seconds["backward"] == 0.0
+    assert clock.take()["data"] == 0.0
 
 
 def test_a_crash_while_saving_leaves_the_previous_checkpoint_in_use(small_config, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -31,6 +32,7 @@ from gem_train.config import TrainConfig
 from gem_train.metrics import auc, normalized_entropy
 from gem_train.parallel import DenseParallel, SparseParallel
 from gem_train.precision import SavedActivations, apply_precision
+from gem_train.throughput import StepClock, measured_matmul_peak, peak_tflops
 
 __all__ = ["Trainer", "init_distributed", "resolve_device"]
 
@@ -81,6 +83,18 @@ def model_config(
         else None,
         architecture=config.model,
     )
+
+
+@dataclasses.dataclass
+class _Window:
+    """What the steps since the last train log line did on this rank."""
+
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    losses: list[float] = dataclasses.field(default_factory=list)
+    paused: float = 0.0
+    """Seconds spent saving checkpoints, left out of the throughput."""
+    flops: float = 0.0
+    tokens: int = 0
 
 
 class Trainer:
@@ -164,6 +178,10 @@ class Trainer:
         self.total_steps = config.max_steps or config.epochs * steps_per_epoch
         self.step = 0
         self._metrics_file = self.output_dir / "metrics.jsonl"
+        # Phase times of every step; MFU against the datasheet and the measured bf16 peak.
+        self.clock = StepClock(self.device)
+        self.peak_tflops = peak_tflops(self.device)
+        self.measured_peak_tflops: float | None = None
 
     # ------------------------------------------------------------------ training
     def _forward(self, batch: Batch) -> torch.Tensor:
@@ -175,6 +193,7 @@ class Trainer:
         lr = self.config.optim.dense_lr_at(self.step, self.total_steps)
         for group in self.dense_optimizer.param_groups:
             group["lr"] = lr
+        self.clock.start()
         with self.saved_activations.step():
             logits = self._forward(batch)
             loss = (
@@ -182,18 +201,22 @@ class Trainer:
                 .mean(0)
                 .sum()
             )
+        self.clock.mark("forward")
         self.optimizer.zero_grad()
         loss.backward()  # the fused sparse optimizer updates embedding rows here
+        self.clock.mark("backward")
         # Expert gradients averaged over their replicas, then the global-norm clip.
         self.parallel.finish_gradients(self.dense_parameters, self.config.optim.max_grad_norm)
         self.sparse_parallel.step()  # 2D replica sync / fully sharded 2D table update
         self.dense_optimizer.step()
+        self.clock.mark("optimizer")
         # The trainer's one host sync per step (torchrec's input dist has its own): checking the
         # loss before backward would stall the CPU until the forward finished and leave the GPU
         # idle while backward is launched. A
         # non-finite loss has updated the weights by now, so training stops here and resumes
         # from the last (atomic) checkpoint.
         value = loss.item()
+        self.clock.finish()
         if not math.isfinite(value):
             raise FloatingPointError(
                 f"loss became {value} at step {self.step}; resume from the last checkpoint"
@@ -209,8 +232,10 @@ class Trainer:
         checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else self.output_dir / "checkpoints"
         show = sys.stdout.isatty() if progress is None else progress
         losses: list[float] = []
-        flops: list[float] = []  # model FLOPs of each step (gem_model.model_flops), this rank
-        started = time.perf_counter()
+        if self.measured_peak_tflops is None:
+            self.measured_peak_tflops = measured_matmul_peak(self.device)
+        self.clock.take()
+        window = _Window()  # the steps since the last train log line, on this rank
         label = "GEM" if self.use_sequence_tower else "GEM without sequence"
         with Progress(
             TextColumn(f"[bold]{label}"),
@@ -224,35 +249,56 @@ class Trainer:
                 "train", total=self.total_steps, completed=self.step, loss=float("nan")
             )
             while self.step < self.total_steps:
+                waited = time.perf_counter()
                 for batch in self.loader:
+                    self.clock.add("data", time.perf_counter() - waited)
                     # From the host copy of the lengths: no device sync.
                     lengths = batch.sequence_offsets.diff()
-                    flops.append(model_flops(self.model_config, lengths).total)
+                    window.flops += model_flops(self.model_config, lengths).total
+                    window.tokens += int(lengths.sum())
                     loss = self.train_step(batch.to(self.device, non_blocking=True))
                     losses.append(loss)
+                    window.losses.append(loss)
                     bar.update(task, advance=1, loss=loss)
                     if self.step % config.log_every == 0 or self.step == self.total_steps:
-                        self.log(
-                            split="train",
-                            step=self.step,
-                            loss=sum(losses[-config.log_every :])
-                            / len(losses[-config.log_every :]),
-                            samples_per_s=len(losses)
-                            * config.batch_size
-                            * self.world_size
-                            / (time.perf_counter() - started),
-                            # This rank's model TFLOP per step (forward + backward), over the
-                            # steps since the last log line.
-                            model_tflop=sum(flops[-config.log_every :])
-                            / len(flops[-config.log_every :])
-                            / 1e12,
-                            **self.saved_activations.metrics(),
-                        )
+                        self.log(split="train", step=self.step, **self._speed(window))
+                        window = _Window()
                     if config.checkpoint_every and self.step % config.checkpoint_every == 0:
+                        saving = time.perf_counter()
                         self.save(checkpoint_dir)
+                        window.paused += time.perf_counter() - saving  # not training time
                     if self.step >= self.total_steps:
                         break
+                    waited = time.perf_counter()
         return losses
+
+    def _speed(self, window: _Window) -> dict[str, float | None]:
+        """The train log line of ``window``: loss, throughput, MFU, time split, memory.
+
+        ``model_tflop`` is this rank's model TFLOP per step (``gem_model.model_flops``: forward
+        + backward from the real history lengths); ``mfu`` divides the rank's achieved model
+        TFLOP/s by the GPU's bf16 dense datasheet peak (``mfu_measured``: by a bf16 matmul
+        measured on it); both None on a CPU. ``time_<phase>`` are seconds per step."""
+        seconds = time.perf_counter() - window.started - window.paused
+        steps = len(window.losses)
+        achieved = window.flops / seconds / 1e12
+        record: dict[str, float | None] = {
+            "loss": sum(window.losses) / steps,
+            "samples_per_s": steps * self.config.batch_size * self.world_size / seconds,
+            "tokens_per_s": window.tokens * self.world_size / seconds,
+            "model_tflop": window.flops / steps / 1e12,
+            "tflops": achieved,
+            "mfu": achieved / self.peak_tflops if self.peak_tflops else None,
+            "mfu_measured": (
+                achieved / self.measured_peak_tflops if self.measured_peak_tflops else None
+            ),
+            "step_ms": seconds / steps * 1e3,
+            **{f"time_{phase}": t / steps for phase, t in self.clock.take().items()},
+            **self.saved_activations.metrics(),
+        }
+        if self.device.type == "cuda":
+            record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        return record
 
     # ---------------------------------------------------------------- evaluation
     @torch.no_grad()

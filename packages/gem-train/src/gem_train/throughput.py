@@ -1,0 +1,116 @@
+"""How fast a run trains: model FLOPs over wall time against the GPU's peak, and where the
+step's time goes.
+
+MFU here is GEM's end-to-end figure: ``gem_model.model_flops`` of the batches actually trained
+(real history lengths, forward + backward) over the wall time of the steps that trained them,
+divided by the accelerator's bf16 dense peak. On N ranks every rank reports its own share, so
+the per-rank MFU is already E2E MFU = local MFU x scaling ratio when the ranks are balanced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import defaultdict
+
+import torch
+
+__all__ = ["BF16_DENSE_PEAK_TFLOPS", "PHASES", "StepClock", "measured_matmul_peak", "peak_tflops"]
+
+BF16_DENSE_PEAK_TFLOPS = {
+    "H100": 989.4,
+    "H200": 989.4,
+    "H800": 989.4,
+    "GH200": 989.4,
+    "A100": 312.0,
+    "B200": 2250.0,
+}
+"""Datasheet bf16 dense (no sparsity) tensor-core peaks of SXM parts, by the name torch
+reports (``NVIDIA H200``). MFU is quoted against these."""
+
+PHASES = ("data", "forward", "backward", "optimizer")
+"""The parts of a step :class:`StepClock` times: waiting for the batch (host), forward,
+backward (with the fused sparse optimizer and the gradient all-reduce it overlaps), and the
+rest (gradient clip, 2D table sync, dense optimizer)."""
+
+
+def peak_tflops(device: torch.device | str) -> float | None:
+    """The datasheet bf16 dense peak in TFLOP/s of ``device`` (or of a GPU by the name torch
+    gives it); None for a CPU or an unknown GPU."""
+    if isinstance(device, str):
+        name = device
+    elif device.type != "cuda":
+        return None
+    else:
+        name = torch.cuda.get_device_name(device)
+    # Longest key first: "GH200" before "H200".
+    for key in sorted(BF16_DENSE_PEAK_TFLOPS, key=len, reverse=True):
+        if key in name:
+            return BF16_DENSE_PEAK_TFLOPS[key]
+    return None
+
+
+def measured_matmul_peak(device: torch.device, size: int = 8192, iters: int = 20) -> float | None:
+    """bf16 ``size``^3 matmul TFLOP/s measured on ``device`` (None on a CPU): what the GPU
+    delivers under its power and clock limits, beside the datasheet figure."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        a @ b
+    end.record()
+    end.synchronize()
+    return 2 * size**3 * iters / (start.elapsed_time(end) * 1e-3) / 1e12
+
+
+class StepClock:
+    """Times the phases of each step without adding host-device syncs.
+
+    ``mark(phase)`` ends ``phase`` at the current point of the stream: a CUDA event on GPUs
+    (read after the step's own sync, the loss ``.item()``), the host clock on CPUs. The data
+    wait is host time by nature. ``take()`` returns and resets the seconds per phase.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._seconds: dict[str, float] = defaultdict(float)
+        self._marks: list[tuple[str, object]] = []
+
+    def _now(self) -> object:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self) -> None:
+        """The step's work begins (its batch is in hand)."""
+        self._marks = [("", self._now())]
+
+    def mark(self, phase: str) -> None:
+        """``phase`` ended now."""
+        self._marks.append((phase, self._now()))
+
+    def add(self, phase: str, seconds: float) -> None:
+        """Host-measured time of ``phase`` (the data wait)."""
+        self._seconds[phase] += seconds
+
+    def finish(self) -> None:
+        """Accumulates the marked phases; call after the step's host sync."""
+        for (_, begin), (phase, end) in itertools.pairwise(self._marks):
+            if self.cuda:
+                self._seconds[phase] += begin.elapsed_time(end) * 1e-3
+            else:
+                self._seconds[phase] += end - begin
+        self._marks = []
+
+    def take(self) -> dict[str, float]:
+        """Seconds per phase since the last ``take`` (every phase of :data:`PHASES` present)."""
+        seconds = {phase: self._seconds.get(phase, 0.0) for phase in PHASES}
+        self._seconds = defaultdict(float)
+        return seconds
