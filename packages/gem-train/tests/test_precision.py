@@ -85,6 +85,18 @@ def test_fp8_default_keeps_the_task_heads_bf16():
     others = [name for name in converted if not name.startswith("heads.")]
     assert others and all(types[name] is Fp8Linear for name in others)
     assert all(types[f"heads.{task}.3"] is nn.Linear for task in model_config.tasks)
+    # Every LayerNorm -> Linear pair of the sequence tower runs the fused norm -> quantise.
+    from gem_precision import Fp8NormLinear, NormLinear
+
+    assert not any(isinstance(module, NormLinear) for module in model.modules())
+    fused = sorted(name for name, kind in types.items() if kind is Fp8NormLinear)
+    assert fused == [
+        "history_cross.kv_proj",
+        "history_cross.q_proj",
+        "pma.kv_proj",
+        "sequence_layers.0.ffn.up",
+        "sequence_layers.0.qkv",
+    ]
     everything = GemModel(model_config)
     apply_precision(everything, PrecisionConfig(mode="fp8", min_features=16, bf16_layers=()))
     assert not any(isinstance(module, Bf16GemmLinear) for module in everything.modules())
