@@ -1,11 +1,18 @@
 """Public functional attention API on jagged inputs.
 
-Each entry point validates its arguments (clear errors naming the argument) and then runs the
-implementation. :func:`jagged_flash_attention` dispatches to the Triton kernels of
-:mod:`gem_kernels.jfa_triton` for CUDA float16/bfloat16 inputs (``backend="auto"``) and to the
-PyTorch reference in :mod:`gem_kernels.reference` otherwise; :func:`gdpa` and
-:func:`block_attention` dispatch the same way to :mod:`gem_kernels.gdpa_triton` and
-:mod:`gem_kernels.block_attention_triton`.
+Each entry point validates its arguments (clear errors naming the argument) and then runs its
+operator, ``torch.ops.gem_kernels.{jagged_flash_attention, gdpa, block_attention}``
+(:mod:`gem_kernels.ops`), which runs the Triton kernels of :mod:`gem_kernels.jfa_triton` (resp.
+:mod:`gem_kernels.gdpa_triton`, :mod:`gem_kernels.block_attention_triton`) for CUDA
+float16/bfloat16 inputs (``backend="auto"``) and the PyTorch reference in
+:mod:`gem_kernels.reference` otherwise.
+
+Under ``torch.compile`` these functions trace without graph breaks: the checks made here read
+only shapes, dtypes, devices and Python arguments. The checks that read the offsets' values
+(start at 0, non-decreasing, last entry = rows, ``max_*`` against the real lengths, the width of
+``jagged_bias``) run inside the operator at call time, in eager and compiled code alike, with
+the same messages: nothing is skipped under compilation, and those errors come from the
+operator call.
 
 Jagged layout: the tokens of all samples concatenated along dim 0, plus an ``offsets`` vector of
 shape ``(B + 1,)`` (see :mod:`gem_kernels.jagged`). All tensors are ``(tokens, heads, head_dim)``.
@@ -19,9 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
-from gem_kernels import reference
-from gem_kernels._triton_host import host_lengths
-from gem_kernels.jagged import validate_offsets
+from gem_kernels import ops, reference
+from gem_kernels.jagged import _check_offsets_layout
 
 __all__ = [
     "BLOCK_ATTENTION_BACKENDS",
@@ -33,13 +39,18 @@ __all__ = [
 ]
 
 #: Accepted values of ``jagged_flash_attention(backend=...)``.
-JFA_BACKENDS = ("auto", "triton", "reference")
+JFA_BACKENDS = ops.BACKENDS
 
 #: Accepted values of ``gdpa(backend=...)``.
-GDPA_BACKENDS = ("auto", "triton", "reference")
+GDPA_BACKENDS = ops.BACKENDS
 
 #: Accepted values of ``block_attention(backend=...)``.
-BLOCK_ATTENTION_BACKENDS = ("auto", "triton", "reference")
+BLOCK_ATTENTION_BACKENDS = ops.BACKENDS
+
+# The operators' overloads, looked up once (every call would otherwise resolve the names).
+_JFA_OP = torch.ops.gem_kernels.jagged_flash_attention.default
+_GDPA_OP = torch.ops.gem_kernels.gdpa.default
+_BLOCK_OP = torch.ops.gem_kernels.block_attention.default
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FLOAT_DTYPE_NAMES = "float16, bfloat16, float32 or float64"
@@ -116,32 +127,25 @@ def _check_window(window: object) -> tuple[int | None, int | None] | None:
     return (window[0], window[1])
 
 
-def _check_max_len(max_len: object, name: str, lengths: torch.Tensor | int, what: str) -> None:
-    """``max_len`` is None or an int >= every length (``lengths``: host tensor, or one int)."""
+def _check_max_len(max_len: object, name: str) -> None:
+    """``max_len`` is None or an int >= 0 (the operator compares it with the real lengths)."""
     if max_len is None:
         return
     if isinstance(max_len, bool) or not isinstance(max_len, int):
         raise TypeError(f"{name} must be an int or None, got {max_len!r}")
     if max_len < 0:
         raise ValueError(f"{name} must be >= 0, got {max_len}")
-    if isinstance(lengths, int):
-        if lengths > max_len:
-            raise ValueError(f"{name}={max_len} is smaller than the real {what}: {lengths}")
-        return
-    if lengths.numel() > 0:
-        longest = int(lengths.max())
-        if longest > max_len:
-            sample = int(torch.argmax(lengths))
-            raise ValueError(
-                f"{name}={max_len} is smaller than a real {what} length: sample {sample} has "
-                f"{longest}"
-            )
 
 
 def _check_offsets_device(offsets: torch.Tensor, name: str, device: torch.device) -> None:
     # Offsets may live on the CPU (the reference reads them there) or on the data's device.
     if offsets.device.type != "cpu" and offsets.device != device:
         raise ValueError(f"{name} is on {offsets.device} but the data is on {device}")
+
+
+def _check_offsets(offsets: object, name: str, device: torch.device) -> None:
+    _check_offsets_layout(offsets, name)
+    _check_offsets_device(offsets, name, device)
 
 
 def _check_jagged_pair(
@@ -151,30 +155,14 @@ def _check_jagged_pair(
     k_offsets: torch.Tensor | None,
     max_q: int | None,
     max_k: int | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate q/k offsets; returns host (q_lengths, k_lengths)."""
-    validate_offsets(q_offsets, "q_offsets", num_rows=q.shape[0])
-    _check_offsets_device(q_offsets, "q_offsets", q.device)
-    q_lengths = host_lengths(q_offsets)
-    if k_offsets is None:
-        if k.shape[0] != q.shape[0]:
-            raise ValueError(
-                "k_offsets is None, so keys share q_offsets and k must have as many rows as q "
-                f"({q.shape[0]}), got {k.shape[0]}"
-            )
-        k_lengths = q_lengths
-    else:
-        validate_offsets(k_offsets, "k_offsets", num_rows=k.shape[0])
-        _check_offsets_device(k_offsets, "k_offsets", q.device)
-        k_lengths = host_lengths(k_offsets)
-        if k_lengths.numel() != q_lengths.numel():
-            raise ValueError(
-                f"k_offsets has B={k_lengths.numel()} samples but q_offsets has "
-                f"B={q_lengths.numel()}; they must describe the same batch"
-            )
-    _check_max_len(max_q, "max_q", q_lengths, "query")
-    _check_max_len(max_k, "max_k", k_lengths, "key")
-    return q_lengths, k_lengths
+) -> None:
+    """The checks of q/k offsets that read no values (the operator checks the values)."""
+    _check_offsets(q_offsets, "q_offsets", q.device)
+    if k_offsets is not None:
+        _check_offsets(k_offsets, "k_offsets", q.device)
+    ops.check_jagged_pair(q, k, q_offsets, k_offsets)
+    _check_max_len(max_q, "max_q")
+    _check_max_len(max_k, "max_k")
 
 
 def _check_bias_tensor(bias: object, name: str, q: torch.Tensor, layout: str) -> torch.Tensor:
@@ -186,21 +174,14 @@ def _check_bias_tensor(bias: object, name: str, q: torch.Tensor, layout: str) ->
     return bias
 
 
-def _wants_triton(backend: str, q: torch.Tensor) -> bool:
-    """Whether a (validated) ``backend`` tries the Triton kernels for ``q``: always for
-    ``"triton"``; for ``"auto"``, CUDA float16/bfloat16 inputs; never for ``"reference"``."""
-    if backend == "reference":
-        return False
-    return backend == "triton" or (
-        q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
-    )
+def _check_backend(backend: object, accepted: tuple[str, ...]) -> str:
+    if backend not in accepted:
+        raise ValueError(f"backend must be one of {accepted}, got {backend!r}")
+    return backend
 
 
-def _raise_if_forced(backend: str, reason: str) -> None:
-    """The Triton path cannot run (``reason``): an error for ``backend="triton"``; for
-    ``"auto"`` the documented fallback to the reference (same function)."""
-    if backend == "triton":
-        raise ValueError(f"backend='triton' cannot run this call: {reason}")
+def _window_sides(window: tuple[int | None, int | None] | None) -> tuple[int | None, int | None]:
+    return (None, None) if window is None else window
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,44 +233,23 @@ def jagged_flash_attention(
         ``(Tq, H, D)`` in q's dtype. Rows that see no key (empty KV, or fully masked) are 0.
     """
     _check_qkv(q, k, v)
-    q_lengths, k_lengths = _check_jagged_pair(q, k, q_offsets, k_offsets, max_q, max_k)
+    _check_jagged_pair(q, k, q_offsets, k_offsets, max_q, max_k)
     resolved_scale = _resolve_scale(scale, q.shape[2])
     _check_bool(causal, "causal")
-    resolved_window = _check_window(window)
+    left, right = _window_sides(_check_window(window))
     if rel_pos_bias is not None:
         _check_bias_tensor(rel_pos_bias, "rel_pos_bias", q, "(heads, num_buckets)")
         if rel_pos_bias.shape[1] < 1:
             raise ValueError("rel_pos_bias must have at least one bucket (shape (H, N), N >= 1)")
     if jagged_bias is not None:
+        # Its width (sum_b Lq_b * Lk_b) depends on the offsets' values: checked by the operator.
         _check_bias_tensor(jagged_bias, "jagged_bias", q, "(heads, sum_b Lq_b * Lk_b)")
-        expected = int((q_lengths * k_lengths).sum())
-        if jagged_bias.shape[1] != expected:
-            raise ValueError(
-                f"jagged_bias must have shape (H, sum_b Lq_b * Lk_b) = ({q.shape[1]}, {expected}), "
-                f"got {tuple(jagged_bias.shape)}"
-            )
-    if backend not in JFA_BACKENDS:
-        raise ValueError(f"backend must be one of {JFA_BACKENDS}, got {backend!r}")
-    options = dict(
-        scale=resolved_scale,
-        causal=causal,
-        window=resolved_window,
-        rel_pos_bias=rel_pos_bias,
-        jagged_bias=jagged_bias,
-    )
-    if _wants_triton(backend, q):
-        # Imported here so that the reference path never loads Triton.
-        from gem_kernels import jfa_triton
-
-        reason = jfa_triton.triton_unsupported_reason(
-            q, rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias
-        )
-        if reason is None:
-            return jfa_triton.jagged_flash_attention_from_lengths(
-                q, k, v, q_lengths, k_lengths, **options
-            )
-        _raise_if_forced(backend, reason)
-    return reference.jagged_flash_attention_reference(q, k, v, q_offsets, k_offsets, **options)
+    _check_backend(backend, JFA_BACKENDS)
+    out, _ = _JFA_OP(
+        q, k, v, q_offsets, k_offsets, rel_pos_bias, jagged_bias, max_q, max_k, resolved_scale,
+        causal, left, right, backend,
+    )  # fmt: skip
+    return out
 
 
 def gdpa(
@@ -348,37 +308,21 @@ def gdpa(
                 "gdpa needs q_offsets (self/cross attention) or k_offsets (PMA broadcast with "
                 "q_offsets=None); both are None"
             )
-        validate_offsets(k_offsets, "k_offsets", num_rows=k.shape[0])
-        _check_offsets_device(k_offsets, "k_offsets", q.device)
-        _check_max_len(max_q, "max_q", q.shape[0], "query (Nq)")
-        q_lengths, k_lengths = None, host_lengths(k_offsets)
-        _check_max_len(max_k, "max_k", k_lengths, "key")
+        _check_offsets(k_offsets, "k_offsets", q.device)
+        _check_max_len(max_q, "max_q")
+        ops.check_max_len(max_q, "max_q", q.shape[0], "query (Nq)")
+        _check_max_len(max_k, "max_k")
     else:
-        q_lengths, k_lengths = _check_jagged_pair(q, k, q_offsets, k_offsets, max_q, max_k)
-        if k_offsets is None:
-            k_lengths = None  # self-attention
+        _check_jagged_pair(q, k, q_offsets, k_offsets, max_q, max_k)
     resolved_scale = _resolve_scale(scale, q.shape[2])
     _check_bool(causal, "causal")
     _check_bool(normalize_by_length, "normalize_by_length")
-    resolved_window = _check_window(window)
-    if backend not in GDPA_BACKENDS:
-        raise ValueError(f"backend must be one of {GDPA_BACKENDS}, got {backend!r}")
-    options = dict(
-        activation=activation,
-        scale=resolved_scale,
-        causal=causal,
-        window=resolved_window,
-        normalize_by_length=normalize_by_length,
-    )
-    if _wants_triton(backend, q):
-        # Imported here so that the reference path never loads Triton.
-        from gem_kernels import gdpa_triton
-
-        reason = gdpa_triton.triton_unsupported_reason(q)
-        if reason is None:
-            return gdpa_triton.gdpa_from_lengths(q, k, v, q_lengths, k_lengths, **options)
-        _raise_if_forced(backend, reason)
-    return reference.gdpa_reference(q, k, v, q_offsets, k_offsets, **options)
+    left, right = _window_sides(_check_window(window))
+    _check_backend(backend, GDPA_BACKENDS)
+    return _GDPA_OP(
+        q, k, v, q_offsets, k_offsets, max_q, max_k, activation, resolved_scale, causal, left,
+        right, normalize_by_length, backend,
+    )  # fmt: skip
 
 
 def block_attention(
@@ -428,10 +372,8 @@ def block_attention(
         )
     if q.shape[2] % 2 != 0:
         raise ValueError(f"head_dim must be even for rotary embedding, got {q.shape[2]}")
-    validate_offsets(offsets, "offsets", num_rows=q.shape[0])
-    _check_offsets_device(offsets, "offsets", q.device)
-    lengths = host_lengths(offsets)
-    _check_max_len(max_len, "max_len", lengths, "sample")
+    _check_offsets(offsets, "offsets", q.device)
+    _check_max_len(max_len, "max_len")
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise TypeError(f"block_size must be an int, got {block_size!r}")
     if block_size < 1:
@@ -452,20 +394,8 @@ def block_attention(
         if positions.device != q.device:
             raise ValueError(f"positions is on {positions.device} but q is on {q.device}")
     resolved_scale = _resolve_scale(scale, q.shape[2])
-    if backend not in BLOCK_ATTENTION_BACKENDS:
-        raise ValueError(f"backend must be one of {BLOCK_ATTENTION_BACKENDS}, got {backend!r}")
-    options = dict(
-        block_size=block_size,
-        positions=positions,
-        rope_theta=float(rope_theta),
-        scale=resolved_scale,
-    )
-    if _wants_triton(backend, q):
-        # Imported here so that the reference path never loads Triton.
-        from gem_kernels import block_attention_triton
-
-        reason = block_attention_triton.triton_unsupported_reason(q, block_size)
-        if reason is None:
-            return block_attention_triton.block_attention_from_lengths(q, k, v, lengths, **options)
-        _raise_if_forced(backend, reason)
-    return reference.block_attention_reference(q, k, v, offsets, **options)
+    _check_backend(backend, BLOCK_ATTENTION_BACKENDS)
+    return _BLOCK_OP(
+        q, k, v, offsets, positions, max_len, block_size, float(rope_theta), resolved_scale,
+        backend,
+    )  # fmt: skip

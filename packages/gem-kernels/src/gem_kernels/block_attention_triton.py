@@ -33,9 +33,11 @@ __all__ = [
     "MAX_TRITON_HEAD_DIM",
     "BlockAttentionFunction",
     "BlockAttentionTritonConfig",
+    "backward_from_lengths",
     "block_attention_from_lengths",
     "block_attention_triton",
     "default_config",
+    "forward_from_lengths",
     "triton_unsupported_reason",
 ]
 
@@ -305,23 +307,9 @@ class BlockAttentionFunction(torch.autograd.Function):
 # Entry points (validated input).
 
 
-def block_attention_from_lengths(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    lengths: torch.Tensor,
-    *,
-    block_size: int = 64,
-    positions: torch.Tensor | None = None,
-    rope_theta: float = 10000.0,
-    scale: float | None = None,
-    config: BlockAttentionTritonConfig | None = None,
-) -> torch.Tensor:
-    """Triton block attention from per-sample lengths (CPU lengths: no device sync).
-
-    Same semantics as :func:`gem_kernels.block_attention`; inputs are assumed valid (lengths
-    sum to the row count, ``block_size <= MAX_TRITON_BLOCK_SIZE``, D even).
-    """
+def _prepare(q, k, v, lengths, *, block_size, positions, rope_theta, scale, config):
+    """Plan and launch parameters of a call, and its tensors as the kernels take them:
+    ``(q, k, v, positions, launch)``."""
     interpret = host.interpret_for(q)
     head_dim = q.shape[2]
     launch = _plan(
@@ -337,9 +325,78 @@ def block_attention_from_lengths(
     q, k, v = host.unit_stride(q), host.unit_stride(k), host.unit_stride(v)
     if positions is not None:
         positions = positions.contiguous()
+    return q, k, v, positions, launch
+
+
+def block_attention_from_lengths(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    block_size: int = 64,
+    positions: torch.Tensor | None = None,
+    rope_theta: float = 10000.0,
+    scale: float | None = None,
+    config: BlockAttentionTritonConfig | None = None,
+) -> torch.Tensor:
+    """Triton block attention from per-sample lengths (CPU lengths: no device sync).
+
+    Same semantics as :func:`gem_kernels.block_attention`; inputs are assumed valid (lengths
+    sum to the row count, ``block_size <= MAX_TRITON_BLOCK_SIZE``, D even). Differentiable
+    through :class:`BlockAttentionFunction`, with an optional ``config``: the entry point of the
+    tests and benchmarks (the public function runs the ``gem_kernels::`` operators, whose
+    forward and backward are :func:`forward_from_lengths` and :func:`backward_from_lengths`).
+    """
+    q, k, v, positions, launch = _prepare(
+        q, k, v, lengths, block_size=block_size, positions=positions, rope_theta=rope_theta,
+        scale=scale, config=config,
+    )  # fmt: skip
     if not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
         return _forward(q, k, v, positions, launch)  # inference: no autograd node to build
     return BlockAttentionFunction.apply(q, k, v, positions, launch)
+
+
+def forward_from_lengths(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    block_size: int = 64,
+    positions: torch.Tensor | None = None,
+    rope_theta: float = 10000.0,
+    scale: float | None = None,
+    config: BlockAttentionTritonConfig | None = None,
+) -> torch.Tensor:
+    """The forward kernel without autograd (the operator's forward)."""
+    q, k, v, positions, launch = _prepare(
+        q, k, v, lengths, block_size=block_size, positions=positions, rope_theta=rope_theta,
+        scale=scale, config=config,
+    )  # fmt: skip
+    return _forward(q, k, v, positions, launch)
+
+
+def backward_from_lengths(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    block_size: int = 64,
+    positions: torch.Tensor | None = None,
+    rope_theta: float = 10000.0,
+    scale: float | None = None,
+    config: BlockAttentionTritonConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq, dk, dv)``: the kernel :class:`BlockAttentionFunction` runs in its
+    backward, on the same prepared inputs."""
+    q, k, v, positions, launch = _prepare(
+        q, k, v, lengths, block_size=block_size, positions=positions, rope_theta=rope_theta,
+        scale=scale, config=config,
+    )  # fmt: skip
+    return _backward(grad_out, q, k, v, positions, launch)
 
 
 def block_attention_triton(

@@ -65,8 +65,10 @@ __all__ = [
     "GdpaTritonConfig",
     "MAX_TRITON_HEAD_DIM",
     "SHORT_SEQUENCE_LEN",
+    "backward_from_lengths",
     "default_config",
     "descriptor_layout",
+    "forward_from_lengths",
     "gdpa_from_lengths",
     "gdpa_triton",
     "schedule_loads",
@@ -1043,26 +1045,12 @@ def _resolve_window(causal: bool, window) -> tuple[int | None, int | None]:
     return left, right
 
 
-def gdpa_from_lengths(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_lengths: torch.Tensor | None,
-    k_lengths: torch.Tensor | None = None,
-    *,
-    activation: str = "silu",
-    scale: float | None = None,
-    causal: bool = False,
-    window: tuple[int | None, int | None] | None = None,
-    normalize_by_length: bool = False,
-    config: GdpaTritonConfig | None = None,
-) -> torch.Tensor:
-    """Triton GDPA from per-sample lengths (CPU tensors: no device sync needed).
-
-    ``q_lengths=None`` is PMA broadcast (``k_lengths`` required): the ``Nq`` rows of q attend
-    over every sample's keys; ``k_lengths=None`` is self-attention. Same semantics as
-    :func:`gem_kernels.gdpa`; inputs are assumed valid.
-    """
+def _prepare(
+    q, k, v, q_lengths, k_lengths, *, activation, scale, causal, window, normalize_by_length,
+    config, with_backward,
+):  # fmt: skip
+    """Config, launch parameters and plan of a call, and its tensors as the kernels take them:
+    ``(q, k, v, plan, launch, out_rows)``."""
     interpret = host.interpret_for(q)
     if activation not in _ACTIVATION_CODES:
         raise ValueError(
@@ -1108,16 +1096,95 @@ def gdpa_from_lengths(
         interpret=interpret,
         descriptor_layout=whole_tensor_descriptors,
     )
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     pma_m = _pma_block_m(q.shape[0], config) if pma else 0
     plan = _cached_plan(
         q_host, k_host, q.shape[0] if pma else None, q.shape[1], left, right, config, q.device,
-        needs_grad, interpret, pma_m,
+        with_backward, interpret, pma_m,
     )  # fmt: skip
     out_rows = k_host.numel() * q.shape[0] if pma else q.shape[0]
+    return q, k, v, plan, launch, out_rows
+
+
+def gdpa_from_lengths(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_lengths: torch.Tensor | None,
+    k_lengths: torch.Tensor | None = None,
+    *,
+    activation: str = "silu",
+    scale: float | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    normalize_by_length: bool = False,
+    config: GdpaTritonConfig | None = None,
+) -> torch.Tensor:
+    """Triton GDPA from per-sample lengths (CPU tensors: no device sync needed).
+
+    ``q_lengths=None`` is PMA broadcast (``k_lengths`` required): the ``Nq`` rows of q attend
+    over every sample's keys; ``k_lengths=None`` is self-attention. Same semantics as
+    :func:`gem_kernels.gdpa`; inputs are assumed valid. Differentiable through
+    :class:`GdpaFunction`, with an optional tile ``config``: the entry point of the tests and
+    benchmarks (the public function runs the ``gem_kernels::`` operators, whose forward and
+    backward are :func:`forward_from_lengths` and :func:`backward_from_lengths`).
+    """
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    q, k, v, plan, launch, out_rows = _prepare(
+        q, k, v, q_lengths, k_lengths, activation=activation, scale=scale, causal=causal,
+        window=window, normalize_by_length=normalize_by_length, config=config,
+        with_backward=needs_grad,
+    )  # fmt: skip
     if not needs_grad:  # inference: no autograd node to build
         return _forward(q, k, v, plan, launch, out_rows)
     return GdpaFunction.apply(q, k, v, plan, launch, out_rows)
+
+
+def forward_from_lengths(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_lengths: torch.Tensor | None,
+    k_lengths: torch.Tensor | None = None,
+    *,
+    activation: str = "silu",
+    scale: float | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    normalize_by_length: bool = False,
+    config: GdpaTritonConfig | None = None,
+) -> torch.Tensor:
+    """The kernels' forward without autograd (the operator's forward)."""
+    q, k, v, plan, launch, out_rows = _prepare(
+        q, k, v, q_lengths, k_lengths, activation=activation, scale=scale, causal=causal,
+        window=window, normalize_by_length=normalize_by_length, config=config,
+        with_backward=False,
+    )  # fmt: skip
+    return _forward(q, k, v, plan, launch, out_rows)
+
+
+def backward_from_lengths(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_lengths: torch.Tensor | None,
+    k_lengths: torch.Tensor | None = None,
+    *,
+    activation: str = "silu",
+    scale: float | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    normalize_by_length: bool = False,
+    config: GdpaTritonConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients ``(dq, dk, dv)``: the kernels :class:`GdpaFunction` runs in its backward, on
+    the same prepared inputs (GDPA's backward needs no saved forward output)."""
+    q, k, v, plan, launch, _ = _prepare(
+        q, k, v, q_lengths, k_lengths, activation=activation, scale=scale, causal=causal,
+        window=window, normalize_by_length=normalize_by_length, config=config,
+        with_backward=True,
+    )  # fmt: skip
+    return _backward(grad_out, q, k, v, plan, launch)
 
 
 @functools.lru_cache(maxsize=32)

@@ -73,6 +73,15 @@ def _check_index_vector(tensor: object, name: str) -> torch.Tensor:
     return tensor
 
 
+def _check_offsets_layout(offsets: object, name: str) -> torch.Tensor:
+    """The checks of :func:`validate_offsets` that read no values: type, dtype, rank, not empty
+    (safe inside a ``torch.compile`` trace, where the values are not known)."""
+    _check_index_vector(offsets, name)
+    if offsets.numel() == 0:
+        raise ValueError(f"{name} must have at least one entry (shape (B + 1,)), got none")
+    return offsets
+
+
 def validate_offsets(
     offsets: torch.Tensor,
     name: str = "offsets",
@@ -94,9 +103,7 @@ def validate_offsets(
         ValueError: wrong rank, empty, ``offsets[0] != 0``, decreasing, last entry not
             ``num_rows``, or a length above ``max_len``. The message names ``name``.
     """
-    _check_index_vector(offsets, name)
-    if offsets.numel() == 0:
-        raise ValueError(f"{name} must have at least one entry (shape (B + 1,)), got none")
+    _check_offsets_layout(offsets, name)
     if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int)):
         raise TypeError(f"max length for {name} must be an int or None, got {max_len!r}")
     if max_len is not None and max_len < 0:

@@ -41,7 +41,9 @@ __all__ = [
     "MAX_TRITON_HEAD_DIM",
     "MEDIUM_SEQUENCE_LEN",
     "SHORT_SEQUENCE_LEN",
+    "backward_from_lengths",
     "default_config",
+    "forward_from_lengths",
     "jagged_flash_attention_from_lengths",
     "jagged_flash_attention_triton",
     "triton_unsupported_reason",
@@ -592,25 +594,14 @@ def _resolve_window(causal: bool, window) -> tuple[int | None, int | None]:
     return left, right
 
 
-def jagged_flash_attention_from_lengths(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_lengths: torch.Tensor,
-    k_lengths: torch.Tensor | None = None,
-    *,
-    scale: float | None = None,
-    causal: bool = False,
-    window: tuple[int | None, int | None] | None = None,
-    rel_pos_bias: torch.Tensor | None = None,
-    jagged_bias: torch.Tensor | None = None,
-    config: JfaTritonConfig | None = None,
-) -> torch.Tensor:
-    """Triton jagged attention from per-sample lengths (CPU tensors: no device sync needed).
-
-    Same semantics as :func:`gem_kernels.jagged_flash_attention`; inputs are assumed valid
-    (lengths sum to the row counts, biases shaped as documented there).
-    """
+def _prepare(
+    q, k, v, q_lengths, k_lengths, *, scale, causal, window, rel_pos_bias, jagged_bias, config,
+    with_backward,
+):  # fmt: skip
+    """Config, launch parameters and plan of a call, and its tensors as the kernels take them:
+    ``(q, k, v, rel_pos_bias, jagged_bias, plan, launch)``. A zero ``scale`` returns ``q * 0``
+    and a unit scale (the kernels divide biases by the scale; ``scale * q.k == 1 * (0 * q).k``,
+    with the same zero gradients for q and k through the product)."""
     interpret = host.interpret_for(q)
     if k_lengths is None:
         k_lengths = q_lengths
@@ -639,22 +630,106 @@ def jagged_flash_attention_from_lengths(
         config=config,
         interpret=interpret,
     )
-    tensors = (q, k, v, rel_pos_bias, jagged_bias)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     if launch.scale == 0.0:
-        # The kernels divide biases by the scale; scale * q.k == 1 * (0 * q).k, with the same
-        # (zero) gradients for q and k.
         q = q * 0.0
         launch = replace(launch, scale=1.0)
-    plan = _plan(q_lengths, k_lengths, left, right, config, q.device, needs_grad)
+    plan = _plan(q_lengths, k_lengths, left, right, config, q.device, with_backward)
     q, k, v = host.unit_stride(q), host.unit_stride(k), host.unit_stride(v)
     if rel_pos_bias is not None:
         rel_pos_bias = rel_pos_bias.contiguous()
     if jagged_bias is not None:
         jagged_bias = jagged_bias.contiguous()
+    return q, k, v, rel_pos_bias, jagged_bias, plan, launch
+
+
+def jagged_flash_attention_from_lengths(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_lengths: torch.Tensor,
+    k_lengths: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    rel_pos_bias: torch.Tensor | None = None,
+    jagged_bias: torch.Tensor | None = None,
+    config: JfaTritonConfig | None = None,
+) -> torch.Tensor:
+    """Triton jagged attention from per-sample lengths (CPU tensors: no device sync needed).
+
+    Same semantics as :func:`gem_kernels.jagged_flash_attention`; inputs are assumed valid
+    (lengths sum to the row counts, biases shaped as documented there). Differentiable through
+    :class:`JaggedFlashAttentionFunction`, with an optional tile ``config``: the entry point of
+    the tests and benchmarks (the public function runs the ``gem_kernels::`` operators, whose
+    forward and backward are :func:`forward_from_lengths` and :func:`backward_from_lengths`).
+    """
+    tensors = (q, k, v, rel_pos_bias, jagged_bias)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    q, k, v, rel_pos_bias, jagged_bias, plan, launch = _prepare(
+        q, k, v, q_lengths, k_lengths, scale=scale, causal=causal, window=window,
+        rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias, config=config,
+        with_backward=needs_grad,
+    )  # fmt: skip
     if not needs_grad:  # inference: no autograd node to build, no LSE to keep
         return _forward(q, k, v, rel_pos_bias, jagged_bias, plan, launch)[0]
     return JaggedFlashAttentionFunction.apply(q, k, v, rel_pos_bias, jagged_bias, plan, launch)
+
+
+def forward_from_lengths(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_lengths: torch.Tensor,
+    k_lengths: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    rel_pos_bias: torch.Tensor | None = None,
+    jagged_bias: torch.Tensor | None = None,
+    config: JfaTritonConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' forward without autograd: ``(out (Tq, H, D), lse (H, Tq) float32)`` (lse in
+    the log2 domain, ``+inf`` for rows without keys), as the operator returns them."""
+    q, k, v, rel_pos_bias, jagged_bias, plan, launch = _prepare(
+        q, k, v, q_lengths, k_lengths, scale=scale, causal=causal, window=window,
+        rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias, config=config, with_backward=False,
+    )  # fmt: skip
+    return _forward(q, k, v, rel_pos_bias, jagged_bias, plan, launch)
+
+
+def backward_from_lengths(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_lengths: torch.Tensor,
+    k_lengths: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    window: tuple[int | None, int | None] | None = None,
+    rel_pos_bias: torch.Tensor | None = None,
+    jagged_bias: torch.Tensor | None = None,
+    config: JfaTritonConfig | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Gradients ``(dq, dk, dv, d_rel_pos_bias, d_jagged_bias)`` (``None`` for absent biases)
+    from the forward's ``out`` and ``lse``: the kernels :class:`JaggedFlashAttentionFunction`
+    runs in its backward, on the same prepared inputs."""
+    q0, k, v, rel_pos_bias, jagged_bias, plan, launch = _prepare(
+        q, k, v, q_lengths, k_lengths, scale=scale, causal=causal, window=window,
+        rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias, config=config, with_backward=True,
+    )  # fmt: skip
+    dq, dk, dv, rel_grad, jb_grad = _backward(
+        grad_out, q0, k, v, host.unit_stride(out), host.unit_stride(lse), rel_pos_bias,
+        jagged_bias, plan, launch,
+    )  # fmt: skip
+    if scale is not None and float(scale) == 0.0:
+        dq = dq * 0.0  # through _prepare's q * 0, as autograd does for the Function
+    return dq, dk, dv, rel_grad, jb_grad
 
 
 def jagged_flash_attention_triton(

@@ -55,6 +55,8 @@ __all__ = [
 #: Default cap on the number of elements of one score tensor (4M floats = 16 MiB in float32).
 DEFAULT_SCORE_BUDGET = 1 << 22
 
+_LOG2E = 1.4426950408889634
+
 # Smallest padded bucket length: short samples share one bucket instead of many tiny ones.
 _MIN_BUCKET = 16
 
@@ -234,6 +236,7 @@ class _Problem:
     rel_pos_bias: torch.Tensor | None
     jagged_bias: torch.Tensor | None
     normalize_by_length: bool
+    with_lse: bool
 
 
 def _jagged_attention_core(
@@ -255,13 +258,16 @@ def _jagged_attention_core(
     jagged_bias: torch.Tensor | None,
     normalize_by_length: bool,
     score_budget: int,
-) -> torch.Tensor:
-    """Attention of each sample's queries over its keys; returns ``(out_rows, H, D)``.
+    with_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of each sample's queries over its keys; returns ``(out_rows, H, D)`` and,
+    ``with_lse`` (softmax only), the log-sum-exp ``(H, out_rows)`` in float32, else ``None``.
 
     Query row ``i`` of sample ``b`` is read from ``q[q_starts[b] + i]`` and written to
     ``out[out_starts[b] + i]`` (the two differ for broadcast queries). ``activation=None``
     means softmax; otherwise ``activation(scores)`` is used unnormalised. Starts and lengths
-    are int64 CPU tensors of shape (B,). Rows of samples without keys stay zero.
+    are int64 CPU tensors of shape (B,). Rows of samples without keys stay zero (log-sum-exp:
+    ``+inf``, the Triton kernels' convention).
     """
     device = q.device
     heads, head_dim = q.shape[1], q.shape[2]
@@ -281,11 +287,13 @@ def _jagged_attention_core(
         rel_pos_bias=rel_pos_bias,
         jagged_bias=jagged_bias,
         normalize_by_length=normalize_by_length,
+        with_lse=with_lse,
     )
 
     # The empty slice keeps the output attached to the graph even when nothing is computed.
     pieces: list[torch.Tensor] = [q[:0]]
     targets: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64, device=device)]
+    lse_pieces: list[torch.Tensor] = [torch.zeros(0, heads, device=device)]
 
     active = torch.nonzero((q_lengths > 0) & (k_lengths > 0)).flatten()
     if active.numel() > 0:
@@ -316,11 +324,18 @@ def _jagged_attention_core(
                     rows_per_chunk=rows_per_chunk,
                     pieces=pieces,
                     targets=targets,
+                    lse_pieces=lse_pieces,
                 )
 
     # Row out_rows is a scratch row that padded query rows are written to, then dropped.
     out = torch.zeros(out_rows + 1, heads, head_dim, dtype=q.dtype, device=device)
-    return out.index_copy(0, torch.cat(targets), torch.cat(pieces))[:out_rows]
+    all_targets = torch.cat(targets)
+    out = out.index_copy(0, all_targets, torch.cat(pieces))[:out_rows]
+    if not with_lse:
+        return out, None
+    lse = torch.full((out_rows + 1, heads), float("inf"), device=device)
+    lse = lse.index_copy(0, all_targets, torch.cat(lse_pieces))[:out_rows]
+    return out, lse.t().contiguous()
 
 
 def _attend_chunk(
@@ -335,6 +350,7 @@ def _attend_chunk(
     rows_per_chunk: int,
     pieces: list[torch.Tensor],
     targets: list[torch.Tensor],
+    lse_pieces: list[torch.Tensor],
 ) -> None:
     """Attention for one chunk of samples (all in one length bucket); appends output rows.
 
@@ -396,8 +412,14 @@ def _attend_chunk(
             # softmax stays finite; their output is zeroed below, so they contribute nothing.
             row_has_key = mask.any(dim=-1)  # (n, r)
             mask = mask | ~row_has_key[:, :, None]
-            weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            masked_scores = scores.masked_fill(~mask, float("-inf"))
+            weights = torch.softmax(masked_scores, dim=-1)
             out = torch.matmul(weights, v_pad) * row_has_key[None, :, :, None]
+            if problem.with_lse:
+                # log2 domain, +inf for rows without keys: what the Triton backward reads.
+                lse = (torch.logsumexp(masked_scores, dim=-1) * _LOG2E).float()  # (H, n, r)
+                lse = lse.masked_fill(~row_has_key[None], float("inf"))
+                lse_pieces.append(lse.permute(1, 2, 0).reshape(num * num_rows, heads))
         else:
             weights = problem.activation(scores).masked_fill(~mask, 0.0)
             out = torch.matmul(weights, v_pad)  # (H, n, r, D)
@@ -435,16 +457,20 @@ def jagged_flash_attention_reference(
     rel_pos_bias: torch.Tensor | None = None,
     jagged_bias: torch.Tensor | None = None,
     score_budget: int = DEFAULT_SCORE_BUDGET,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over jagged q ``(Tq,H,D)`` and k/v ``(Tk,H,D)``; returns ``(Tq,H,D)``.
 
     Same semantics as :func:`gem_kernels.jagged_flash_attention` without input checks;
-    ``score_budget`` caps the elements of one score tensor.
+    ``score_budget`` caps the elements of one score tensor. ``return_lse``: also return the
+    softmax log-sum-exp ``(H, Tq)`` float32 in the Triton kernels' convention (log2 domain:
+    ``log2(sum_j 2^(log2(e) * (scale * q.k_j + bias_j)))`` over the visible keys, ``+inf`` for
+    rows without any), as the ``gem_kernels::jagged_flash_attention`` operator returns it.
     """
     dtype = compute_dtype(q.dtype)
     q_lengths, q_starts = _lengths_and_starts(q_offsets)
     k_lengths, k_starts = _lengths_and_starts(q_offsets if k_offsets is None else k_offsets)
-    out = _jagged_attention_core(
+    out, lse = _jagged_attention_core(
         q.to(dtype),
         k.to(dtype),
         v.to(dtype),
@@ -462,8 +488,9 @@ def jagged_flash_attention_reference(
         jagged_bias=_to_compute(jagged_bias, dtype),
         normalize_by_length=False,
         score_budget=score_budget,
+        with_lse=return_lse,
     )
-    return out.to(q.dtype)
+    return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
 
 
 def gdpa_reference(
@@ -500,7 +527,7 @@ def gdpa_reference(
         q_lengths, q_starts = _lengths_and_starts(q_offsets)
         k_lengths, k_starts = _lengths_and_starts(q_offsets if k_offsets is None else k_offsets)
         out_starts, out_rows = q_starts, q.shape[0]
-    out = _jagged_attention_core(
+    out, _ = _jagged_attention_core(
         q.to(dtype),
         k.to(dtype),
         v.to(dtype),
@@ -561,7 +588,7 @@ def block_attention_reference(
     block_lengths = torch.clamp(
         lengths[sample_of_block] - block_in_sample * block_size, max=block_size
     )
-    out = _jagged_attention_core(
+    out, _ = _jagged_attention_core(
         q_rot,
         k_rot,
         v.to(dtype),

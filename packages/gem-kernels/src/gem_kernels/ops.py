@@ -1,0 +1,542 @@
+"""The attention kernels as PyTorch operators (``torch.ops.gem_kernels.*``).
+
+The public functions of :mod:`gem_kernels.attention` check their arguments and run these
+operators; ``torch.compile`` sees each call as one opaque node (shapes from the fake
+implementations below), so a model using them compiles without graph breaks, and AOTAutograd
+or compiled autograd trace the registered backward, itself an operator:
+
+==========================================================  =====================================
+operator                                                    returns
+==========================================================  =====================================
+``jagged_flash_attention(q, k, v, q_offsets, k_offsets,     ``(out (Tq, H, D) q.dtype,
+rel_pos_bias, jagged_bias, max_q, max_k, scale, causal,     lse (H, Tq) float32)``
+window_left, window_right, backend)``
+``jagged_flash_attention_backward(grad_out, q, k, v, out,   ``[dq, dk, dv]`` + ``d_rel_pos_bias``
+lse, q_offsets, k_offsets, rel_pos_bias, jagged_bias,       and ``d_jagged_bias`` for the biases
+scale, causal, window_left, window_right, backend)``        given
+``gdpa(q, k, v, q_offsets, k_offsets, max_q, max_k,         ``(Tq, H, D)``, PMA ``(B * Nq, H, D)``
+activation, scale, causal, window_left, window_right,
+normalize_by_length, backend)``
+``gdpa_backward(grad_out, q, k, v, q_offsets, k_offsets,    ``(dq, dk, dv)``
+activation, scale, causal, window_left, window_right,
+normalize_by_length, backend)``
+``block_attention(q, k, v, offsets, positions, max_len,     ``(T, H, D)``
+block_size, rope_theta, scale, backend)``
+``block_attention_backward(grad_out, q, k, v, offsets,      ``(dq, dk, dv)``
+positions, block_size, rope_theta, scale, backend)``
+==========================================================  =====================================
+
+(exact schemas: ``_*_SCHEMA`` below). Arguments mean what they mean in the public functions,
+resolved: ``scale`` is a float, a window is two optional ints (``None``: unbounded side; both
+``None``: no window), ``backend`` is ``"auto"``, ``"triton"`` or ``"reference"``. ``lse`` is the
+softmax log-sum-exp the Triton backward reads (log2 domain, ``+inf`` for rows without keys; the
+reference computes the same); it is not differentiable.
+
+Opaque operators, not ``torch.library.triton_op``: every call first reads the offsets on the
+host (one cached copy per offsets tensor) to validate them and to build its tile tables, and
+chooses between the Triton kernels and the PyTorch reference at run time. A traced
+(``triton_op``) body cannot read tensor values, so the operators stay opaque to Inductor; the
+kernels are hand-fused already. They are defined with ``torch.library.Library`` and get their
+fake and autograd implementations from ``torch.library.register_fake`` / ``register_autograd``
+(see :func:`_operator` for why not ``torch.library.custom_op``). Each backward operator's own
+autograd formula raises: the backward is once-differentiable, as before.
+
+What runs at call time, inside the operator (never traced, so never a graph break, in eager
+and compiled code alike): the checks that read offsets values (start at 0, non-decreasing,
+last entry = rows, ``max_*`` against the real lengths, ``jagged_bias`` width), the backend
+choice, and the host planning. The public functions keep every check that reads no values.
+
+Backward on the reference path: it recomputes the reference forward with autograd (the
+forward operator cannot hand an autograd graph to the backward one), so gradients are those
+plain autograd gave before, at the cost of one more reference forward. The Triton path runs
+the kernels the ``autograd.Function`` s of :mod:`gem_kernels.jfa_triton` (and of the GDPA and
+BlockAttention modules) run, on the same prepared inputs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from types import ModuleType
+
+import torch
+
+from gem_kernels import reference
+from gem_kernels.jagged import host_lengths, validate_offsets
+
+__all__ = ["BACKENDS", "check_jagged_pair", "check_max_len"]
+
+#: Accepted ``backend`` values of every operator (and public function).
+BACKENDS = ("auto", "triton", "reference")
+
+Window = tuple[int | None, int | None] | None
+
+_JFA_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor q_offsets, Tensor? k_offsets, Tensor? rel_pos_bias, "
+    "Tensor? jagged_bias, SymInt? max_q, SymInt? max_k, float scale, bool causal, "
+    "SymInt? window_left, SymInt? window_right, str backend) -> (Tensor, Tensor)"
+)
+_JFA_BACKWARD_SCHEMA = (
+    "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor q_offsets, "
+    "Tensor? k_offsets, Tensor? rel_pos_bias, Tensor? jagged_bias, float scale, bool causal, "
+    "SymInt? window_left, SymInt? window_right, str backend) -> Tensor[]"
+)
+_GDPA_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor? q_offsets, Tensor? k_offsets, SymInt? max_q, "
+    "SymInt? max_k, str activation, float scale, bool causal, SymInt? window_left, "
+    "SymInt? window_right, bool normalize_by_length, str backend) -> Tensor"
+)
+_GDPA_BACKWARD_SCHEMA = (
+    "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? q_offsets, Tensor? k_offsets, "
+    "str activation, float scale, bool causal, SymInt? window_left, SymInt? window_right, "
+    "bool normalize_by_length, str backend) -> (Tensor, Tensor, Tensor)"
+)
+_BLOCK_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor offsets, Tensor? positions, SymInt? max_len, "
+    "SymInt block_size, float rope_theta, float scale, str backend) -> Tensor"
+)
+_BLOCK_BACKWARD_SCHEMA = (
+    "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor offsets, Tensor? positions, "
+    "SymInt block_size, float rope_theta, float scale, str backend) -> (Tensor, Tensor, Tensor)"
+)
+
+_LIB = torch.library.Library("gem_kernels", "FRAGMENT")  # owns the registrations below
+
+
+def _operator(name: str, schema: str):
+    """Decorator: defines ``gem_kernels::<name>`` with ``schema`` and registers the function as
+    its implementation for every device (it dispatches to Triton or the reference itself).
+
+    Not ``torch.library.custom_op``: that wraps the implementation in ``torch._disable_dynamo``,
+    which imports ``torch._dynamo`` at the first call, and with it ``triton.language`` compiled,
+    after which the Triton interpreter (CPU tests) cannot run in the process; and its wrapper
+    and aliasing check cost host time on every eager call. The operator is the same to the
+    dispatcher, ``opcheck`` and ``torch.compile``."""
+
+    def register(impl: Callable) -> Callable:
+        _LIB.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+        _LIB.impl(name, impl, "CompositeExplicitAutograd")
+        return impl
+
+    return register
+
+
+def _fake(name: str):
+    """Decorator: the function is the fake (meta) implementation of ``gem_kernels::<name>``."""
+    return torch.library.register_fake(f"gem_kernels::{name}", lib=_LIB)
+
+
+def _autograd(name: str, backward: Callable, setup_context: Callable | None = None) -> None:
+    torch.library.register_autograd(
+        f"gem_kernels::{name}", backward, setup_context=setup_context, lib=_LIB
+    )
+
+
+def _once_differentiable(name: str) -> None:
+    """A backward operator's own gradient is not implemented (the kernels' backward is
+    once-differentiable): differentiating it raises instead of returning nothing."""
+
+    def backward(ctx, *grads):
+        raise RuntimeError(f"gem_kernels::{name} is not differentiable (no double backward)")
+
+    _autograd(name, backward)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks that read offsets values (run at call time) and the backend choice.
+
+
+def check_max_len(max_len: int | None, name: str, lengths: torch.Tensor | int, what: str) -> None:
+    """``max_len`` (None, or an int already type-checked) is >= every length (``lengths``: a
+    host tensor, or one int, such as a dimension: symbolic under ``torch.compile``)."""
+    if max_len is None:
+        return
+    if not isinstance(lengths, torch.Tensor):
+        if lengths > max_len:
+            raise ValueError(f"{name}={max_len} is smaller than the real {what}: {lengths}")
+        return
+    if lengths.numel() > 0:
+        longest = int(lengths.max())
+        if longest > max_len:
+            sample = int(torch.argmax(lengths))
+            raise ValueError(
+                f"{name}={max_len} is smaller than a real {what} length: sample {sample} has "
+                f"{longest}"
+            )
+
+
+def check_jagged_pair(q, k, q_offsets: torch.Tensor, k_offsets: torch.Tensor | None) -> None:
+    """The shape checks of a q / k offsets pair: keys sharing ``q_offsets`` need as many rows
+    as q; two offsets vectors describe the same number of samples."""
+    if k_offsets is None:
+        if k.shape[0] != q.shape[0]:
+            raise ValueError(
+                "k_offsets is None, so keys share q_offsets and k must have as many rows as q "
+                f"({q.shape[0]}), got {k.shape[0]}"
+            )
+    elif k_offsets.shape[0] != q_offsets.shape[0]:
+        raise ValueError(
+            f"k_offsets has B={k_offsets.shape[0] - 1} samples but q_offsets has "
+            f"B={q_offsets.shape[0] - 1}; they must describe the same batch"
+        )
+
+
+def _jagged_lengths(q, k, q_offsets, k_offsets, max_q, max_k):
+    """Validated host ``(q_lengths, k_lengths)``; ``k_lengths`` is ``q_lengths`` when
+    ``k_offsets`` is None. Offsets checks are remembered per tensor version (free when every
+    layer passes the same offsets); the shape checks run again for direct operator calls."""
+    check_jagged_pair(q, k, q_offsets, k_offsets)
+    validate_offsets(q_offsets, "q_offsets", num_rows=q.shape[0])
+    q_lengths = host_lengths(q_offsets)
+    k_lengths = q_lengths
+    if k_offsets is not None:
+        validate_offsets(k_offsets, "k_offsets", num_rows=k.shape[0])
+        k_lengths = host_lengths(k_offsets)
+    check_max_len(max_q, "max_q", q_lengths, "query")
+    check_max_len(max_k, "max_k", k_lengths, "key")
+    return q_lengths, k_lengths
+
+
+def _window(left: int | None, right: int | None) -> Window:
+    return None if left is None and right is None else (left, right)
+
+
+def _triton_module(
+    backend: str, q: torch.Tensor, name: str, unsupported: Callable[[ModuleType], str | None]
+) -> ModuleType | None:
+    """The Triton module ``gem_kernels.<name>`` when this call runs its kernels, else None
+    (the reference). ``"auto"`` tries them for CUDA float16/bfloat16 inputs and falls back to
+    the reference for calls they do not take (``unsupported`` says why); ``"triton"`` raises
+    that reason instead."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return None
+    if backend == "auto" and not (
+        q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+    ):
+        return None
+    # Imported here so that the reference path never loads Triton.
+    module = importlib.import_module(f"gem_kernels.{name}")
+    reason = unsupported(module)
+    if reason is None:
+        return module
+    if backend == "triton":
+        raise ValueError(f"backend='triton' cannot run this call: {reason}")
+    return None
+
+
+# What an operator's implementation runs without: the dispatcher calls it below autograd.
+_AUTOGRAD_KEYS = (
+    torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality)
+    | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradOther)
+    | torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradNestedTensor)
+    | torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
+)
+
+
+def _reference_grads(
+    forward: Callable[..., torch.Tensor],
+    primals: Sequence[torch.Tensor],
+    grad_out: torch.Tensor,
+) -> list[torch.Tensor]:
+    """Gradients of ``forward(*primals)`` for ``grad_out``, by autograd over a recomputed
+    forward (the forward operator cannot hand its autograd graph to the backward one).
+
+    An operator's implementation runs with the autograd dispatch keys excluded, so they are
+    let back in for the recomputation. ``torch.func.vjp`` would need no private API, but it
+    fails under the ``TorchDispatchMode`` s ``opcheck`` runs the operator in: its wrapper
+    tensors reach the mode without storage."""
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS
+    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in primals]
+        grads = torch.autograd.grad(forward(*leaves), leaves, grad_out, allow_unused=True)
+    # A bias no visible pair reads (every sample empty) gets no gradient from autograd.
+    return [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads, strict=True)]
+
+
+def _fresh(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    # Contiguous, as the fake implementations promise (autograd's gradients of transposed
+    # views come back transposed).
+    return [g.contiguous() for g in grads]
+
+
+# ---------------------------------------------------------------------------------------------
+# Jagged flash attention.
+
+
+@_operator("jagged_flash_attention", _JFA_SCHEMA)
+def _jfa(
+    q, k, v, q_offsets, k_offsets, rel_pos_bias, jagged_bias, max_q, max_k, scale, causal,
+    window_left, window_right, backend,
+):  # fmt: skip
+    q_lengths, k_lengths = _jagged_lengths(q, k, q_offsets, k_offsets, max_q, max_k)
+    if jagged_bias is not None:
+        expected = int((q_lengths * k_lengths).sum())
+        if jagged_bias.shape[1] != expected:
+            raise ValueError(
+                f"jagged_bias must have shape (H, sum_b Lq_b * Lk_b) = ({q.shape[1]}, {expected}), "
+                f"got {tuple(jagged_bias.shape)}"
+            )
+    options = dict(
+        scale=scale,
+        causal=causal,
+        window=_window(window_left, window_right),
+        rel_pos_bias=rel_pos_bias,
+        jagged_bias=jagged_bias,
+    )
+    triton = _jfa_triton(backend, q, rel_pos_bias, jagged_bias)
+    if triton is not None:
+        return triton.forward_from_lengths(q, k, v, q_lengths, k_lengths, **options)
+    return reference.jagged_flash_attention_reference(
+        q, k, v, q_offsets, k_offsets, return_lse=True, **options
+    )
+
+
+def _jfa_triton(backend, q, rel_pos_bias, jagged_bias) -> ModuleType | None:
+    return _triton_module(
+        backend,
+        q,
+        "jfa_triton",
+        lambda m: m.triton_unsupported_reason(
+            q, rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias
+        ),
+    )
+
+
+@_fake("jagged_flash_attention")
+def _jfa_fake(q, k, v, q_offsets, k_offsets, rel_pos_bias, jagged_bias, *_):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@_operator("jagged_flash_attention_backward", _JFA_BACKWARD_SCHEMA)
+def _jfa_backward_impl(
+    grad_out, q, k, v, out, lse, q_offsets, k_offsets, rel_pos_bias, jagged_bias, scale, causal,
+    window_left, window_right, backend,
+):  # fmt: skip
+    options = dict(scale=scale, causal=causal, window=_window(window_left, window_right))
+    triton = _jfa_triton(backend, q, rel_pos_bias, jagged_bias)
+    if triton is not None:
+        grads = triton.backward_from_lengths(
+            grad_out, q, k, v, out, lse, host_lengths(q_offsets),
+            None if k_offsets is None else host_lengths(k_offsets),
+            rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias, **options,
+        )  # fmt: skip
+        return _fresh([g for g in grads if g is not None])
+    has_rel, has_jagged = rel_pos_bias is not None, jagged_bias is not None
+
+    def forward(q, k, v, *biases):
+        biases = list(biases)
+        return reference.jagged_flash_attention_reference(
+            q, k, v, q_offsets, k_offsets,
+            rel_pos_bias=biases.pop(0) if has_rel else None,
+            jagged_bias=biases.pop(0) if has_jagged else None,
+            **options,
+        )  # fmt: skip
+
+    primals = [t for t in (q, k, v, rel_pos_bias, jagged_bias) if t is not None]
+    return _fresh(_reference_grads(forward, primals, grad_out))
+
+
+@_fake("jagged_flash_attention_backward")
+def _jfa_backward_fake(
+    grad_out, q, k, v, out, lse, q_offsets, k_offsets, rel_pos_bias, jagged_bias, *_
+):
+    inputs = (q, k, v, rel_pos_bias, jagged_bias)
+    return [t.new_empty(t.shape) for t in inputs if t is not None]
+
+
+def _jfa_setup_context(ctx, inputs, output):
+    q, k, v, q_offsets, k_offsets, rel_pos_bias, jagged_bias = inputs[:7]
+    scale, causal, window_left, window_right, backend = inputs[9:]
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, out, lse, q_offsets, k_offsets, rel_pos_bias, jagged_bias)
+    ctx.options = (scale, causal, window_left, window_right, backend)
+
+
+def _jfa_backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, q_offsets, k_offsets, rel_pos_bias, jagged_bias = ctx.saved_tensors
+    grads = torch.ops.gem_kernels.jagged_flash_attention_backward(
+        grad_out, q, k, v, out, lse, q_offsets, k_offsets, rel_pos_bias, jagged_bias,
+        *ctx.options,
+    )  # fmt: skip
+    dq, dk, dv, *bias_grads = grads
+    d_rel = bias_grads.pop(0) if rel_pos_bias is not None else None
+    d_jagged = bias_grads.pop(0) if jagged_bias is not None else None
+    return (dq, dk, dv, None, None, d_rel, d_jagged) + (None,) * 7
+
+
+_autograd("jagged_flash_attention", _jfa_backward, _jfa_setup_context)
+_once_differentiable("jagged_flash_attention_backward")
+
+
+# ---------------------------------------------------------------------------------------------
+# GDPA.
+
+
+def _gdpa_lengths(q, k, q_offsets, k_offsets, max_q, max_k):
+    """Validated host ``(q_lengths, k_lengths)``: ``q_lengths`` None for PMA broadcast
+    (``q_offsets`` None), ``k_lengths`` None for self-attention (``k_offsets`` None)."""
+    if q_offsets is None:
+        if k_offsets is None:
+            raise ValueError(
+                "gdpa needs q_offsets (self/cross attention) or k_offsets (PMA broadcast with "
+                "q_offsets=None); both are None"
+            )
+        validate_offsets(k_offsets, "k_offsets", num_rows=k.shape[0])
+        k_lengths = host_lengths(k_offsets)
+        check_max_len(max_q, "max_q", q.shape[0], "query (Nq)")
+        check_max_len(max_k, "max_k", k_lengths, "key")
+        return None, k_lengths
+    q_lengths, k_lengths = _jagged_lengths(q, k, q_offsets, k_offsets, max_q, max_k)
+    return q_lengths, None if k_offsets is None else k_lengths
+
+
+def _gdpa_triton(backend, q) -> ModuleType | None:
+    return _triton_module(backend, q, "gdpa_triton", lambda m: m.triton_unsupported_reason(q))
+
+
+@_operator("gdpa", _GDPA_SCHEMA)
+def _gdpa(
+    q, k, v, q_offsets, k_offsets, max_q, max_k, activation, scale, causal, window_left,
+    window_right, normalize_by_length, backend,
+):  # fmt: skip
+    q_lengths, k_lengths = _gdpa_lengths(q, k, q_offsets, k_offsets, max_q, max_k)
+    options = dict(
+        activation=activation,
+        scale=scale,
+        causal=causal,
+        window=_window(window_left, window_right),
+        normalize_by_length=normalize_by_length,
+    )
+    triton = _gdpa_triton(backend, q)
+    if triton is not None:
+        return triton.forward_from_lengths(q, k, v, q_lengths, k_lengths, **options)
+    return reference.gdpa_reference(q, k, v, q_offsets, k_offsets, **options)
+
+
+@_fake("gdpa")
+def _gdpa_fake(q, k, v, q_offsets, k_offsets, *_):
+    # PMA broadcast: the Nq shared queries once per sample of k_offsets.
+    rows = q.shape[0] if q_offsets is not None else (k_offsets.shape[0] - 1) * q.shape[0]
+    return q.new_empty((rows, q.shape[1], q.shape[2]))
+
+
+@_operator("gdpa_backward", _GDPA_BACKWARD_SCHEMA)
+def _gdpa_backward_impl(
+    grad_out, q, k, v, q_offsets, k_offsets, activation, scale, causal, window_left,
+    window_right, normalize_by_length, backend,
+):  # fmt: skip
+    options = dict(
+        activation=activation,
+        scale=scale,
+        causal=causal,
+        window=_window(window_left, window_right),
+        normalize_by_length=normalize_by_length,
+    )
+    triton = _gdpa_triton(backend, q)
+    if triton is not None:
+        q_lengths = None if q_offsets is None else host_lengths(q_offsets)
+        k_lengths = None if k_offsets is None else host_lengths(k_offsets)
+        return tuple(
+            _fresh(triton.backward_from_lengths(grad_out, q, k, v, q_lengths, k_lengths, **options))
+        )
+
+    def forward(q, k, v):
+        return reference.gdpa_reference(q, k, v, q_offsets, k_offsets, **options)
+
+    return tuple(_fresh(_reference_grads(forward, (q, k, v), grad_out)))
+
+
+@_fake("gdpa_backward")
+def _gdpa_backward_fake(grad_out, q, k, v, *_):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _gdpa_setup_context(ctx, inputs, output):
+    q, k, v, q_offsets, k_offsets = inputs[:5]
+    ctx.save_for_backward(q, k, v, q_offsets, k_offsets)
+    ctx.options = inputs[7:]  # activation .. backend
+
+
+def _gdpa_backward(ctx, grad_out):
+    q, k, v, q_offsets, k_offsets = ctx.saved_tensors
+    dq, dk, dv = torch.ops.gem_kernels.gdpa_backward(
+        grad_out, q, k, v, q_offsets, k_offsets, *ctx.options
+    )
+    return (dq, dk, dv) + (None,) * 11
+
+
+_autograd("gdpa", _gdpa_backward, _gdpa_setup_context)
+_once_differentiable("gdpa_backward")
+
+
+# ---------------------------------------------------------------------------------------------
+# Block attention.
+
+
+def _block_triton(backend, q, block_size) -> ModuleType | None:
+    return _triton_module(
+        backend,
+        q,
+        "block_attention_triton",
+        lambda m: m.triton_unsupported_reason(q, block_size),
+    )
+
+
+@_operator("block_attention", _BLOCK_SCHEMA)
+def _block(q, k, v, offsets, positions, max_len, block_size, rope_theta, scale, backend):
+    validate_offsets(offsets, "offsets", num_rows=q.shape[0])
+    lengths = host_lengths(offsets)
+    check_max_len(max_len, "max_len", lengths, "sample")
+    options = dict(block_size=block_size, positions=positions, rope_theta=rope_theta, scale=scale)
+    triton = _block_triton(backend, q, block_size)
+    if triton is not None:
+        return triton.forward_from_lengths(q, k, v, lengths, **options)
+    return reference.block_attention_reference(q, k, v, offsets, **options)
+
+
+@_fake("block_attention")
+def _block_fake(q, *_):
+    return q.new_empty(q.shape)
+
+
+@_operator("block_attention_backward", _BLOCK_BACKWARD_SCHEMA)
+def _block_backward_impl(
+    grad_out, q, k, v, offsets, positions, block_size, rope_theta, scale, backend
+):
+    options = dict(block_size=block_size, positions=positions, rope_theta=rope_theta, scale=scale)
+    triton = _block_triton(backend, q, block_size)
+    if triton is not None:
+        grads = triton.backward_from_lengths(grad_out, q, k, v, host_lengths(offsets), **options)
+        return tuple(_fresh(grads))
+
+    def forward(q, k, v):
+        return reference.block_attention_reference(q, k, v, offsets, **options)
+
+    return tuple(_fresh(_reference_grads(forward, (q, k, v), grad_out)))
+
+
+@_fake("block_attention_backward")
+def _block_backward_fake(grad_out, q, k, v, *_):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _block_setup_context(ctx, inputs, output):
+    q, k, v, offsets, positions = inputs[:5]
+    ctx.save_for_backward(q, k, v, offsets, positions)
+    ctx.options = inputs[6:]  # block_size .. backend
+
+
+def _block_backward(ctx, grad_out):
+    q, k, v, offsets, positions = ctx.saved_tensors
+    dq, dk, dv = torch.ops.gem_kernels.block_attention_backward(
+        grad_out, q, k, v, offsets, positions, *ctx.options
+    )
+    return (dq, dk, dv) + (None,) * 7
+
+
+_autograd("block_attention", _block_backward, _block_setup_context)
+_once_differentiable("block_attention_backward")
