@@ -1,12 +1,14 @@
-"""Lint, per-package tests, integration tests and the GPU test session.
+"""Lint, per-package tests, integration tests, wheels and the GPU test session.
 
 Every `tests(<package>)` session installs ONLY that package (plus the workspace
 packages it declares, recursively) into a fresh environment, pinned to the
 versions in uv.lock, and runs its tests. An undeclared import therefore fails
-there, which keeps the package layering honest.
+there, which keeps the package layering honest. `wheels` does the same with the
+built wheels instead of the source trees: what `pip install gem-<x>` would get.
 
-    uv run --extra cpu nox                 # lint + every package + integration (CPU)
+    uv run --extra cpu nox                 # lint + every package + integration + wheels (CPU)
     uv run --extra cpu nox -s "tests(gem-data)"
+    uv run --extra cpu nox -s wheels       # build every wheel + sdist, install each one alone
     python -m nox -s gpu                   # on the GPU machine, with its own interpreter
 """
 
@@ -17,6 +19,7 @@ import sys
 from pathlib import Path
 
 import nox
+import nox.command
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -27,7 +30,7 @@ ROOT = Path(__file__).parent
 PACKAGES = sorted(p.name for p in (ROOT / "packages").iterdir() if (p / "pyproject.toml").is_file())
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "tests", "integration"]
+nox.options.sessions = ["lint", "tests", "integration", "wheels"]
 nox.options.error_on_external_run = True
 
 
@@ -139,6 +142,79 @@ def integration(session: nox.Session) -> None:
         external=True,
     )
     session.run("pytest", "tests", *session.posargs)
+
+
+_SMOKE_TEST = """
+import importlib, pkgutil, sys
+package = importlib.import_module(sys.argv[1])
+assert package.__file__.startswith(sys.prefix), f"{package.__file__} is not the installed wheel"
+modules = [m.name for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
+for name in modules:
+    importlib.import_module(name)
+print(package.__name__, f"and {len(modules)} submodules import from", sys.prefix)
+"""
+"""Imports the package from the fresh environment, then every submodule (gem_data's public
+names are lazy, so its loaders would otherwise go unimported)."""
+
+
+@nox.session(venv_backend="none")
+def wheels(session: nox.Session) -> None:
+    """Builds every package's wheel and sdist into dist/, then installs each wheel alone.
+
+    Each wheel goes into its own fresh environment with only its declared dependencies: the
+    gem-* ones from the wheels just built (``--find-links dist/``, pinned to the workspace
+    versions so an index cannot substitute its own), third-party ones pinned to uv.lock like
+    ``tests(<package>)``. Then every module of the package is imported, and ``gem-train
+    --print-config`` runs from gem-train's environment.
+    """
+    dist = ROOT / "dist"
+    session.run(
+        "uv", "build", "--all-packages", "--no-sources", "--clear", "--out-dir", str(dist),
+        external=True,
+    )  # fmt: skip
+    built = sorted(path.name for path in dist.iterdir())
+    for name in PACKAGES:
+        stem = f"{name.replace('-', '_')}-{_project(name)['version']}"
+        missing = {f"{stem}-py3-none-any.whl", f"{stem}.tar.gz"} - set(built)
+        if missing:
+            session.error(f"uv build did not produce {sorted(missing)} (dist/ holds {built})")
+    pinned = _pinned_requirements(session)
+    workspace_pins = Path(session.create_tmp()) / "workspace-constraints.txt"
+    workspace_pins.write_text("".join(f"{n}=={_project(n)['version']}\n" for n in PACKAGES))
+    failed = []
+    for name in PACKAGES:
+        try:
+            _install_wheel_alone(
+                session, name, dist, [*pinned, "--constraint", str(workspace_pins)]
+            )
+        except nox.command.CommandFailed:
+            failed.append(name)
+    if failed:
+        session.error(f"these wheels do not install and import alone: {failed} (output above)")
+
+
+def _install_wheel_alone(session: nox.Session, name: str, dist: Path, pins: list[str]) -> None:
+    """A fresh environment with the wheel of ``name`` and its dependencies; imports it all."""
+    environment = Path(session.create_tmp()) / f"venv-{name}"
+    python = environment / "bin" / "python"
+    session.run(
+        "uv", "venv", "--quiet", "--clear", "--python", sys.executable, str(environment),
+        external=True,
+    )  # fmt: skip
+    wheel = dist / f"{name.replace('-', '_')}-{_project(name)['version']}-py3-none-any.whl"
+    members = _declared_workspace_dependencies(name)
+    extras = ["fbgemm-gpu-cpu"] if _needs_torchrec(members) else []
+    session.run(
+        "uv", "pip", "install", "--quiet", "--python", str(python), "--find-links", str(dist),
+        *(arg for member in members for arg in ("--refresh-package", member)),
+        *pins, str(wheel), *extras,
+        external=True,
+    )  # fmt: skip
+    session.run(str(python), "-c", _SMOKE_TEST, name.replace("-", "_"), external=True)
+    if name == "gem-train":
+        session.run(
+            str(environment / "bin" / "gem-train"), "--print-config", silent=True, external=True
+        )
 
 
 @nox.session(python=False)

@@ -108,3 +108,159 @@ def test_data_profile_and_table_sizes_reach_the_generator():
         apply_overrides(tiny(), ["data.profile=huge"])
     with pytest.raises(ValueError, match="data.num_users must be an int >= 1"):
         apply_overrides(tiny(), ["data.num_users=0"])
+
+
+# ---------------------------------------------------------------- misuse: one line, exit 2
+
+
+def _corrupt_shard(root):
+    """``root/train`` with a dataset.json matching the tiny recipe and a shard of garbage."""
+    from gem_train.cli import synthetic_config
+
+    data = tiny().data
+    directory = root / "train"
+    directory.mkdir(parents=True)
+    (directory / "part-00000.parquet").write_bytes(b"PAR1 not really parquet")
+    document = {
+        "format_version": 1,
+        "num_samples": data.num_train,
+        "start_index": 0,
+        "files": [{"name": "part-00000.parquet", "start_index": 0, "num_rows": data.num_train}],
+        "sequence_features": {},
+        "sparse_features": {},
+        "num_dense_features": 8,
+        "max_seq_len": data.max_seq_len,
+        "oracle_ne": {},
+        "config": synthetic_config(data).to_dict(),
+        "source": "synthetic",
+    }
+    (directory / "dataset.json").write_text(json.dumps(document))
+    return root
+
+
+def _corrupt_info(root):
+    (root / "train").mkdir(parents=True)
+    (root / "train" / "dataset.json").write_text("{not json")
+    return root
+
+
+def _interaction_logs(root):
+    _corrupt_shard(root)
+    path = root / "train" / "dataset.json"
+    path.write_text(path.read_text().replace('"synthetic"', '"interactions"'))
+    return root
+
+
+def _a_file(root):
+    root.mkdir()
+    (root / "file").write_text("not a directory")
+    return root / "file" / "data"
+
+
+MISUSES = {
+    # id: (--set overrides or other arguments, option named, words of the expectation)
+    "negative batch": (["--set", "batch_size=-1"], "--set batch_size", "an int >= 1, got -1"),
+    "zero eval batch": (["--set", "eval_batch_size=0"], "--set eval_batch_size", ">= 1"),
+    "negative max_steps": (["--set", "max_steps=-1"], "--set max_steps", ">= 0"),
+    "zero epochs": (["--set", "epochs=0"], "--set epochs", ">= 1"),
+    "zero log_every": (["--set", "log_every=0"], "--set log_every", ">= 1"),
+    "negative checkpoint_every": (
+        ["--set", "checkpoint_every=-5"],
+        "--set checkpoint_every",
+        ">= 0",
+    ),
+    "batch above the data": (["--set", "batch_size=999999"], "--set batch_size", "at most"),
+    "not an int": (
+        ["--set", "model.embedding_dim=abc"],
+        "--set model.embedding_dim=abc",
+        "expected an int, got 'abc'",
+    ),
+    "not a number": (["--set", "optim.dense_lr=fast"], "--set optim.dense_lr", "a number"),
+    "not a boolean": (["--set", "compare_no_sequence=maybe"], "--set compare_no_sequence", "bool"),
+    "no value": (["--set", "max_steps"], "--set max_steps", "FIELD=VALUE"),
+    "unknown field": (["--set", "model.width=3"], "--set model.width=3", "unknown field 'width'"),
+    "unknown section": (["--set", "nosuch.field=3"], "--set nosuch.field", "unknown section"),
+    "unknown recipe": (["--recipe", "gigantic"], "--recipe", "unknown recipe 'gigantic'"),
+    "unknown option": (["--gigantic"], "--gigantic", "unrecognized arguments"),
+    "block with a window": (
+        ["--set", "model.self_attention=block"],
+        "--set model.self_attention=block",
+        "attention_window",
+    ),
+    "block without rope": (
+        ["--set", "model.position=none", "--set", "model.attention_window=0"]
+        + ["--set", "model.self_attention=block"],
+        "--set model.self_attention=block",
+        "set position='rope'",
+    ),
+    "sync with 1d": (
+        ["--set", "parallel.sparse_sync_every=2"],
+        "--set parallel.sparse_sync_every",
+        "only applies to parallel.sparse='2d'",
+    ),
+    "replicas vs world": (
+        ["--set", "parallel.sparse=2d", "--set", "parallel.sparse_replicas=2"],
+        "--set parallel.sparse_replicas",
+        "divisor of the world size (1)",
+    ),
+    "table smaller than categories": (["--set", "data.num_ads=3"], "--set data.num_ads", ">="),
+    "missing GPU": (["--set", "device=cuda"], "--set device", "no CUDA device"),
+    "unknown device": (["--set", "device=tpu"], "--set device", "'auto', 'cpu' or 'cuda'"),
+    "data under a file": (_a_file, "--set data.directory", "is not a directory"),
+    "corrupt dataset.json": (_corrupt_info, "--set data.directory", "not a readable JSON file"),
+    "corrupt shard": (_corrupt_shard, "--set data.directory", "not a readable Parquet file"),
+    "interaction logs": (_interaction_logs, "--set data.directory", "'interactions' data"),
+    "resume without checkpoint": (["--resume"], "--resume", "no checkpoint under"),
+}
+
+
+@pytest.mark.parametrize(("arguments", "option", "expected"), MISUSES.values(), ids=MISUSES)
+def test_misuse_is_one_line_naming_the_option_and_exit_status_2(
+    arguments, option, expected, tmp_path, capsys, monkeypatch
+):
+    """Every misuse ends before any data is generated or a model built: one line on stderr
+    naming the option and what it expects, status 2, no traceback."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    data, output = tmp_path / "data", tmp_path / "run"
+    if callable(arguments):
+        data, arguments = arguments(data), []
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--set", f"data.directory={data}", "--set", f"output_dir={output}", *arguments])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("gem-train: error: ") and option in lines[0], lines[0]
+    assert expected in lines[0]
+    assert "Traceback" not in captured.err and captured.out == ""
+    assert sorted(tmp_path.rglob("*")) == before, "a misuse must not write anything"
+    if option == "--resume":
+        assert (
+            lines[0] == f"gem-train: error: --resume: no checkpoint under {output}/gem/checkpoints"
+        )
+
+
+def test_validate_accepts_the_recipe_without_writing(tmp_path):
+    from gem_train.cli import validate
+
+    config = apply_overrides(
+        tiny(), [f"data.directory={tmp_path / 'data'}", f"output_dir={tmp_path / 'run'}"]
+    )
+    validate(config)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_errors_inside_training_keep_their_traceback(monkeypatch, tmp_path):
+    """A loss that becomes NaN is not a misuse: main lets it propagate."""
+    import gem_train.cli as cli
+
+    def diverge(config, *, resume=False):
+        raise FloatingPointError("loss became nan at step 3")
+
+    monkeypatch.setattr(cli, "run", diverge)
+    with pytest.raises(FloatingPointError):
+        main(["--set", f"output_dir={tmp_path}"])

@@ -3,24 +3,54 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import math
+import os
+import re
 import sys
 import time
 import warnings
 from dataclasses import asdict
 from pathlib import Path
+from typing import NoReturn
 
+import torch
 import torch.distributed as dist
-from gem_data import DatasetInfo, SyntheticConfig, read_dataset_info, write_synthetic_dataset
+from gem_data import (
+    SOURCE_SYNTHETIC,
+    DatasetFormatError,
+    DatasetInfo,
+    ShardedBatchLoader,
+    SyntheticConfig,
+    read_dataset_info,
+    write_synthetic_dataset,
+)
+from gem_data.writer import DATASET_INFO_FILE
 from rich.console import Console
 from rich.table import Table
 
+from gem_train.checkpoint import latest_checkpoint
 from gem_train.config import DataConfig, TrainConfig, apply_overrides
 from gem_train.recipes import RECIPES, get_recipe
 from gem_train.trainer import Trainer, init_distributed, resolve_device
 
-__all__ = ["main", "prepare_data", "run"]
+__all__ = ["UsageError", "configure", "main", "prepare_data", "run", "validate"]
+
+
+class UsageError(ValueError):
+    """A misuse of ``gem-train``, found before any data is generated: ``option`` names the
+    command-line option to change and the message says what is expected. ``main`` prints it
+    as one line and exits with status 2."""
+
+    def __init__(self, option: str, expected: str) -> None:
+        super().__init__(f"{option}: {expected}")
+        self.option = option
+
+
+class _ForeignDataset(DatasetFormatError):
+    """A dataset gem-train did not generate (converted logs): never overwritten."""
 
 
 def prepare_data(data: DataConfig, *, progress: bool = True) -> tuple[DatasetInfo, DatasetInfo]:
@@ -48,21 +78,42 @@ def synthetic_config(data: DataConfig) -> SyntheticConfig:
     return SyntheticConfig(max_seq_len=data.max_seq_len, **fields)
 
 
+def _split_ranges(data: DataConfig) -> dict[str, tuple[int, int]]:
+    """``(start_index, num_samples)`` of the train and eval splits."""
+    return {"train": (0, data.num_train), "eval": (data.num_train, data.num_eval)}
+
+
+def _existing_split(
+    directory: Path, synthetic: SyntheticConfig, start: int, count: int
+) -> DatasetInfo | None:
+    """The dataset in ``directory`` when it is exactly this split of ``synthetic`` and its
+    shards' footers read back; None when it must be (re)generated: no ``dataset.json`` (empty,
+    or a write that did not finish) or another synthetic config.
+
+    Raises ``DatasetFormatError`` for what gem-train must not overwrite: an unreadable or
+    malformed ``dataset.json``, converted interaction logs, a shard missing or corrupt."""
+    if not (directory / DATASET_INFO_FILE).is_file():
+        return None
+    info = read_dataset_info(directory)
+    if info.source != SOURCE_SYNTHETIC:
+        raise _ForeignDataset(
+            f"{directory} holds {info.source!r} data, which gem-train would overwrite with "
+            "synthetic data: choose another data.directory"
+        )
+    if info.num_samples != count or info.config != synthetic or info.start_index != start:
+        return None
+    ShardedBatchLoader(directory, batch_size=1, shuffle=False)  # reads every shard's footer
+    return info
+
+
 def _prepare_data(data: DataConfig, *, progress: bool) -> tuple[DatasetInfo, DatasetInfo]:
     root = Path(data.directory)
     synthetic = synthetic_config(data)
-    splits = {"train": (0, data.num_train), "eval": (data.num_train, data.num_eval)}
     infos = []
-    for split, (start, count) in splits.items():
+    for split, (start, count) in _split_ranges(data).items():
         directory = root / split
-        try:
-            info = read_dataset_info(directory)
-            reusable = (
-                info.num_samples == count and info.config == synthetic and info.start_index == start
-            )
-        except (FileNotFoundError, ValueError):
-            reusable = False
-        if not reusable:
+        info = _existing_split(directory, synthetic, start, count)
+        if info is None:
             info = write_synthetic_dataset(
                 synthetic,
                 directory,
@@ -76,8 +127,163 @@ def _prepare_data(data: DataConfig, *, progress: bool) -> tuple[DatasetInfo, Dat
     return infos[0], infos[1]
 
 
+def _environment_int(name: str, default: int) -> int:
+    """An integer torchrun announces (WORLD_SIZE, LOCAL_RANK), ``default`` without torchrun."""
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def _require_int(config: object, name: str, low: int, prefix: str = "") -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise UsageError(f"--set {prefix}{name}", f"expected an int >= {low}, got {value!r}")
+
+
+def _require_number(config: object, name: str, prefix: str = "") -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise UsageError(f"--set {prefix}{name}", f"expected a finite number, got {value!r}")
+    if value < 0:
+        raise UsageError(f"--set {prefix}{name}", f"expected a number >= 0, got {value!r}")
+
+
+def _require_creatable(option: str, directory: Path) -> None:
+    """``directory`` exists as a writable directory or can be created."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UsageError(option, f"cannot create {directory}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(option, f"cannot write to {directory}: {existing} is not writable")
+
+
+def _validate_device(name: str) -> None:
+    if name not in ("auto", "cpu", "cuda"):
+        raise UsageError("--set device", f"expected 'auto', 'cpu' or 'cuda', got {name!r}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError(
+            "--set device", "'cuda' requested but torch sees no CUDA device (use cpu or auto)"
+        )
+    if resolve_device(name).type == "cuda":
+        local_rank = _environment_int("LOCAL_RANK", 0)
+        if local_rank >= torch.cuda.device_count():
+            raise UsageError(
+                "--set device",
+                f"LOCAL_RANK {local_rank} but torch sees {torch.cuda.device_count()} CUDA devices",
+            )
+
+
+def _validate_data(data: DataConfig, world: int, batch_size: int) -> None:
+    _require_int(data, "seed", 0, "data.")
+    if data.num_shards > min(data.num_train, data.num_eval):
+        raise UsageError(
+            "--set data.num_shards",
+            f"expected at most min(data.num_train, data.num_eval) = "
+            f"{min(data.num_train, data.num_eval)}, got {data.num_shards}",
+        )
+    if data.num_train // world < batch_size:
+        raise UsageError(
+            "--set batch_size",
+            f"expected at most data.num_train / ranks = {data.num_train // world} "
+            f"(one full batch per rank), got {batch_size}",
+        )
+    try:
+        synthetic = synthetic_config(data)
+    except (TypeError, ValueError) as error:
+        fields = [f.name for f in dataclasses.fields(DataConfig)]
+        named = next((name for name in fields if name in str(error)), None)
+        raise UsageError(f"--set data.{named}" if named else "--set data", str(error)) from None
+    root = Path(data.directory)
+    if root.exists() and not root.is_dir():
+        raise UsageError("--set data.directory", f"{root} is not a directory")
+    for split, (start, count) in _split_ranges(data).items():
+        directory = root / split
+        try:
+            info = _existing_split(directory, synthetic, start, count)
+        except DatasetFormatError as error:
+            hint = (
+                ""
+                if isinstance(error, _ForeignDataset)
+                else f" (remove {directory} to regenerate it)"
+            )
+            raise UsageError("--set data.directory", f"{error}{hint}") from None
+        if info is None:  # generated here
+            _require_creatable("--set data.directory", directory)
+
+
+def _validate_parallel(config: TrainConfig, world: int) -> None:
+    parallel = config.parallel
+    if parallel.sparse != "2d" and parallel.sparse_sync_every != 1:
+        raise UsageError(
+            "--set parallel.sparse_sync_every",
+            f"only applies to parallel.sparse='2d' (got {parallel.sparse!r}); leave it 1",
+        )
+    if parallel.sparse != "fully_sharded_2d" and parallel.sparse_gather != "shard":
+        raise UsageError(
+            "--set parallel.sparse_gather",
+            f"{parallel.sparse_gather!r} only applies to parallel.sparse='fully_sharded_2d' "
+            f"(got {parallel.sparse!r})",
+        )
+    if parallel.sparse != "1d" and world % parallel.sparse_replicas:
+        raise UsageError(
+            "--set parallel.sparse_replicas",
+            f"expected a divisor of the world size ({world}), got {parallel.sparse_replicas}",
+        )
+    if parallel.dense == "fsdp" and parallel.shard and world % parallel.shard:
+        raise UsageError(
+            "--set parallel.shard",
+            f"expected a divisor of the world size ({world}), got {parallel.shard}",
+        )
+
+
+def _validate_resume(config: TrainConfig) -> None:
+    first = Path(config.output_dir) / "gem" / "checkpoints"
+    variants = ["gem", "no_sequence"] if config.compare_no_sequence else ["gem"]
+    try:
+        found = [
+            latest_checkpoint(Path(config.output_dir) / name / "checkpoints") for name in variants
+        ]
+    except (OSError, ValueError) as error:
+        raise UsageError("--resume", str(error)) from None
+    if not any(found):
+        raise UsageError("--resume", f"no checkpoint under {first}")
+
+
+def validate(config: TrainConfig, *, resume: bool = False) -> None:
+    """Raises ``UsageError`` (naming the option) for a config ``run`` cannot train: sizes out
+    of range, an option combination the trainer rejects, a device that is not there, a data
+    directory that cannot be created or holds a corrupt dataset, ``resume`` without a
+    checkpoint. Reads only ``dataset.json`` files and Parquet footers: nothing is generated."""
+    for name, low in (
+        ("batch_size", 1),
+        ("eval_batch_size", 1),
+        ("max_steps", 0),
+        ("epochs", 1),
+        ("log_every", 1),
+        ("checkpoint_every", 0),
+        ("seed", 0),
+    ):
+        _require_int(config, name, low)
+    _require_int(config.optim, "warmup_steps", 0, "optim.")
+    for name in ("dense_lr", "sparse_lr", "weight_decay", "max_grad_norm"):
+        _require_number(config.optim, name, "optim.")
+    _validate_device(config.device)
+    world = max(1, _environment_int("WORLD_SIZE", 1))
+    _validate_parallel(config, world)
+    _validate_data(config.data, world, config.batch_size)
+    _require_creatable("--set output_dir", Path(config.output_dir))
+    if resume:
+        _validate_resume(config)
+
+
 def run(config: TrainConfig, *, resume: bool = False, console: Console | None = None) -> dict:
-    """Trains and evaluates the recipe (and the no-sequence reference); returns the summary."""
+    """Trains and evaluates the recipe (and the no-sequence reference); returns the summary.
+
+    ``validate`` runs first; with ``resume`` a missing checkpoint is a ``UsageError``."""
+    validate(config, resume=resume)
     console = console or Console()
     started = time.perf_counter()
     rank, _ = init_distributed(resolve_device(config.device))
@@ -158,10 +364,57 @@ def _quiet_third_party_logs() -> None:
     warnings.filterwarnings("ignore", message=r".*autograd kernel was not registered.*")
 
 
+def _field_annotation(config: TrainConfig, path: list[str]) -> object:
+    """The annotation of the config field at ``path`` (None when there is none)."""
+    target: object = config
+    annotation: object = None
+    for name in path:
+        if not dataclasses.is_dataclass(target):
+            return None
+        fields = {f.name: f for f in dataclasses.fields(target)}
+        if name not in fields:
+            return None
+        annotation, target = fields[name].type, getattr(target, name)
+    return annotation
+
+
+def configure(recipe: str, overrides: list[str]) -> TrainConfig:
+    """``recipe`` with ``--set`` ``overrides`` applied in order; ``UsageError`` names the
+    first one that does not parse or makes an invalid config."""
+    try:
+        config = get_recipe(recipe)
+    except ValueError as error:
+        raise UsageError("--recipe", str(error)) from None
+    for override in overrides:
+        option = f"--set {override}"
+        if "=" not in override:
+            raise UsageError(option, "expected [SECTION.]FIELD=VALUE, e.g. model.embedding_dim=64")
+        path, value = (part.strip() for part in override.split("=", 1))
+        annotation = _field_annotation(config, path.split("."))
+        for kind, parse, expected in ((int, int, "an int"), (float, float, "a number")):
+            if annotation in (kind, kind.__name__):
+                try:
+                    parse(value)
+                except ValueError:
+                    raise UsageError(option, f"expected {expected}, got {value!r}") from None
+        try:
+            config = apply_overrides(config, [override])
+        except (TypeError, ValueError) as error:
+            # apply_overrides prefixes "override 'path': " (twice for some); the option says it
+            message = re.sub(r"^(override '?[^':]*'?: )+", "", str(error))
+            raise UsageError(option, message) from None
+    return config
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports every misuse as one line, ``gem-train: error: ...``, and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="gem-train", description="Train and evaluate a GEM recommendation model."
-    )
+    parser = _Parser(prog="gem-train", description="Train and evaluate a GEM recommendation model.")
     parser.add_argument(
         "--recipe", default="tiny", help=f"recipe name, one of {sorted(RECIPES)} (default: tiny)"
     )
@@ -177,14 +430,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print-config", action="store_true", help="print the config and exit")
     args = parser.parse_args(argv)
     try:
-        config = apply_overrides(get_recipe(args.recipe), args.overrides)
-    except ValueError as error:
+        config = configure(args.recipe, args.overrides)
+        if args.print_config:
+            print(json.dumps(asdict(config), indent=2))
+            return 0
+        _quiet_third_party_logs()
+        run(config, resume=args.resume)  # validates first: misuse ends before any data is made
+    except UsageError as error:
         parser.error(str(error))
-    if args.print_config:
-        print(json.dumps(asdict(config), indent=2))
-        return 0
-    _quiet_third_party_logs()
-    run(config, resume=args.resume)
     return 0
 
 
