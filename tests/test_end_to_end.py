@@ -135,6 +135,12 @@ def test_two_process_sharded_training_agrees_across_ranks(tmp_path, world_size):
     assert results[0]["metrics"] == results[1]["metrics"]
     assert "rank:1" in results[0]["plan"], "torchrec placed no table on the second rank"
     assert len(results[0]["losses"]) == 6
+    # Rank 0 logs the busiest rank's history tokens over the mean (gathered from every rank).
+    lines = [
+        json.loads(line) for line in Path(tmp_path, "run/metrics.jsonl").read_text().splitlines()
+    ]
+    balance = [line["token_balance"] for line in lines if line["split"] == "train"]
+    assert balance and all(1.0 <= b < world_size for b in balance)
 
 
 # Loads the 2-rank checkpoint on this job's world size and evaluates.

@@ -73,6 +73,16 @@ def test_run_trains_evaluates_and_writes_metrics(small_config):
         assert line["mfu"] is None and line["mfu_measured"] is None
         phases = sum(line[f"time_{phase}"] for phase in PHASES)
         assert 0 < phases <= line["step_ms"] / 1e3 * 1.01
+    # The same numbers as TensorBoard scalars beside metrics.jsonl.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(metrics_file.parent))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/tokens_per_s", "train/time_forward"} <= tags
+    assert {"eval/ne_ctr", "eval/auc_cvr"} <= tags
+    losses = [line["loss"] for line in lines if line["split"] == "train"]
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(losses)
 
 
 def test_peak_table_and_step_clock():

@@ -18,6 +18,7 @@ from gem_data import Batch, DatasetInfo, ParquetBatchLoader, ShardedBatchLoader
 from gem_model import GemModel, GemModelConfig, model_flops
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.nn import functional as F
+from torch.utils.tensorboard import SummaryWriter
 from torchrec.distributed import DistributedModelParallel
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -178,6 +179,7 @@ class Trainer:
         self.total_steps = config.max_steps or config.epochs * steps_per_epoch
         self.step = 0
         self._metrics_file = self.output_dir / "metrics.jsonl"
+        self._tensorboard: SummaryWriter | None = None  # rank 0, opened by the first log line
         # Phase times of every step; MFU against the datasheet and the measured bf16 peak.
         self.clock = StepClock(self.device)
         self.peak_tflops = peak_tflops(self.device)
@@ -284,6 +286,7 @@ class Trainer:
         achieved = window.flops / seconds / 1e12
         record: dict[str, float | None] = {
             "loss": sum(window.losses) / steps,
+            "lr": self.dense_optimizer.param_groups[0]["lr"],
             "samples_per_s": steps * self.config.batch_size * self.world_size / seconds,
             "tokens_per_s": window.tokens * self.world_size / seconds,
             "model_tflop": window.flops / steps / 1e12,
@@ -298,6 +301,13 @@ class Trainer:
         }
         if self.device.type == "cuda":
             record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        if self.world_size > 1:
+            # History tokens of the busiest rank over the mean (1.0: balanced; BBS's target).
+            tokens = torch.tensor([float(window.tokens)], device=self.device)
+            everyone = [torch.empty_like(tokens) for _ in range(self.world_size)]
+            dist.all_gather(everyone, tokens)  # collective: every rank computes its log line
+            counts = torch.cat(everyone).cpu()
+            record["token_balance"] = float(counts.max() / counts.mean().clamp_min(1.0))
         return record
 
     # ---------------------------------------------------------------- evaluation
@@ -383,7 +393,8 @@ class Trainer:
         return True
 
     def log(self, **record: Any) -> None:
-        """Appends one JSON line to metrics.jsonl (rank 0 only)."""
+        """Appends one JSON line to metrics.jsonl and writes its numbers as TensorBoard scalars
+        (``<split>/<name>`` at ``step``, in ``output_dir``) (rank 0 only)."""
         if self.rank != 0:
             return
         record = {
@@ -393,3 +404,9 @@ class Trainer:
         }
         with self._metrics_file.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
+        if self._tensorboard is None:
+            self._tensorboard = SummaryWriter(self.output_dir)
+        for name, value in record.items():
+            if isinstance(value, int | float) and name not in ("time", "step"):
+                self._tensorboard.add_scalar(f"{record['split']}/{name}", value, record["step"])
+        self._tensorboard.flush()
