@@ -201,7 +201,7 @@ MISUSES = {
     "replicas vs world": (
         ["--set", "parallel.sparse=2d", "--set", "parallel.sparse_replicas=2"],
         "--set parallel.sparse_replicas",
-        "divisor of the world size (1)",
+        "must divide the world size (1)",
     ),
     "table smaller than categories": (["--set", "data.num_ads=3"], "--set data.num_ads", ">="),
     "missing GPU": (["--set", "device=cuda"], "--set device", "no CUDA device"),

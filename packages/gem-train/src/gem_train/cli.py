@@ -33,6 +33,7 @@ from rich.table import Table
 
 from gem_train.checkpoint import latest_checkpoint
 from gem_train.config import DataConfig, TrainConfig, apply_overrides
+from gem_train.parallel import check_sparse_layout
 from gem_train.recipes import RECIPES, get_recipe
 from gem_train.trainer import Trainer, init_distributed, resolve_device
 
@@ -216,22 +217,11 @@ def _validate_data(data: DataConfig, world: int, batch_size: int) -> None:
 
 def _validate_parallel(config: TrainConfig, world: int) -> None:
     parallel = config.parallel
-    if parallel.sparse != "2d" and parallel.sparse_sync_every != 1:
-        raise UsageError(
-            "--set parallel.sparse_sync_every",
-            f"only applies to parallel.sparse='2d' (got {parallel.sparse!r}); leave it 1",
-        )
-    if parallel.sparse != "fully_sharded_2d" and parallel.sparse_gather != "shard":
-        raise UsageError(
-            "--set parallel.sparse_gather",
-            f"{parallel.sparse_gather!r} only applies to parallel.sparse='fully_sharded_2d' "
-            f"(got {parallel.sparse!r})",
-        )
-    if parallel.sparse != "1d" and world % parallel.sparse_replicas:
-        raise UsageError(
-            "--set parallel.sparse_replicas",
-            f"expected a divisor of the world size ({world}), got {parallel.sparse_replicas}",
-        )
+    try:
+        check_sparse_layout(parallel, world)
+    except ValueError as error:
+        field = re.match(r"parallel\.\w+", str(error))
+        raise UsageError(f"--set {field.group() if field else 'parallel'}", str(error)) from None
     if parallel.dense == "fsdp" and parallel.shard and world % parallel.shard:
         raise UsageError(
             "--set parallel.shard",

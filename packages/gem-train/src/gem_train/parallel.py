@@ -459,6 +459,27 @@ class _AllRanksDataParallel(DataParallelWrapper):
         self.inner.wrap(dmp, ShardingEnv.from_process_group(dist.group.WORLD), device)
 
 
+def check_sparse_layout(config: ParallelConfig, world: int) -> None:
+    """``ValueError`` (its message starts with the field's name) for sparse options that do not
+    fit ``parallel.sparse`` or a world of ``world`` ranks."""
+    mode = config.sparse
+    if mode != "2d" and config.sparse_sync_every != 1:
+        raise ValueError(
+            f"parallel.sparse_sync_every ({config.sparse_sync_every}) only applies to "
+            f"parallel.sparse='2d' (got {mode!r}); leave it 1"
+        )
+    if mode != "fully_sharded_2d" and config.sparse_gather != "shard":
+        raise ValueError(
+            f"parallel.sparse_gather={config.sparse_gather!r} only applies to "
+            f"parallel.sparse='fully_sharded_2d' (got {mode!r})"
+        )
+    if mode != "1d" and world % config.sparse_replicas:
+        raise ValueError(
+            f"parallel.sparse_replicas ({config.sparse_replicas}) must divide the world size "
+            f"({world}) for parallel.sparse={mode!r}"
+        )
+
+
 class SparseParallel:
     """Applies ``ParallelConfig.sparse`` to the GEM model's tables (pooled and history).
 
@@ -482,22 +503,7 @@ class SparseParallel:
         self.device = device
         self.sharded: ShardedSparse | None = None
         self._tables: set[nn.Parameter] = set()
-        world = dist.get_world_size()
-        if self.mode != "2d" and config.sparse_sync_every != 1:
-            raise ValueError(
-                f"parallel.sparse_sync_every ({config.sparse_sync_every}) only applies to "
-                f"parallel.sparse='2d' (got {self.mode!r}); leave it 1"
-            )
-        if self.mode != "fully_sharded_2d" and config.sparse_gather != "shard":
-            raise ValueError(
-                f"parallel.sparse_gather={config.sparse_gather!r} only applies to "
-                f"parallel.sparse='fully_sharded_2d' (got {self.mode!r})"
-            )
-        if self.mode != "1d" and world % config.sparse_replicas:
-            raise ValueError(
-                f"parallel.sparse_replicas ({config.sparse_replicas}) must divide the world size "
-                f"({world}) for parallel.sparse={self.mode!r}"
-            )
+        check_sparse_layout(config, dist.get_world_size())
 
     def shard(
         self, model: nn.Module, dense: DenseParallel, sparse_lr: float
