@@ -60,6 +60,7 @@ def test_cuda_prefetch_on_side_stream(dataset):
         for batch in DevicePrefetcher(loader, "cuda", depth=2):
             assert batch.dense_features.is_cuda and batch.sequence_features.values().is_cuda
             # Work on the consumer stream right away: it must see the finished copy.
+            assert not batch.sequence_offsets.is_cuda  # the host copy the kernels plan from
             sums.append((batch.dense_features.double().sum(), batch.sequence_offsets[-1]))
             moved.append(batch)
     torch.cuda.synchronize()

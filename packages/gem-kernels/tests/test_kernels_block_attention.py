@@ -120,3 +120,15 @@ def test_random_jagged_shapes(data, lengths, block_size, heads, half_dim, use_po
         ),
         tensors,
     )
+
+
+def test_rope_tables_give_apply_ropes_float32_result_exactly():
+    from gem_kernels.reference import rope_tables
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 3, 10, generator=generator)
+    positions = torch.tensor([0, 1, 2, 35, 36, 5, 1000, 4095] + list(range(29)))
+    tables = rope_tables(4096, 10, theta=500.0)
+    assert tables[0].shape == (4096, 5) and tables[0].dtype == torch.float32
+    expected = apply_rope(x, positions, 500.0)
+    assert torch.equal(apply_rope(x, positions, tables=tables), expected)

@@ -6,8 +6,11 @@ import pytest
 import torch
 from gem_precision import Bf16GemmLinear, Fp8Linear
 from gem_train.config import PrecisionConfig, TrainConfig, apply_overrides
-from gem_train.precision import apply_precision, precision_policy
+from gem_train.precision import apply_precision, autocast, precision_policy
 from torch import nn
+
+CPU = torch.device("cpu")
+CUDA = torch.device("cuda")  # a name only: nothing below allocates on it
 
 
 def small_model() -> nn.Sequential:
@@ -41,7 +44,7 @@ def test_overrides_reach_the_recipe():
 def test_apply_precision_converts_the_same_layers(mode, layer_type):
     model = small_model()
     weights = [m.weight for m in model if isinstance(m, nn.Linear)]
-    converted = apply_precision(model, PrecisionConfig(mode=mode, min_features=16))
+    converted = apply_precision(model, PrecisionConfig(mode=mode, min_features=16), CPU)
     assert converted == ["2"]  # 8-wide input and 1-wide output stay float32
     assert type(model[2]) is layer_type and type(model[0]) is nn.Linear
     assert model[2].weight is weights[1]  # parameters are shared, optimizers keep working
@@ -51,16 +54,29 @@ def test_apply_precision_converts_the_same_layers(mode, layer_type):
     assert 0 < float((out - ref).norm() / ref.norm()) < 0.1
 
 
+def test_on_cuda_bf16_is_autocast_and_fp8_keeps_its_bf16_layers_plain():
+    model = small_model()
+    assert apply_precision(model, PrecisionConfig(mode="bf16", min_features=16), CUDA) == []
+    assert all(type(m) in (nn.Linear, nn.ReLU) for m in model)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    config = PrecisionConfig(mode="fp8", min_features=16, bf16_layers=("1",))
+    assert apply_precision(model, config, CUDA) == ["0"]
+    assert type(model[0]) is Fp8Linear and type(model[1]) is nn.Linear
+    assert isinstance(autocast(config, CUDA), torch.autocast)
+    assert not isinstance(autocast(config, CPU), torch.autocast)
+    assert not isinstance(autocast(PrecisionConfig(), CUDA), torch.autocast)
+
+
 def test_fp32_changes_nothing():
     model = small_model()
-    assert apply_precision(model, PrecisionConfig()) == []
+    assert apply_precision(model, PrecisionConfig(), CPU) == []
     assert all(type(m) in (nn.Linear, nn.ReLU) for m in model)
 
 
 def test_fp8_with_bf16_layers_mixes_both():
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
     config = PrecisionConfig(mode="fp8", min_features=16, bf16_layers=("1",))
-    assert sorted(apply_precision(model, config)) == ["0", "1"]
+    assert sorted(apply_precision(model, config, CPU)) == ["0", "1"]
     assert type(model[0]) is Fp8Linear and type(model[1]) is Bf16GemmLinear
 
 
@@ -78,7 +94,7 @@ def test_fp8_default_keeps_the_task_heads_bf16():
         architecture=tiny().model,
     )
     model = GemModel(model_config)
-    converted = apply_precision(model, PrecisionConfig(mode="fp8", min_features=16))
+    converted = apply_precision(model, PrecisionConfig(mode="fp8", min_features=16), CPU)
     types = {name: type(module) for name, module in model.named_modules()}
     heads = [name for name in converted if name.startswith("heads.")]
     assert heads and all(types[name] is Bf16GemmLinear for name in heads)
@@ -98,6 +114,6 @@ def test_fp8_default_keeps_the_task_heads_bf16():
         "sequence_layers.0.qkv",
     ]
     everything = GemModel(model_config)
-    apply_precision(everything, PrecisionConfig(mode="fp8", min_features=16, bf16_layers=()))
+    apply_precision(everything, PrecisionConfig(mode="fp8", min_features=16, bf16_layers=()), CPU)
     assert not any(isinstance(module, Bf16GemmLinear) for module in everything.modules())
     assert any(isinstance(module, Fp8Linear) for module in everything.heads.modules())

@@ -18,7 +18,9 @@ class Batch:
     """Keys ``hist_item_ids``, ``hist_category_ids``, ``hist_action_types``; every key's
     lengths are the history lengths (B,), values int64 (T,) per key."""
     sequence_offsets: torch.Tensor
-    """(B + 1,) int64 offsets of the histories into each key's values (0 first, T last)."""
+    """(B + 1,) int64 offsets of the histories into each key's values (0 first, T last). Always
+    on the host (pinned with the batch; :meth:`to` leaves it there): the attention kernels plan
+    their tiles from it, so the training step never copies lengths back from the GPU."""
     sequence_timestamps: torch.Tensor
     """(T,) int64 event timestamps (seconds), increasing within a history."""
     sparse_features: KeyedJaggedTensor
@@ -39,11 +41,12 @@ class Batch:
         return int(self.dense_features.shape[0])
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        """A copy of the batch on ``device`` (every tensor, both KeyedJaggedTensors)."""
+        """A copy of the batch on ``device``: every tensor and both KeyedJaggedTensors, except
+        ``sequence_offsets``, which stays on the host."""
         device = torch.device(device)
         return Batch(
             sequence_features=self.sequence_features.to(device=device, non_blocking=non_blocking),
-            sequence_offsets=self.sequence_offsets.to(device, non_blocking=non_blocking),
+            sequence_offsets=self.sequence_offsets,
             sequence_timestamps=self.sequence_timestamps.to(device, non_blocking=non_blocking),
             sparse_features=self.sparse_features.to(device=device, non_blocking=non_blocking),
             dense_features=self.dense_features.to(device, non_blocking=non_blocking),
@@ -93,7 +96,6 @@ class Batch:
         self.sequence_features.record_stream(stream)
         self.sparse_features.record_stream(stream)
         for tensor in (
-            self.sequence_offsets,
             self.sequence_timestamps,
             self.dense_features,
             self.labels,

@@ -42,6 +42,7 @@ __all__ = [
     "GELU_FAST_MAX_ABS_ERROR",
     "ScoreTensorStats",
     "apply_rope",
+    "rope_tables",
     "block_attention_reference",
     "compute_dtype",
     "gdpa_activation",
@@ -185,18 +186,45 @@ def rel_pos_bucket(relative_distance: torch.Tensor, num_buckets: int) -> torch.T
     return (relative_distance + num_buckets // 2).clamp(0, num_buckets - 1)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+def rope_tables(
+    max_len: int, head_dim: int, theta: float = 10000.0, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of :func:`apply_rope`'s angles for positions ``0 .. max_len - 1``: two
+    ``(max_len, head_dim // 2)`` float32 tables, computed in float64 once. A model passes them
+    to every call: gathering a row per token is far cheaper than a float64 cosine per element
+    (on an H200 the latter cost more than the attention it feeds)."""
+    half = head_dim // 2
+    exponent = torch.arange(half, dtype=torch.float64, device=device) * (-2.0 / head_dim)
+    positions = torch.arange(max_len, dtype=torch.float64, device=device)
+    angles = positions[:, None] * torch.pow(float(theta), exponent)[None, :]
+    return torch.cos(angles).float(), torch.sin(angles).float()
+
+
+def apply_rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    theta: float = 10000.0,
+    *,
+    tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Rotary embedding, rotate-half convention, on ``x`` of shape ``(T, H, D)`` (D even).
 
     Pairs are ``(x[..., i], x[..., i + D/2])`` rotated by angle ``positions * theta^(-2i/D)``.
     Angles are computed in float64 so large positions stay accurate; math runs in x's dtype.
+    ``tables``: :func:`rope_tables` of ``theta`` covering every position (then ``theta`` is
+    not read); the same result for float32 ``x`` (the tables hold the float64 values rounded
+    to float32, the precision x's dtype gets anyway).
     """
     half = x.shape[-1] // 2
-    exponent = torch.arange(half, dtype=torch.float64, device=x.device) * (-2.0 / x.shape[-1])
-    inv_freq = torch.pow(float(theta), exponent)
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
-    cos = torch.cos(angles).to(x.dtype)[:, None, :]
-    sin = torch.sin(angles).to(x.dtype)[:, None, :]
+    if tables is None:
+        exponent = torch.arange(half, dtype=torch.float64, device=x.device) * (-2.0 / x.shape[-1])
+        inv_freq = torch.pow(float(theta), exponent)
+        angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+        cos, sin = torch.cos(angles), torch.sin(angles)
+    else:
+        cos, sin = tables[0][positions], tables[1][positions]
+    cos = cos.to(x.dtype)[:, None, :]
+    sin = sin.to(x.dtype)[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 

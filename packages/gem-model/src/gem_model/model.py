@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
-from gem_kernels import host_offsets
+from gem_kernels import host_offsets as host_offsets_of
 from torch import nn
 from torchrec import (
     EmbeddingBagCollection,
@@ -188,12 +189,49 @@ class GemModel(nn.Module):
             for task, rate in zip(config.tasks, config.task_base_rates, strict=True):
                 nn.init.constant_(self.heads[task][-1].bias, math.log(rate / (1.0 - rate)))
 
+    def regions(self) -> dict[str, list[nn.Module]]:
+        """The model's regions, each as the modules that run it, in forward order: the units
+        the trainer compiles one by one (all but the embeddings), profiles and checkpoints.
+
+        ``embeddings`` (the torchrec tables), ``sequence`` (the self-attention layers),
+        ``cross`` (the history x feature and the target cross-attention), ``pma``, ``dhen``
+        (the dense projection and the DHEN layers) and ``heads``; the names of
+        :class:`~gem_model.ModelFlops`' fields (``sequence`` is its ``sequence_attention`` +
+        ``sequence_dense``). Regions the architecture leaves out are empty lists. The glue
+        between them (token sums, recency, the norms between regions) belongs to no region.
+        """
+        sequence = self.config.use_sequence_tower
+        embeddings: list[nn.Module] = [self.sparse_embeddings]
+        if sequence:
+            embeddings.append(self.sequence_embeddings)
+        cross = [self.history_cross, self.cross_attention] if sequence else []
+        return {
+            "embeddings": embeddings,
+            "sequence": list(self.sequence_layers) if sequence else [],
+            "cross": [module for module in cross if module is not None],
+            "pma": [self.pma] if sequence else [],
+            "dhen": [
+                module
+                for module in (self.dense_projection, *self.interaction)
+                if module is not None
+            ],
+            "heads": list(self.heads.values()),
+        }
+
     def forward(
         self,
         sequence_features: KeyedJaggedTensor | None,
         sparse_features: KeyedJaggedTensor,
         dense_features: torch.Tensor,
+        *,
+        sequence_offsets: torch.Tensor | Sequence[int] | None = None,
     ) -> torch.Tensor:
+        """``sequence_offsets``: the histories' ``(B + 1,)`` offsets on the host, as
+        ``gem_data.Batch`` carries them: a CPU integer tensor, or a list of ints (which
+        data-parallel wrappers pass through as they are; DDP and FSDP move tensor arguments to
+        the GPU). The attention kernels plan their tiles from this copy; without it they copy
+        the device offsets back once per step, which stalls the host until the GPU has caught
+        up."""
         config = self.config
         pooled = self.sparse_embeddings(_select_keys(sparse_features, self.pooled_features))
         tokens = [pooled[name] for name in self.pooled_features]
@@ -202,7 +240,9 @@ class GemModel(nn.Module):
         if config.use_sequence_tower:
             if sequence_features is None:
                 raise ValueError("sequence_features is required when use_sequence_tower=True")
-            tokens.extend(self._sequence_tokens(sequence_features, sparse_features, tokens))
+            tokens.extend(
+                self._sequence_tokens(sequence_features, sparse_features, tokens, sequence_offsets)
+            )
         features = torch.stack(tokens, dim=1)
         features = self.interaction_norm(self.interaction(features)).flatten(1)
         return torch.cat([self.heads[task](features) for task in config.tasks], dim=1)
@@ -212,6 +252,7 @@ class GemModel(nn.Module):
         sequence_features: KeyedJaggedTensor,
         sparse_features: KeyedJaggedTensor,
         feature_tokens: list[torch.Tensor],
+        host_offsets: torch.Tensor | Sequence[int] | None,
     ) -> list[torch.Tensor]:
         """The sequence tower's tokens, then the candidate's embedding; ``feature_tokens`` (the
         pooled sparse and dense tokens, each ``(B, dim)``) are the history cross's keys."""
@@ -220,26 +261,55 @@ class GemModel(nn.Module):
         lookup = KeyedJaggedTensor.concat(
             [
                 _select_keys(sequence_features, self.sequence_keys),
-                KeyedJaggedTensor.from_lengths_sync(
+                # Its one length per key is the number of ids, known without reading the
+                # device lengths (from_lengths_sync would copy them back: a host sync).
+                KeyedJaggedTensor(
                     keys=[config.candidate_feature],
                     values=candidate.values(),
                     lengths=candidate.lengths(),
+                    length_per_key=[candidate.values().shape[0]],
                 ),
             ]
         )
         embedded = self.sequence_embeddings(lookup)
         history = embedded[self.sequence_keys[0]]
-        lengths = history.lengths()
-        offsets = history.offsets()
-        # One device-to-host copy of the offsets per step: the attention layers get this same
-        # tensor and reuse the host copy (gem_kernels.host_offsets caches it).
-        host_lengths = host_offsets(offsets).diff()
+        tokens = sum(embedded[key].values() for key in self.sequence_keys)
+        if host_offsets is None:
+            # One device-to-host copy per step: the attention layers get this same tensor and
+            # reuse its host copy (gem_kernels.host_offsets caches it).
+            offsets = host_offsets = history.offsets()
+        else:
+            if not isinstance(host_offsets, torch.Tensor):
+                host_offsets = torch.tensor(host_offsets, dtype=torch.int64)
+                if tokens.is_cuda:  # the upload below then queues without blocking the host
+                    host_offsets = host_offsets.pin_memory()
+            expected = (history.lengths().shape[0] + 1,)
+            if host_offsets.dtype not in (torch.int32, torch.int64):
+                raise TypeError(
+                    f"sequence_offsets must have dtype int32 or int64, got {host_offsets.dtype}"
+                )
+            if host_offsets.device.type != "cpu" or host_offsets.shape != expected:
+                raise ValueError(
+                    f"sequence_offsets must be the {expected} history offsets on "
+                    f"the CPU, got shape {tuple(host_offsets.shape)} on {host_offsets.device}"
+                )
+            # The host copy is the one source of the split into histories (the lookups are per
+            # id, so the tokens do not depend on it): the model's own index arithmetic reads
+            # this upload of it, which queues behind the step's work instead of waiting for it.
+            offsets = host_offsets.to(tokens.device, non_blocking=True)
+        host = host_offsets_of(host_offsets)
+        if int(host[-1]) != tokens.shape[0]:
+            raise ValueError(
+                f"sequence_offsets ends at {int(host[-1])}, but sequence_features holds "
+                f"{tokens.shape[0]} events"
+            )
+        host_lengths = host.diff()
         if host_lengths.numel() and int(host_lengths.max()) > config.max_seq_len:
             raise ValueError(
                 f"sequence_features has a history of {int(host_lengths.max())} tokens, "
                 f"more than max_seq_len={config.max_seq_len}"
             )
-        tokens = sum(embedded[key].values() for key in self.sequence_keys)
+        lengths = offsets.diff()
         # Recency: distance of each event from the end of its own history.
         sample_of_token = torch.repeat_interleave(
             torch.arange(lengths.numel(), device=lengths.device),
@@ -258,14 +328,15 @@ class GemModel(nn.Module):
                 f"sparse_features[{config.candidate_feature!r}] must hold exactly one id per sample"
             )
         max_len = config.max_seq_len
+        # The kernels take the host offsets: they plan from them and read no device offsets.
         for layer in self.sequence_layers:
-            tokens = layer(tokens, offsets, max_len, positions)
+            tokens = layer(tokens, host_offsets, max_len, positions)
         if self.history_cross is not None:
             features = torch.stack([*feature_tokens, candidate_embedding], dim=1)
-            tokens = self.history_cross(tokens, offsets, max_len, features)
+            tokens = self.history_cross(tokens, host_offsets, max_len, features)
         tokens = self.sequence_norm(tokens)
-        pma_tokens = self.pma(tokens, offsets, max_len)
+        pma_tokens = self.pma(tokens, host_offsets, max_len)
         if self.cross_attention is None:
             return [*pma_tokens.unbind(1), candidate_embedding]
-        target_token = self.cross_attention(candidate_embedding, tokens, offsets, max_len)
+        target_token = self.cross_attention(candidate_embedding, tokens, host_offsets, max_len)
         return [*pma_tokens.unbind(1), target_token, candidate_embedding]

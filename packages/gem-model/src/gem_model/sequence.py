@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 from gem_kernels import block_attention, gdpa, jagged_flash_attention
-from gem_kernels.reference import apply_rope
+from gem_kernels.reference import apply_rope, rope_tables
 from gem_precision import NormLinear
 from torch import nn
 from torch.nn import functional as F
@@ -109,6 +109,10 @@ class JaggedSelfAttentionLayer(nn.Module):
             else None
         )
         self.ffn = _FeedForward(dim, ffn, dropout)
+        if position == "rope" and kind != "block":
+            cos, sin = rope_tables(max_len, dim // num_heads)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(
         self,
@@ -125,7 +129,8 @@ class JaggedSelfAttentionLayer(nn.Module):
         if self.position == "rope" and self.kind != "block":
             if positions is None:
                 raise ValueError("position='rope' needs the tokens' positions")
-            q, k = apply_rope(q, positions), apply_rope(k, positions)
+            tables = (self.rope_cos, self.rope_sin)
+            q, k = apply_rope(q, positions, tables=tables), apply_rope(k, positions, tables=tables)
         q, k, v = _cast(self.attention_dtype, q, k, v)
         if self.kind == "block":
             attended = block_attention(q, k, v, offsets, max_len)

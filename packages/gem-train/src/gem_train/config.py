@@ -136,7 +136,8 @@ class PrecisionConfig:
     attention kernels are unchanged."""
 
     mode: str = "fp32"
-    """'fp32' (unchanged), 'bf16' (GEMM operands rounded to bf16, float32 accumulation) or
+    """'fp32' (unchanged), 'bf16' (on CUDA: bf16 autocast, float32 master weights; on the CPU:
+    GEMM operands rounded to bf16, float32 accumulation, the rest float32) or
     'fp8' (gem-precision ``Fp8Linear``: 1x128 / 128x128 power-of-two block-scaled E4M3)."""
     min_features: int = 128
     """Layers with min(in_features, out_features) below this keep their precision."""
@@ -308,6 +309,13 @@ class TrainConfig:
     """Also train the same model without the sequence tower, as the reference point."""
     device: str = "auto"
     """'auto' (CUDA when available), 'cpu' or 'cuda'."""
+    compile: bool = False
+    """``torch.compile`` each module of the model's dense regions (``GemModel.regions()``: the
+    self-attention layers, the cross-attentions, PMA, the DHEN layers, the heads), so their
+    norms, casts, activations and residuals fuse and their launches shrink; the attention
+    kernels are opaque operators inside the graphs. The torchrec lookups and the glue between
+    regions run eagerly. On for the GPU recipes; the CPU recipe runs eagerly, as inductor's
+    CPU compile takes longer than the run."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     """GEMM precision of the dense linear layers (default: unchanged float32)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -20,7 +20,7 @@ from torchrec.distributed.types import ShardedModule
 
 from gem_train.config import PrecisionConfig
 
-__all__ = ["SavedActivations", "apply_precision", "precision_policy"]
+__all__ = ["SavedActivations", "apply_precision", "autocast", "precision_policy"]
 
 
 def precision_policy(config: PrecisionConfig) -> PrecisionPolicy:
@@ -38,25 +38,42 @@ def precision_policy(config: PrecisionConfig) -> PrecisionPolicy:
     )
 
 
-def apply_precision(model: nn.Module, config: PrecisionConfig) -> list[str]:
-    """Converts the selected ``nn.Linear`` layers of ``model`` in place; returns their names.
+def apply_precision(model: nn.Module, config: PrecisionConfig, device: torch.device) -> list[str]:
+    """Converts the selected ``nn.Linear`` layers of ``model`` in place for training on
+    ``device``; returns their names. The forward then runs under :func:`autocast`.
 
-    ``mode='fp32'`` changes nothing; ``'fp8'`` swaps in ``Fp8Linear`` (``Bf16GemmLinear`` for
-    layers matching ``bf16_layers``); ``'bf16'`` swaps in ``Bf16GemmLinear`` (bf16-rounded GEMM
-    operands, float32 accumulation and master weights).
+    - ``'fp32'`` changes nothing.
+    - ``'bf16'`` on CUDA converts nothing: autocast runs every linear as a bf16 tensor-core
+      GEMM (float32 master weights). On the CPU it swaps in ``Bf16GemmLinear``: the same GEMM
+      numerics (bf16-rounded operands, float32 accumulation), emulated, with the rest of the
+      model in float32, the peer the FP8 emulation is compared with.
+    - ``'fp8'`` swaps in ``Fp8Linear``; the ``bf16_layers`` stay bf16 GEMMs (autocast on CUDA,
+      ``Bf16GemmLinear`` on the CPU).
+
     Embedding tables and attention kernels are not linear layers and keep their precision.
     """
     if config.mode == "fp32":
         return []
     policy = precision_policy(config)
+    emulate_bf16 = device.type != "cuda"
     if config.mode == "bf16":
-        return convert_to_bf16_gemms(model, policy)
+        return convert_to_bf16_gemms(model, policy) if emulate_bf16 else []
     converted = []
     if config.bf16_layers:
-        bf16_policy = dataclasses.replace(policy, include=tuple(config.bf16_layers))
-        converted = convert_to_bf16_gemms(model, bf16_policy)
+        if emulate_bf16:
+            bf16_policy = dataclasses.replace(policy, include=tuple(config.bf16_layers))
+            converted = convert_to_bf16_gemms(model, bf16_policy)
         policy = dataclasses.replace(policy, exclude=(*policy.exclude, *config.bf16_layers))
     return converted + convert_to_fp8(model, policy).converted
+
+
+def autocast(config: PrecisionConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    """The context of the forward pass: bf16 autocast on CUDA for ``'bf16'`` and ``'fp8'``
+    (activations, norms' inputs and outputs, the attention inputs and every GEMM not in FP8
+    in bf16, reductions in float32 as autocast's policy says); nothing elsewhere."""
+    if device.type == "cuda" and config.mode != "fp32":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def _keep(tensor: torch.Tensor) -> torch.Tensor:

@@ -85,6 +85,7 @@ def h200() -> TrainConfig:
         model=_gem_v1(512, 2048),
         optim=OptimConfig(lr_schedule="cosine", dense_lr=1e-3, warmup_steps=100),
         precision=PrecisionConfig(mode="bf16"),
+        compile=True,
         batch_size=1024,
         eval_batch_size=1024,
         epochs=1,

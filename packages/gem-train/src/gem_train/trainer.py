@@ -32,7 +32,7 @@ from gem_train.checkpoint import (
 from gem_train.config import TrainConfig
 from gem_train.metrics import auc, normalized_entropy
 from gem_train.parallel import DenseParallel, SparseParallel
-from gem_train.precision import SavedActivations, apply_precision
+from gem_train.precision import SavedActivations, apply_precision, autocast
 from gem_train.throughput import StepClock, measured_matmul_peak, peak_tflops
 
 __all__ = ["Trainer", "init_distributed", "resolve_device"]
@@ -128,7 +128,12 @@ class Trainer:
         with self.device:
             model = GemModel(self.model_config, device=torch.device("meta"))
         # FP8 / bf16 GEMMs for the dense linears (shares parameters, so order vs DMP is free).
-        self.precision_converted = apply_precision(model, config.precision)
+        self.precision_converted = apply_precision(model, config.precision, self.device)
+        if config.compile:
+            for region, modules in model.regions().items():
+                if region != "embeddings":  # torchrec's sharded lookups stay eager
+                    for module in modules:
+                        module.compile()
         # Dense part: DDP (torchrec's default) or FSDP2, plus expert parallelism for DHEN.
         self.parallel = DenseParallel(config.parallel, self.device)
         model = self.parallel.prepare(model)
@@ -187,7 +192,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
     def _forward(self, batch: Batch) -> torch.Tensor:
-        return self.model(batch.sequence_features, batch.sparse_features, batch.dense_features)
+        with autocast(self.config.precision, self.device):
+            return self.model(
+                batch.sequence_features,
+                batch.sparse_features,
+                batch.dense_features,
+                # A list: DDP / FSDP would move a tensor argument to the GPU.
+                sequence_offsets=batch.sequence_offsets.tolist(),
+            )
 
     def train_step(self, batch: Batch) -> float:
         """One optimizer step; returns the summed CTR + CVR log loss of the batch."""

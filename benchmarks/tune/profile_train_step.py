@@ -1,0 +1,67 @@
+"""Exploration: where the time of one ``h200`` training step goes (torch.profiler tables).
+
+Not a benchmark: prints the top operators by device and host time and writes a Chrome trace
+under ``$OUT`` (or ``--out``). Uses only public APIs: the recipe, ``Trainer.train_step``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from gem_train.cli import configure, prepare_data
+from gem_train.trainer import Trainer
+from torch.profiler import ProfilerActivity, profile
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--recipe", default="h200")
+    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", default=os.environ.get("OUT", "runs/profile"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    overrides = [
+        "data.num_train=40000",
+        "data.num_eval=1000",
+        "max_steps=40",
+        "data.directory=/tmp/h200data",
+        *args.overrides,
+    ]
+    config = configure(args.recipe, overrides)
+    started = time.perf_counter()
+    train, _ = prepare_data(config.data, progress=False)
+    print(f"data {time.perf_counter() - started:.1f} s", flush=True)
+    trainer = Trainer(config, train, output_dir=out / "run")
+    batches = iter(trainer.loader)
+    for _ in range(args.warmup):
+        trainer.train_step(next(batches).to(trainer.device, non_blocking=True))
+    torch.cuda.synchronize()
+    host = [next(batches) for _ in range(args.steps)]
+    t0 = time.perf_counter()
+    for b in host:
+        trainer.train_step(b.to(trainer.device, non_blocking=True))
+    torch.cuda.synchronize()
+    step = (time.perf_counter() - t0) / args.steps
+    print(f"step (no data wait) {step * 1e3:.1f} ms; split {trainer.clock.take()}", flush=True)
+    host = [next(batches) for _ in range(3)]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for b in host:
+            trainer.train_step(b.to(trainer.device, non_blocking=True))
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(out / "trace.json"))
+    averages = prof.key_averages()
+    print(averages.table(sort_by="cuda_time_total", row_limit=35, max_name_column_width=60))
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+    (out / "summary.json").write_text(json.dumps({"step_ms": step * 1e3}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The compiled bf16 training step on CUDA: host synchronisations per step, counted by CUDA's
+sync-debug mode (runs under ``nox -s gpu`` on the GPU machine)."""
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from gem_train.cli import prepare_data
+from gem_train.config import PrecisionConfig
+from gem_train.trainer import Trainer
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+# The trainer's loss read-back. torchrec's own input distribution adds none on one rank: the
+# batch's KeyedJaggedTensors carry their per-key lengths from the host.
+MAX_SYNCS_PER_STEP = 1
+
+
+def test_compiled_step_syncs_only_for_the_loss(small_config):
+    config = dataclasses.replace(
+        small_config,
+        device="cuda",
+        compile=True,
+        precision=PrecisionConfig(mode="bf16"),
+        model=dataclasses.replace(
+            small_config.model, attention_window=8, position="rope", ffn="swiglu",
+            history_cross=True, target_attention=True,
+        ),
+    )  # fmt: skip
+    train, _ = prepare_data(config.data, progress=False)
+    trainer = Trainer(config, train, output_dir=config.output_dir)
+    batches = iter(trainer.loader)
+    for _ in range(4):  # compiles, then recompiles once with dynamic token counts
+        trainer.train_step(next(batches).to(trainer.device, non_blocking=True))
+    torch.cuda.synchronize()
+    batch = next(batches)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train_step(batch.to(trainer.device, non_blocking=True))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) <= MAX_SYNCS_PER_STEP, syncs
