@@ -1,0 +1,214 @@
+"""One training step of GEM v1 on one GPU: our stack against the same model in plain PyTorch.
+
+Providers, on the same batches (GEM-like lengths, about half the cap filled) and the same
+torchrec tables with their fused row-wise Adagrad:
+
+- ``gem``: ``gem_train.Trainer.train_step`` of the ``h200`` recipe at the case's shape (our
+  kernels as compiled operators, bf16 autocast, compiled regions; FP8 linears at the FP8
+  shape ``B512xL2048xD1024``, as the ``h200-large`` recipe);
+- ``baseline``: ``benchmarks/baseline_gem.BaselineGem`` (FlexAttention with a document +
+  causal + window ``mask_mod``, GDPA as padded matmul + activation, ``nn.Linear``), bf16
+  autocast, ``torch.compile`` of everything after the lookups, torchrec's DMP for the tables,
+  fused AdamW for the dense parameters, as a capable user writes it;
+- ablations: ``gem-eager`` (no compile), ``gem-bf16`` (the FP8 shape without FP8).
+
+Metrics per case and provider: ``ms`` (mean of the timed steps, run back to back), ``samples_per_s``, ``mfu`` (model FLOPs
+of the real lengths, ``gem_model.model_flops``, over time x 989.4 TFLOP/s), ``local_mfu``
+(the same on one GPU: the scaling ratio is 1) and ``peak_gib``; ``gem`` also gets its time
+split (``time_<phase>_ms``). Cases: ``B{batch}xL{max_len}xD{d_model}/{window256|causal}``.
+
+    python benchmarks/bench_train.py [--cases B1024xL1024xD512/window256 ...] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import meta, require_cuda, results_parser, user_args, write_results  # noqa: E402
+from baseline_gem import BaselineGem  # noqa: E402
+from gem_data import ShardedBatchLoader  # noqa: E402
+from gem_model import model_flops  # noqa: E402
+from gem_train.cli import configure, prepare_data  # noqa: E402
+from gem_train.throughput import BF16_DENSE_PEAK_TFLOPS  # noqa: E402
+from gem_train.trainer import Trainer, model_config  # noqa: E402
+from torch.nn import functional as F  # noqa: E402
+from torchrec import EmbeddingBagCollection, EmbeddingCollection  # noqa: E402
+from torchrec.distributed import DistributedModelParallel  # noqa: E402
+from torchrec.optim import RowWiseAdagrad  # noqa: E402
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward  # noqa: E402
+from torchrec.optim.optimizers import in_backward_optimizer_filter  # noqa: E402
+
+SHAPES = [(1024, 1024, 512), (256, 4096, 512), (2048, 512, 256), (512, 2048, 1024)]
+FP8_SHAPE = (512, 2048, 1024)
+MASKS = {"window256": 256, "causal": 0}
+PEAK = BF16_DENSE_PEAK_TFLOPS["H200"] * 1e12
+
+
+def _cases() -> list[str]:
+    return [f"B{b}xL{n}xD{d}/{mask}" for b, n, d in SHAPES for mask in MASKS]
+
+
+def _parse(case: str) -> tuple[int, int, int, int]:
+    shape, mask = case.split("/")
+    b, n, d = (int(part[1:]) for part in shape.split("x"))
+    return b, n, d, MASKS[mask]
+
+
+def _config(case: str, steps: int, data_root: Path, **changes):
+    batch, max_len, dim, window = _parse(case)
+    fp8 = (batch, max_len, dim) == FP8_SHAPE
+    config = configure(
+        "h200-large" if fp8 else "h200",
+        [
+            f"batch_size={batch}",
+            f"data.max_seq_len={max_len}",
+            f"data.num_train={batch * steps}",
+            "data.num_eval=128",
+            f"data.directory={data_root / f'B{batch}xL{max_len}'}",
+            f"model.embedding_dim={dim}",
+            f"model.num_heads={dim // 128}",
+            f"model.attention_window={window}",
+            "checkpoint_every=0",
+        ],
+    )
+    return dataclasses.replace(config, **changes)
+
+
+def _time_steps(step, batches, device) -> tuple[float, float]:
+    """Mean milliseconds per step over ``batches`` run back to back (the host may run ahead
+    into the next step, as in training) and the peak GiB allocated."""
+    torch.cuda.reset_peak_memory_stats(device)
+    torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    for batch in batches:
+        step(batch.to(device, non_blocking=True))
+    torch.cuda.synchronize(device)
+    ms = (time.perf_counter() - started) * 1e3 / len(batches)
+    return ms, torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def _baseline(config, info, device):
+    """The plain-PyTorch step: DMP tables with the fused sparse optimizer, compiled dense."""
+    with device:
+        model = BaselineGem(
+            model_config(config, info, use_sequence_tower=True), torch.device("meta")
+        )
+    tables = [
+        p
+        for m in model.modules()
+        if isinstance(m, EmbeddingBagCollection | EmbeddingCollection)
+        for p in m.parameters()
+    ]
+    apply_optimizer_in_backward(RowWiseAdagrad, tables, {"lr": config.optim.sparse_lr})
+    model.compile()
+    dmp = DistributedModelParallel(model, device=device)
+    dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    optimizer = torch.optim.AdamW(dense.values(), lr=config.optim.dense_lr, fused=True)
+
+    def step(batch) -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = dmp(batch.sequence_features, batch.sparse_features, batch.dense_features)
+            loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none")
+        optimizer.zero_grad(set_to_none=True)
+        loss.mean(0).sum().backward()
+        torch.nn.utils.clip_grad_norm_(dense.values(), config.optim.max_grad_norm, foreach=True)
+        optimizer.step()
+
+    return step
+
+
+def _rows(case, provider, ms, peak, flops, batch_size, extra=None) -> list[dict]:
+    mfu = flops / (ms / 1e3) / PEAK
+    metrics = {
+        "ms": ms,
+        "samples_per_s": batch_size / ms * 1e3,
+        "mfu": mfu,
+        "local_mfu": mfu,
+        "peak_gib": peak,
+        **(extra or {}),
+    }
+    return [
+        {"case": case, "provider": provider, "mode": "fwd_bwd_step", "metric": k, "value": v}
+        for k, v in metrics.items()
+    ]
+
+
+def main() -> None:
+    parser = results_parser(__doc__, "h200/train.json")
+    parser.add_argument("--cases", nargs="+", default=_cases(), choices=_cases())
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per provider")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed steps (compiles)")
+    parser.add_argument("--providers", nargs="+", default=["gem", "baseline", "gem-eager"])
+    args = parser.parse_args()
+    require_cuda()
+    device = torch.device("cuda")
+    rows: list[dict] = []
+    data_root = Path(tempfile.mkdtemp(prefix="bench-train-"))
+    for case in args.cases:
+        total = args.warmup + args.steps
+        config = _config(case, total, data_root)
+        info, _ = prepare_data(config.data, progress=False)
+        batches = list(ShardedBatchLoader(info.directory, config.batch_size, seed=0))[:total]
+        flops = statistics.mean(
+            model_flops(model_config(config, info, use_sequence_tower=True),
+                        b.sequence_offsets.diff()).total
+            for b in batches[args.warmup:]
+        )  # fmt: skip
+        providers = list(args.providers)
+        if _parse(case)[:3] == FP8_SHAPE and "gem" in providers:
+            providers.append("gem-bf16")
+        for provider in providers:
+            changes = {"compile": False} if provider == "gem-eager" else {}
+            if provider == "gem-bf16":
+                changes["precision"] = dataclasses.replace(config.precision, mode="bf16")
+            extra, step, trainer = {}, None, None
+            try:
+                if provider == "baseline":
+                    step = _baseline(config, info, device)
+                else:
+                    trainer = Trainer(
+                        dataclasses.replace(config, **changes),
+                        info,
+                        output_dir=data_root / "runs" / provider,
+                    )
+                    step = trainer.train_step
+                _time_steps(step, batches[: args.warmup], device)
+                if provider != "baseline":
+                    trainer.clock.take()
+                ms, peak = _time_steps(step, batches[args.warmup :], device)
+                if provider != "baseline":
+                    split = trainer.clock.take()
+                    extra = {f"time_{k}_ms": v / args.steps * 1e3 for k, v in split.items()}
+            except torch.OutOfMemoryError as error:
+                print(f"{case} {provider}: out of memory ({error})", flush=True)
+                rows.append({"case": case, "provider": provider, "mode": "fwd_bwd_step",
+                             "metric": "oom", "value": 1.0})  # fmt: skip
+                continue
+            finally:
+                step = trainer = None
+                torch.cuda.empty_cache()
+            new = _rows(case, provider, ms, peak, flops, config.batch_size, extra)
+            rows += new
+            values = {r["metric"]: r["value"] for r in new}
+            print(f"{case:28s} {provider:10s} {values['ms']:8.1f} ms "
+                  f"{values['samples_per_s']:9.0f} samples/s  MFU {values['mfu']:.3f}  "
+                  f"peak {values['peak_gib']:.1f} GiB {extra}", flush=True)  # fmt: skip
+    command = "python benchmarks/bench_train.py " + " ".join(user_args())
+    write_results(
+        Path(args.out),
+        meta("train", command, device=torch.cuda.get_device_name(), peak_tflops=PEAK / 1e12),
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    main()
