@@ -35,6 +35,7 @@ from gem_train.checkpoint import latest_checkpoint
 from gem_train.config import DataConfig, TrainConfig, apply_overrides
 from gem_train.parallel import check_sparse_layout
 from gem_train.recipes import RECIPES, get_recipe
+from gem_train.report import RunDirectoryError, write_report
 from gem_train.trainer import Trainer, init_distributed, resolve_device
 
 __all__ = ["UsageError", "configure", "main", "prepare_data", "run", "validate"]
@@ -276,7 +277,7 @@ def run(config: TrainConfig, *, resume: bool = False, console: Console | None = 
     validate(config, resume=resume)
     console = console or Console()
     started = time.perf_counter()
-    rank, _ = init_distributed(resolve_device(config.device))
+    rank, world_size = init_distributed(resolve_device(config.device))
     if rank != 0:  # one rank reports; the others train and evaluate silently
         console = Console(quiet=True)
     train_data, eval_data = prepare_data(config.data, progress=console.is_terminal)
@@ -311,11 +312,15 @@ def run(config: TrainConfig, *, resume: bool = False, console: Console | None = 
         "oracle_ne": eval_data.oracle_ne,
         "results": results,
         "seconds": time.perf_counter() - started,
+        "world_size": world_size,
     }
     if rank == 0:
         output.mkdir(parents=True, exist_ok=True)
         (output / "summary.json").write_text(json.dumps(summary, indent=2))
     _print_summary(console, summary)
+    if rank == 0:
+        # Unwrapped and literal, so the path can be copied (and read by scripts) as printed.
+        console.print(f"report: {write_report(output)}", soft_wrap=True, markup=False)
     return summary
 
 
@@ -403,8 +408,31 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
 
+def _report_main(argv: list[str]) -> int:
+    """``gem-train report RUN_DIR``: (re)writes the HTML report of a finished run."""
+    parser = _Parser(
+        prog="gem-train report",
+        description="Write RUN_DIR/report.html (one self-contained page) and print its path.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run's output_dir")
+    args = parser.parse_args(argv)
+    try:
+        path = write_report(args.run_dir)
+    except RunDirectoryError as error:
+        parser.error(str(UsageError("RUN_DIR", error.reason)))
+    print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(prog="gem-train", description="Train and evaluate a GEM recommendation model.")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:  # a subcommand; the training options stay top-level
+        return _report_main(argv[1:])
+    parser = _Parser(
+        prog="gem-train",
+        description="Train and evaluate a GEM recommendation model.",
+        epilog="gem-train report RUN_DIR: write the HTML report of a finished run.",
+    )
     parser.add_argument(
         "--recipe", default="tiny", help=f"recipe name, one of {sorted(RECIPES)} (default: tiny)"
     )
