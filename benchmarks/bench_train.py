@@ -152,6 +152,8 @@ def main() -> None:
     require_cuda()
     device = torch.device("cuda")
     rows: list[dict] = []
+    command = "python benchmarks/bench_train.py " + " ".join(user_args())
+    run_meta = meta("train", command, device=torch.cuda.get_device_name(), peak_tflops=PEAK / 1e12)
     data_root = Path(tempfile.mkdtemp(prefix="bench-train-"))
     for case in args.cases:
         total = args.warmup + args.steps
@@ -198,16 +200,12 @@ def main() -> None:
                 torch.cuda.empty_cache()
             new = _rows(case, provider, ms, peak, flops, config.batch_size, extra)
             rows += new
+            write_results(Path(args.out), run_meta, rows)  # a later crash keeps these rows
             values = {r["metric"]: r["value"] for r in new}
             print(f"{case:28s} {provider:10s} {values['ms']:8.1f} ms "
                   f"{values['samples_per_s']:9.0f} samples/s  MFU {values['mfu']:.3f}  "
                   f"peak {values['peak_gib']:.1f} GiB {extra}", flush=True)  # fmt: skip
-    command = "python benchmarks/bench_train.py " + " ".join(user_args())
-    write_results(
-        Path(args.out),
-        meta("train", command, device=torch.cuda.get_device_name(), peak_tflops=PEAK / 1e12),
-        rows,
-    )
+    write_results(Path(args.out), run_meta, rows)
 
 
 if __name__ == "__main__":
