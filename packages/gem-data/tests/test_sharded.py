@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -353,3 +354,22 @@ def test_batch_size_larger_than_a_rank_share(dataset):
     assert len(batches) == len(loader) == 1
     assert batches[0].batch_size == 300
     assert torch.equal(batches[0].sample_indices.sort().values, batches[0].sample_indices.unique())
+
+
+def test_planned_batch_costs_are_the_costs_of_the_yielded_batches(dataset):
+    groups = []
+    for path in dataset.files:
+        file = pq.ParquetFile(path)
+        for g in range(file.num_row_groups):
+            if file.metadata.row_group(g).num_rows:
+                lists = file.read_row_group(g, columns=["hist_item_ids"]).column(0)
+                groups.append(pa.compute.list_value_length(lists).to_numpy())
+    for balance in ("bbs", "none"):
+        for rank in range(2):
+            loader = ShardedBatchLoader(dataset.directory, 64, seed=3, sub_batch_size=16,
+                                        rank=rank, world_size=2, balance=balance)  # fmt: skip
+            planned = loader.planned_batch_costs(groups)
+            yielded = [loader.cost_model(b.sequence_offsets.diff().numpy()).sum() for b in loader]
+            np.testing.assert_allclose(planned, yielded)
+            with pytest.raises(ValueError, match="group_lengths"):
+                loader.planned_batch_costs(groups[:-1])

@@ -216,6 +216,31 @@ class ShardedBatchLoader(ResumablePosition):
         rng = np.random.default_rng([self.seed, epoch, int(group), _ROW_ORDER_STREAM])
         return rng.permutation(int(self.row_group_rows[group]))
 
+    def planned_batch_costs(self, group_lengths: list[np.ndarray], epoch: int = 0) -> np.ndarray:
+        """The cost (``cost_model``) of every batch this rank yields in ``epoch``, in order,
+        planned from the history lengths alone: ``group_lengths[g]`` holds row group ``g``'s
+        lengths in file order (``row_group_rows`` entries). The batches are the ones iteration
+        assembles (the same stream, pools and Base Batch Shuffling), without decoding them."""
+        epoch = check_int("epoch", epoch, 0)
+        if [len(group) for group in group_lengths] != self.row_group_rows.tolist():
+            raise ValueError(
+                "group_lengths must hold one length per row of each row group "
+                f"({self.row_group_rows.tolist()} rows), got {[len(g) for g in group_lengths]}"
+            )
+        pieces = []
+        for group, lo, hi in self.rank_segments(epoch):
+            order = self._row_order(epoch, group)
+            lengths = np.asarray(group_lengths[group], dtype=np.int64)
+            pieces.append((lengths if order is None else lengths[order])[lo:hi])
+        stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+        pool_size = self.pool_batches * self.batch_size
+        costs = []
+        for start in range(0, stream.size, pool_size):
+            pool = stream[start : start + pool_size]
+            for rows in self._batch_rows(pool):
+                costs.append(float(self.cost_model(pool[rows]).sum()))
+        return np.asarray(costs, dtype=np.float64)
+
     def rank_segments(self, epoch: int, start: int = 0) -> list[tuple[int, int, int]]:
         """``(row group, lo, hi)`` pieces of this rank's stream in ``epoch`` from position ``start``.
 
@@ -331,19 +356,24 @@ class ShardedBatchLoader(ResumablePosition):
     def _pool_batch_rows(self, pool: Columns) -> list[np.ndarray]:
         """Row indices into ``pool`` of each of its batches, in yield order."""
         started = time.perf_counter()
-        size = self.batch_size
-        num_full = pool.num_rows // size
+        batches = self._batch_rows(pool.history_lengths)
+        self._add_time("balance", started)
+        return batches
+
+    def _batch_rows(self, history_lengths: np.ndarray) -> list[np.ndarray]:
+        """Row indices of each batch of a pool whose histories have ``history_lengths``."""
+        size, num_rows = self.batch_size, len(history_lengths)
+        num_full = num_rows // size
         if self.balance == "bbs" and num_full:
             sub = self.sub_batch_size
-            costs = sub_batch_costs(pool.history_lengths[: num_full * size], sub, self.cost_model)
+            costs = sub_batch_costs(history_lengths[: num_full * size], sub, self.cost_model)
             merged = bbs_merge(costs, size // sub)
             offsets = np.arange(sub, dtype=np.int64)
             batches = [(row[:, None] * sub + offsets).reshape(-1) for row in merged]
         else:
             batches = [np.arange(j * size, (j + 1) * size) for j in range(num_full)]
-        if pool.num_rows > num_full * size and not self.drop_last:
-            batches.append(np.arange(num_full * size, pool.num_rows))
-        self._add_time("balance", started)
+        if num_rows > num_full * size and not self.drop_last:
+            batches.append(np.arange(num_full * size, num_rows))
         return batches
 
     def collate(self, pool: Columns, rows: np.ndarray) -> Batch:

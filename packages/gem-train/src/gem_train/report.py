@@ -24,7 +24,6 @@ import math
 import os
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -221,11 +220,10 @@ def _rank_step_costs(
     """``(steps, world_size)``: the cost of every rank's batch at each step of epoch 0, as the
     trainer's ``ShardedBatchLoader`` (same arguments) assembles and costs it.
 
-    Reading and collating every batch would decode every history; the loader's plan needs
-    only the lengths. So each rank's loader gives its stream (``rank_segments`` and the row
-    order of each row group), and its own ``_pool_batch_rows`` deals every pool into batches,
-    by BBS or in stream order, from those lengths. gem-train's ``tests/test_report.py`` checks that the
-    costs equal those of the batches the loader really yields."""
+    Reading and collating every batch would decode every history; the loader's own plan
+    (``ShardedBatchLoader.planned_batch_costs``) needs only the lengths. gem-train's
+    ``tests/test_report.py`` checks that the costs equal those of the batches the loader
+    really yields."""
     steps = max_steps
     costs = np.zeros((0, world_size))
     for rank in range(world_size):
@@ -240,28 +238,14 @@ def _rank_step_costs(
             balance=balance,
             pin_memory=False,
         )
-        if [len(group) for group in group_lengths] != loader.row_group_rows.tolist():
-            raise DatasetFormatError(f"{directory}: row groups changed while reading")
         if rank == 0:
             steps = min(max_steps, len(loader))
             costs = np.zeros((steps, world_size))
-        pieces = []
-        for group, lo, hi in loader.rank_segments(0):
-            order = loader._row_order(0, group)
-            lengths = group_lengths[group] if order is None else group_lengths[group][order]
-            pieces.append(lengths[lo:hi])
-        stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
-        pool_size = loader.pool_batches * batch_size
-        step = 0
-        for start in range(0, stream.size, pool_size):
-            pool = stream[start : start + pool_size]
-            for rows in loader._pool_batch_rows(
-                SimpleNamespace(num_rows=pool.size, history_lengths=pool)
-            ):
-                if step == steps:
-                    break
-                costs[step, rank] = loader.cost_model(pool[rows]).sum()
-                step += 1
+        try:
+            planned = loader.planned_batch_costs(group_lengths)[:steps]
+        except ValueError as error:  # the row groups differ from the lengths read before
+            raise DatasetFormatError(f"{directory}: row groups changed while reading") from error
+        costs[: len(planned), rank] = planned
     return costs
 
 
