@@ -127,3 +127,33 @@ def test_a_non_finite_loss_stops_training_with_a_clear_error(small_config, tmp_p
     with pytest.raises(FloatingPointError, match="loss became nan at step 0; resume from the last"):
         trainer.train_step(batch)
     assert trainer.step == 0, "the failed step is not counted"
+
+
+def test_profile_pass_tables_every_region_and_leaves_training_unchanged(small_config, tmp_path):
+    from gem_model import GemArchitecture
+    from gem_train.profiling import PROFILE_REGIONS
+
+    train_data, _ = prepare_data(small_config.data, progress=False)
+    config = dataclasses.replace(
+        small_config,
+        max_steps=7,
+        model=GemArchitecture(embedding_dim=16, num_heads=2, dhen_layers=1, expert_hidden_dim=32,
+                              history_cross=True, attention_window=4, position="rope"),
+    )  # fmt: skip
+    plain = Trainer(config, train_data, output_dir=tmp_path / "plain").fit(progress=False)
+    trainer = Trainer(config, train_data, output_dir=tmp_path / "profiled")
+    assert trainer.fit(progress=False, profile=True) == plain  # the profiler only observes
+    written = json.loads((tmp_path / "profiled" / "profile.json").read_text())
+    assert written["regions"] == trainer.profile["regions"] and written["steps"] == 3
+    rows = {row["region"]: row for row in written["regions"]}
+    assert list(rows) == [*PROFILE_REGIONS, "other"]
+    for region in PROFILE_REGIONS:  # every region ran, in both passes where it has a backward
+        assert rows[region]["forward_ms"] > 0, region
+        if region != "optimizer":
+            assert rows[region]["backward_ms"] > 0, region
+    assert rows["sequence_attention"]["model_tflop"] > 0 and rows["embeddings"]["model_tflop"] == 0
+    accounted = sum(row["ms"] for row in written["regions"][:-1])
+    assert accounted <= written["step_ms"] * 1.05  # regions do not overlap
+    trace = json.loads((tmp_path / "profiled" / written["trace"]).read_text())
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert "gem_model/sequence" in names and "gem_kernels::jagged_flash_attention" in names

@@ -34,6 +34,7 @@ from rich.table import Table
 from gem_train.checkpoint import latest_checkpoint
 from gem_train.config import DataConfig, TrainConfig, apply_overrides
 from gem_train.parallel import check_sparse_layout
+from gem_train.profiling import profile_table
 from gem_train.recipes import RECIPES, get_recipe
 from gem_train.report import RunDirectoryError, write_report
 from gem_train.trainer import Trainer, init_distributed, resolve_device
@@ -270,10 +271,18 @@ def validate(config: TrainConfig, *, resume: bool = False) -> None:
         _validate_resume(config)
 
 
-def run(config: TrainConfig, *, resume: bool = False, console: Console | None = None) -> dict:
+def run(
+    config: TrainConfig,
+    *,
+    resume: bool = False,
+    profile: bool = False,
+    console: Console | None = None,
+) -> dict:
     """Trains and evaluates the recipe (and the no-sequence reference); returns the summary.
 
-    ``validate`` runs first; with ``resume`` a missing checkpoint is a ``UsageError``."""
+    ``validate`` runs first; with ``resume`` a missing checkpoint is a ``UsageError``. With
+    ``profile`` each variant's training gets a profiler pass (``Trainer.fit``) whose
+    per-region table is printed and written beside its metrics."""
     validate(config, resume=resume)
     console = console or Console()
     started = time.perf_counter()
@@ -298,7 +307,10 @@ def run(config: TrainConfig, *, resume: bool = False, console: Console | None = 
         checkpoints = output / name / "checkpoints"
         if resume and trainer.resume(checkpoints):
             console.print(f"{name}: resumed at step {trainer.step} from {checkpoints}")
-        losses = trainer.fit(checkpoint_dir=checkpoints)
+        losses = trainer.fit(checkpoint_dir=checkpoints, profile=profile)
+        if trainer.profile is not None:
+            console.print(profile_table(trainer.profile, f"{name}: time per training step"))
+            console.print(f"trace: {output / name / 'trace.json'}", soft_wrap=True, markup=False)
         if not config.checkpoint_every or trainer.step % config.checkpoint_every:
             trainer.save(checkpoints)  # fit() did not already save this final step
         results[name] = trainer.evaluate(eval_data)
@@ -445,6 +457,11 @@ def main(argv: list[str] | None = None) -> int:
         help="override a config field, e.g. --set model.embedding_dim=64 --set max_steps=100",
     )
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile 3 training steps: per-region time and MFU table, Chrome trace",
+    )
     parser.add_argument("--print-config", action="store_true", help="print the config and exit")
     args = parser.parse_args(argv)
     try:
@@ -453,7 +470,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(asdict(config), indent=2))
             return 0
         _quiet_third_party_logs()
-        run(config, resume=args.resume)  # validates first: misuse ends before any data is made
+        run(
+            config, resume=args.resume, profile=args.profile
+        )  # validates first: misuse ends before any data is made
     except UsageError as error:
         parser.error(str(error))
     return 0

@@ -504,10 +504,14 @@ def _region_figure(profile: dict[str, Any]) -> str | None:
     figure = Figure(figsize=(10, 0.9 + 0.32 * len(regions)))
     axes = figure.subplots()
     names = [str(region["region"]) for region in regions][::-1]
-    forward = [float(region["forward_ms"]) for region in regions][::-1]
-    backward = [float(region["backward_ms"]) for region in regions][::-1]
+    # Rows without a forward / backward split ("other": the rest of the step) are one bar.
+    split = [region["forward_ms"] is not None for region in regions][::-1]
+    forward = [float(r["forward_ms"] or 0.0) for r in regions][::-1]
+    backward = [float(r["backward_ms"] or 0.0) for r in regions][::-1]
+    whole = [0.0 if s else float(r["ms"]) for s, r in zip(split, regions[::-1], strict=True)]
     axes.barh(names, forward, color="tab:blue", label="forward")
     axes.barh(names, backward, left=forward, color="tab:orange", label="backward")
+    axes.barh(names, whole, color="tab:gray", label="rest of the step")
     axes.set_xlabel("ms per step")
     axes.grid(alpha=0.3, axis="x")
     axes.legend(fontsize=8)

@@ -33,6 +33,7 @@ from gem_train.config import TrainConfig
 from gem_train.metrics import auc, normalized_entropy
 from gem_train.parallel import DenseParallel, SparseParallel
 from gem_train.precision import SavedActivations, apply_precision, autocast
+from gem_train.profiling import OPTIMIZER_SCOPE, ProfilePass
 from gem_train.throughput import StepClock, measured_matmul_peak, peak_tflops
 
 __all__ = ["Trainer", "init_distributed", "resolve_device"]
@@ -189,6 +190,8 @@ class Trainer:
         self.clock = StepClock(self.device)
         self.peak_tflops = peak_tflops(self.device)
         self.measured_peak_tflops: float | None = None
+        self.profile: dict | None = None
+        """The per-region table of ``fit(profile=True)`` (see ``gem_train.profiling``)."""
 
     # ------------------------------------------------------------------ training
     def _forward(self, batch: Batch) -> torch.Tensor:
@@ -219,10 +222,11 @@ class Trainer:
         self.optimizer.zero_grad()
         loss.backward()  # the fused sparse optimizer updates embedding rows here
         self.clock.mark("backward")
-        # Expert gradients averaged over their replicas, then the global-norm clip.
-        self.parallel.finish_gradients(self.dense_parameters, self.config.optim.max_grad_norm)
-        self.sparse_parallel.step()  # 2D replica sync / fully sharded 2D table update
-        self.dense_optimizer.step()
+        with torch.profiler.record_function(OPTIMIZER_SCOPE):
+            # Expert gradients averaged over their replicas, then the global-norm clip.
+            self.parallel.finish_gradients(self.dense_parameters, self.config.optim.max_grad_norm)
+            self.sparse_parallel.step()  # 2D replica sync / fully sharded 2D table update
+            self.dense_optimizer.step()
         self.clock.mark("optimizer")
         # The trainer's one host sync per step (torchrec's input dist has its own): checking the
         # loss before backward would stall the CPU until the forward finished and leave the GPU
@@ -239,9 +243,18 @@ class Trainer:
         return value
 
     def fit(
-        self, *, checkpoint_dir: str | Path | None = None, progress: bool | None = None
+        self,
+        *,
+        checkpoint_dir: str | Path | None = None,
+        progress: bool | None = None,
+        profile: bool = False,
     ) -> list[float]:
-        """Trains until ``total_steps``; returns the per-step losses of this call."""
+        """Trains until ``total_steps``; returns the per-step losses of this call.
+
+        ``profile``: a profiler pass over 3 steps, after the first 5 of this call (compiles
+        and allocator warm-up) or the last 3 of a shorter run: ``profile.json`` (the
+        per-region table, also in :attr:`profile`) and the Chrome trace ``trace.json`` in
+        ``output_dir``. Training is unchanged: the profiler only observes."""
         config = self.config
         checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else self.output_dir / "checkpoints"
         show = sys.stdout.isatty() if progress is None else progress
@@ -250,6 +263,12 @@ class Trainer:
             self.measured_peak_tflops = measured_matmul_peak(self.device)
         self.clock.take()
         window = _Window()  # the steps since the last train log line, on this rank
+        profiled = (
+            ProfilePass(self.output_dir, self.device, self.peak_tflops, write=self.rank == 0)
+            if profile
+            else None
+        )
+        profile_from = max(self.step, min(self.step + 5, self.total_steps - 3))
         label = "GEM" if self.use_sequence_tower else "GEM without sequence"
         with Progress(
             TextColumn(f"[bold]{label}"),
@@ -268,9 +287,15 @@ class Trainer:
                     self.clock.add("data", time.perf_counter() - waited)
                     # From the host copy of the lengths: no device sync.
                     lengths = batch.sequence_offsets.diff()
-                    window.flops += model_flops(self.model_config, lengths).total
+                    flops = model_flops(self.model_config, lengths)
+                    window.flops += flops.total
                     window.tokens += int(lengths.sum())
+                    if profiled is not None and self.step == profile_from:
+                        profiled.begin()
                     loss = self.train_step(batch.to(self.device, non_blocking=True))
+                    if profiled is not None and profiled.active:
+                        profiled.after_step(flops)
+                        self.profile = profiled.result
                     losses.append(loss)
                     window.losses.append(loss)
                     bar.update(task, advance=1, loss=loss)

@@ -1,0 +1,214 @@
+"""The per-region profile of training steps: time and MFU of each part of the GEM model.
+
+A profiler pass (``torch.profiler``) over a few steps. The model names its forward regions
+with profiler ranges (``gem_model/<region>``, see ``GemModel.regions``); a backward node
+belongs to the region whose forward recorded its operator (autograd's sequence numbers link
+the two). Times are the kernels' GPU time on CUDA and the operators' CPU time elsewhere.
+The self-attention kernels (JFA, BlockAttention, forward and backward) are split out of the
+sequence region as ``sequence_attention``; ``other`` is the step's remaining wall time (glue
+between regions, the loss, host waits, idle GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+from gem_model import REGION_SCOPE_PREFIX, ModelFlops
+from rich.table import Table
+from torch.autograd.profiler_util import FunctionEvent
+
+__all__ = ["OPTIMIZER_SCOPE", "PROFILE_REGIONS", "ProfilePass", "profile_table", "region_profile"]
+
+OPTIMIZER_SCOPE = "gem_train/optimizer"
+"""Profiler range of the dense optimizer step (gradient finishing, clipping, AdamW)."""
+
+PROFILE_REGIONS = (
+    "embeddings",
+    "sequence_attention",
+    "sequence_dense",
+    "cross",
+    "pma",
+    "dhen",
+    "heads",
+    "optimizer",
+)
+"""Rows of the table, in step order; each but ``optimizer`` is a field of ``ModelFlops``."""
+
+_ATTENTION_OPS = ("gem_kernels::jagged_flash_attention", "gem_kernels::block_attention")
+_BACKWARD_NODE = "autograd::engine::evaluate_function"
+
+
+def _descendants(event: FunctionEvent):
+    stack = list(event.cpu_children)
+    while stack:
+        child = stack.pop()
+        stack.extend(child.cpu_children)
+        yield child
+
+
+def _seconds(event: FunctionEvent, on_gpu: bool) -> float:
+    return (event.device_time_total if on_gpu else event.cpu_time_total) / 1e6
+
+
+def region_profile(
+    events: list[FunctionEvent],
+    *,
+    steps: int,
+    wall_seconds: float,
+    flops: ModelFlops,
+    peak_tflops: float | None,
+    on_gpu: bool,
+) -> dict:
+    """The per-region table of ``steps`` profiled training steps (``events``: the profiler's
+    ``events()``), as written to ``profile.json``: ``step_ms`` (wall) and ``regions``, rows of
+    ``region``, ``forward_ms``, ``backward_ms``, ``ms`` (per step), ``model_tflop`` (per step,
+    ``flops`` summed over the steps) and ``mfu`` (of ``peak_tflops``; None without one)."""
+    forward = dict.fromkeys(PROFILE_REGIONS, 0.0)
+    backward = dict.fromkeys(PROFILE_REGIONS, 0.0)
+    owner: dict[int, str] = {}  # forward sequence number -> region
+    for event in events:
+        if event.name.startswith(REGION_SCOPE_PREFIX):
+            region = event.name.removeprefix(REGION_SCOPE_PREFIX)
+            if region == "sequence":
+                region = "sequence_dense"  # the attention kernels move out below
+            forward[region] += _seconds(event, on_gpu)
+            for child in _descendants(event):
+                if child.sequence_nr >= 0:
+                    owner[child.sequence_nr] = region
+                if region == "sequence_dense" and child.name in _ATTENTION_OPS:
+                    forward["sequence_attention"] += _seconds(child, on_gpu)
+                    forward["sequence_dense"] -= _seconds(child, on_gpu)
+        elif event.name == OPTIMIZER_SCOPE:
+            forward["optimizer"] += _seconds(event, on_gpu)
+    for event in events:
+        if event.name.startswith(_BACKWARD_NODE) and event.sequence_nr in owner:
+            region = owner[event.sequence_nr]
+            seconds = _seconds(event, on_gpu)
+            attention = sum(
+                _seconds(child, on_gpu)
+                for child in _descendants(event)
+                if child.name.removesuffix("_backward") in _ATTENTION_OPS
+            )
+            if region == "sequence_dense" and attention:
+                backward["sequence_attention"] += attention
+                seconds -= attention
+            backward[region] += seconds
+    rows = []
+    for region in PROFILE_REGIONS:
+        seconds = (forward[region] + backward[region]) / steps
+        tflop = getattr(flops, region) / steps / 1e12 if region != "optimizer" else 0.0
+        rows.append(
+            {
+                "region": region,
+                "forward_ms": forward[region] / steps * 1e3,
+                "backward_ms": backward[region] / steps * 1e3,
+                "ms": seconds * 1e3,
+                "model_tflop": tflop,
+                "mfu": tflop / seconds / peak_tflops if peak_tflops and seconds > 0 else None,
+            }
+        )
+    step_ms = wall_seconds / steps * 1e3
+    other = step_ms - sum(row["ms"] for row in rows)
+    rows.append({"region": "other", "forward_ms": None, "backward_ms": None, "ms": other,
+                 "model_tflop": 0.0, "mfu": None})  # fmt: skip
+    return {"step_ms": step_ms, "steps": steps, "regions": rows}
+
+
+def write_profile(output_dir: Path, profile: dict, trace_name: str) -> Path:
+    """Writes ``profile.json`` (the table and the trace's file name) into ``output_dir``."""
+    path = output_dir / "profile.json"
+    path.write_text(json.dumps({**profile, "trace": trace_name}, indent=2) + "\n")
+    return path
+
+
+def profile_table(profile: dict, title: str) -> Table:
+    """The per-region table for the terminal."""
+    table = Table(title=title)
+    for column in ("region", "forward ms", "backward ms", "ms / step", "share", "TFLOP", "MFU"):
+        table.add_column(column, justify="left" if column == "region" else "right")
+
+    def number(value: float | None, form: str) -> str:
+        return "-" if value is None else format(value, form)
+
+    for row in profile["regions"]:
+        table.add_row(
+            row["region"],
+            number(row["forward_ms"], ".2f"),
+            number(row["backward_ms"], ".2f"),
+            number(row["ms"], ".2f"),
+            number(row["ms"] / profile["step_ms"] if profile["step_ms"] else None, ".0%"),
+            number(row["model_tflop"], ".3f"),
+            number(row["mfu"], ".1%"),
+        )
+    return table
+
+
+class ProfilePass:
+    """Profiles ``steps`` consecutive training steps: ``begin()`` before the first, then
+    ``after_step(flops)`` after each (the step's ``ModelFlops``); after the last it keeps the
+    table in ``result`` and, with ``write``, writes the Chrome trace (``trace.json``) and
+    ``profile.json`` into ``output_dir``."""
+
+    def __init__(
+        self,
+        output_dir: Path,
+        device: torch.device,
+        peak_tflops: float | None,
+        *,
+        steps: int = 3,
+        write: bool = True,
+    ) -> None:
+        self.output_dir = output_dir
+        self.write = write
+        self.on_gpu = device.type == "cuda"
+        self.device = device
+        self.peak_tflops = peak_tflops
+        self.steps = steps
+        self.result: dict | None = None
+        self._profiler: torch.profiler.profile | None = None
+        self._flops: ModelFlops | None = None
+        self._done = 0
+        self._started = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self._profiler is not None
+
+    def begin(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.on_gpu:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.synchronize(self.device)
+        self._profiler = torch.profiler.profile(activities=activities)
+        self._profiler.__enter__()
+        self._started = time.perf_counter()
+
+    def after_step(self, flops: ModelFlops) -> None:
+        if self._flops is None:
+            self._flops = flops
+        else:
+            self._flops = ModelFlops(
+                **{f.name: getattr(self._flops, f.name) + getattr(flops, f.name)
+                   for f in dataclasses.fields(flops)}
+            )  # fmt: skip
+        self._done += 1
+        if self._done < self.steps:
+            return
+        if self.on_gpu:
+            torch.cuda.synchronize(self.device)
+        wall = time.perf_counter() - self._started
+        profiler, self._profiler = self._profiler, None
+        profiler.__exit__(None, None, None)
+        self.result = region_profile(
+            profiler.events(), steps=self._done, wall_seconds=wall, flops=self._flops,
+            peak_tflops=self.peak_tflops, on_gpu=self.on_gpu,
+        )  # fmt: skip
+        if not self.write:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(self.output_dir / "trace.json"))
+        write_profile(self.output_dir, self.result, "trace.json")
