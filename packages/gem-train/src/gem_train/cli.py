@@ -470,9 +470,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(asdict(config), indent=2))
             return 0
         _quiet_third_party_logs()
-        run(
-            config, resume=args.resume, profile=args.profile
-        )  # validates first: misuse ends before any data is made
+        # Validates first: misuse ends before any data is made.
+        run(config, resume=args.resume, profile=args.profile)
     except UsageError as error:
         parser.error(str(error))
     return 0
