@@ -258,7 +258,7 @@ def test_errors_inside_training_keep_their_traceback(monkeypatch, tmp_path):
     """A loss that becomes NaN is not a misuse: main lets it propagate."""
     import gem_train.cli as cli
 
-    def diverge(config, *, resume=False):
+    def diverge(config, *, resume=False, profile=False):
         raise FloatingPointError("loss became nan at step 3")
 
     monkeypatch.setattr(cli, "run", diverge)

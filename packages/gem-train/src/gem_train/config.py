@@ -316,10 +316,34 @@ class TrainConfig:
     kernels are opaque operators inside the graphs. The torchrec lookups and the glue between
     regions run eagerly. On for the GPU recipes; the CPU recipe runs eagerly, as inductor's
     CPU compile takes longer than the run."""
+    activation_checkpointing: str = "none"
+    """'none'; 'full' (every dense region's module recomputes its forward in backward) or
+    'auto': on the first step, each region module's forward time and saved activations are
+    measured, and the modules with the least recompute time per byte freed are checkpointed
+    until the rest's saved activations fit ``activation_budget_gib`` (``gem_train.
+    checkpointing``)."""
+    activation_budget_gib: float = 0.0
+    """'auto' only: GiB of activations the regions may keep for backward."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     """GEMM precision of the dense linear layers (default: unchanged float32)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Dense parallelism: DDP or 2D FSDP, and expert parallelism for the DHEN experts."""
+
+    def __post_init__(self) -> None:
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING_MODES:
+            raise ValueError(
+                f"activation_checkpointing must be one of {ACTIVATION_CHECKPOINTING_MODES}, "
+                f"got {self.activation_checkpointing!r}"
+            )
+        if self.activation_checkpointing == "auto" and not self.activation_budget_gib > 0:
+            raise ValueError(
+                "activation_checkpointing='auto' needs activation_budget_gib > 0, got "
+                f"{self.activation_budget_gib}"
+            )
+
+
+ACTIVATION_CHECKPOINTING_MODES = ("none", "full", "auto")
+"""Values of ``TrainConfig.activation_checkpointing``."""
 
 
 def _convert(value: str, annotation: object, name: str) -> object:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from gem_data import Batch, DatasetInfo, ParquetBatchLoader, ShardedBatchLoader
 from gem_model import GemModel, GemModelConfig, model_flops
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from torch import nn
 from torch.nn import functional as F
 from torch.utils.tensorboard import SummaryWriter
 from torchrec.distributed import DistributedModelParallel
@@ -28,6 +29,12 @@ from gem_train.checkpoint import (
     load_checkpoint,
     read_trainer_state,
     save_checkpoint,
+)
+from gem_train.checkpointing import (
+    RegionCost,
+    checkpoint_module,
+    choose_regions,
+    measure_regions,
 )
 from gem_train.config import TrainConfig
 from gem_train.metrics import auc, normalized_entropy
@@ -130,11 +137,6 @@ class Trainer:
             model = GemModel(self.model_config, device=torch.device("meta"))
         # FP8 / bf16 GEMMs for the dense linears (shares parameters, so order vs DMP is free).
         self.precision_converted = apply_precision(model, config.precision, self.device)
-        if config.compile:
-            for region, modules in model.regions().items():
-                if region != "embeddings":  # torchrec's sharded lookups stay eager
-                    for module in modules:
-                        module.compile()
         # Dense part: DDP (torchrec's default) or FSDP2, plus expert parallelism for DHEN.
         self.parallel = DenseParallel(config.parallel, self.device)
         model = self.parallel.prepare(model)
@@ -191,6 +193,11 @@ class Trainer:
         self.peak_tflops = peak_tflops(self.device)
         self.measured_peak_tflops: float | None = None
         self.profile: dict | None = None
+        self._regions_ready = False
+        self.checkpointed: list[str] = []
+        """Qualified names of the modules that recompute their forward in backward."""
+        self.region_costs: list[RegionCost] = []
+        """'auto' activation checkpointing: what each region module costs and frees."""
         """The per-region table of ``fit(profile=True)`` (see ``gem_train.profiling``)."""
 
     # ------------------------------------------------------------------ training
@@ -204,8 +211,46 @@ class Trainer:
                 sequence_offsets=batch.sequence_offsets.tolist(),
             )
 
+    def _dense_region_modules(self) -> dict[str, nn.Module]:
+        """The dense regions' modules by qualified name (torchrec's lookups excluded)."""
+        inner = self.model.module  # the GemModel inside DMP (and DDP / FSDP)
+        names = {id(module): name for name, module in inner.named_modules()}
+        return {
+            names[id(module)]: module
+            for region, modules in inner.regions().items()
+            if region != "embeddings"
+            for module in modules
+        }
+
+    def _prepare_regions(self, batch: Batch) -> None:
+        """Before the first step: activation checkpointing (measured on ``batch`` for
+        'auto'), then ``torch.compile`` of each dense region module."""
+        config = self.config
+        modules = self._dense_region_modules()
+        if config.activation_checkpointing == "full":
+            self.checkpointed = list(modules)
+        elif config.activation_checkpointing == "auto":
+            # A forward without backward: no weight moves (the sparse optimizer runs in
+            # backward); the RNG is restored so the step after it draws what it would have.
+            rng = torch.random.get_rng_state()
+            cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+            costs = measure_regions(self.model, modules, lambda: self._forward(batch))
+            torch.random.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, self.device)
+            self.region_costs = costs
+            self.checkpointed = choose_regions(costs, int(config.activation_budget_gib * 2**30))
+        for name in self.checkpointed:
+            checkpoint_module(modules[name])
+        if config.compile:
+            for module in modules.values():
+                module.compile()
+        self._regions_ready = True
+
     def train_step(self, batch: Batch) -> float:
         """One optimizer step; returns the summed CTR + CVR log loss of the batch."""
+        if not self._regions_ready:
+            self._prepare_regions(batch)
         self.model.train()
         lr = self.config.optim.dense_lr_at(self.step, self.total_steps)
         for group in self.dense_optimizer.param_groups:
