@@ -3,13 +3,13 @@ from gem_model import GemArchitecture
 from gem_train import DataConfig, TrainConfig
 
 
-@pytest.fixture
-def small_config(tmp_path) -> TrainConfig:
-    """A config that trains in seconds: tiny data, tiny model."""
+def small_train_config(root) -> TrainConfig:
+    """A config that trains in seconds (tiny data, tiny model), with its data and run under
+    ``root``."""
     return TrainConfig(
         recipe="test",
         data=DataConfig(
-            directory=str(tmp_path / "data"),
+            directory=str(root / "data"),
             num_train=1024,
             num_eval=512,
             max_seq_len=32,
@@ -20,6 +20,12 @@ def small_config(tmp_path) -> TrainConfig:
         batch_size=128,
         eval_batch_size=256,
         log_every=2,
-        output_dir=str(tmp_path / "run"),
+        output_dir=str(root / "run"),
         device="cpu",
     )
+
+
+@pytest.fixture
+def small_config(tmp_path) -> TrainConfig:
+    """A config that trains in seconds: tiny data, tiny model."""
+    return small_train_config(tmp_path)

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import small_train_config
 from gem_data import ShardedBatchLoader, SyntheticConfig, write_synthetic_dataset
-from gem_model import GemArchitecture
-from gem_train import DataConfig, TrainConfig
 from gem_train.cli import main, run
 from gem_train.report import RunDirectoryError, _group_lengths, _rank_step_costs, write_report
 from rich.console import Console
@@ -40,23 +39,7 @@ def finished_run(tmp_path_factory):
     """A real two-variant run of the trainer on 1024 samples (about 3 s on 2 CPU cores) and
     what it printed."""
     root = tmp_path_factory.mktemp("report")
-    config = TrainConfig(
-        recipe="test",
-        data=DataConfig(
-            directory=str(root / "data"),
-            num_train=1024,
-            num_eval=512,
-            max_seq_len=32,
-            num_shards=2,
-            workers=1,
-        ),
-        model=GemArchitecture(embedding_dim=16, num_heads=2, dhen_layers=1, expert_hidden_dim=32),
-        batch_size=128,
-        eval_batch_size=256,
-        log_every=2,
-        output_dir=str(root / "run"),
-        device="cpu",
-    )
+    config = small_train_config(root)
     printed = io.StringIO()
     run(config, console=Console(file=printed, width=200))
     return config, printed.getvalue()
