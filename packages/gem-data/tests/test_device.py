@@ -36,6 +36,20 @@ def test_cpu_prefetcher_passes_batches_through(dataset):
         assert left.dense_features.device.type == "cpu"
 
 
+def test_prefetcher_state_resumes_after_the_batch_handed_out(dataset):
+    reference = list(ShardedBatchLoader(dataset.directory, 64, seed=1, sub_batch_size=16))
+    prefetcher = DevicePrefetcher(
+        ShardedBatchLoader(dataset.directory, 64, seed=1, sub_batch_size=16), "cpu"
+    )
+    for index, _batch in enumerate(prefetcher):
+        if index == 2:
+            state = prefetcher.state_dict()
+            break
+    resumed = ShardedBatchLoader(dataset.directory, 64, seed=1, sub_batch_size=16)
+    resumed.load_state_dict(state)
+    _same(next(iter(resumed)), reference[3])
+
+
 def test_prefetcher_arguments():
     with pytest.raises(ValueError, match="depth"):
         DevicePrefetcher([], "cpu", depth=0)
@@ -65,6 +79,15 @@ def test_cuda_prefetch_on_side_stream(dataset):
             moved.append(batch)
     torch.cuda.synchronize()
     assert len(moved) == len(reference)
+    # Two batches ahead, the prefetcher still reports the position after the one handed out.
+    loader = ShardedBatchLoader(dataset.directory, 64, seed=1, sub_batch_size=16)
+    prefetcher = DevicePrefetcher(loader, "cuda", depth=2)
+    for index, _batch in enumerate(prefetcher):
+        if index == 1:
+            resumed = ShardedBatchLoader(dataset.directory, 64, seed=1, sub_batch_size=16)
+            resumed.load_state_dict(prefetcher.state_dict())
+            _same(next(iter(resumed)), reference[2])
+            break
     for (dense_sum, total), left, right in zip(sums, moved, reference, strict=True):
         _same(left, right)
         assert dense_sum.item() == pytest.approx(right.dense_features.double().sum().item())

@@ -22,9 +22,10 @@ class DevicePrefetcher:
     on the consumer stream, so the allocator does not recycle its memory while the consumer's
     kernels still read it. Elsewhere (CPU) batches are moved with a plain ``to(device)``.
 
-    ``len()`` is that of ``batches`` when it has one; loader state stays with the loader (the
-    batches in flight were already counted by it: save the loader's state at a step boundary
-    after the prefetcher is drained, or accept that up to ``depth`` batches are skipped).
+    ``len()`` is that of ``batches`` when it has one. The loader runs ``depth`` batches ahead
+    of the consumer, so its own state counts batches not yet trained on; :meth:`state_dict`
+    is the loader's state as it was right after yielding the batch handed out last, the
+    position to resume from after training on it.
     """
 
     def __init__(
@@ -43,17 +44,29 @@ class DevicePrefetcher:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.depth = depth
         self.pin_memory = self.device.type == "cuda" if pin_memory is None else bool(pin_memory)
+        self._state: dict | None = None
 
     def __len__(self) -> int:
         return len(self.batches)  # type: ignore[arg-type]
 
+    def state_dict(self) -> dict:
+        """The source's ``state_dict()`` after the batch handed out last (before the first,
+        its current state)."""
+        return self.batches.state_dict() if self._state is None else self._state  # type: ignore[attr-defined]
+
+    def _source_state(self) -> dict | None:
+        state_dict = getattr(self.batches, "state_dict", None)
+        return None if state_dict is None else state_dict()
+
     def __iter__(self) -> Iterator[Batch]:
+        self._state = None
         if self.device.type != "cuda":
             for batch in self.batches:
+                self._state = self._source_state()
                 yield batch.to(self.device)
             return
         copy_stream = torch.cuda.Stream(device=self.device)
-        in_flight: deque[tuple[Batch, torch.cuda.Event, Batch]] = deque()
+        in_flight: deque[tuple[Batch, torch.cuda.Event, Batch, dict | None]] = deque()
         source = iter(self.batches)
 
         def launch() -> bool:
@@ -69,13 +82,14 @@ class DevicePrefetcher:
                 moved = host.to(self.device, non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record(copy_stream)
-            in_flight.append((moved, copied, host))  # host stays alive until handed out
+            # host stays alive until handed out
+            in_flight.append((moved, copied, host, self._source_state()))
             return True
 
         while len(in_flight) < self.depth and launch():
             pass
         while in_flight:
-            moved, copied, _host = in_flight.popleft()
+            moved, copied, _host, self._state = in_flight.popleft()
             consumer = torch.cuda.current_stream(self.device)
             consumer.wait_event(copied)
             moved.record_stream(consumer)
