@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gem_data import Batch, DatasetInfo, ParquetBatchLoader, ShardedBatchLoader
+from gem_data import Batch, DatasetInfo, DevicePrefetcher, ParquetBatchLoader, ShardedBatchLoader
 from gem_model import GemModel, GemModelConfig, model_flops
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
@@ -184,6 +184,9 @@ class Trainer:
             raise ValueError(
                 f"batch_size={config.batch_size} leaves no full batch per rank in {train_data.directory}"
             )
+        # On CUDA, each batch is copied on a side stream while the step before it runs; the
+        # prefetcher's state is the loader position after the batch being trained on.
+        self._batches = DevicePrefetcher(self.loader, self.device)
         self.total_steps = config.max_steps or config.epochs * steps_per_epoch
         self.step = 0
         self._metrics_file = self.output_dir / "metrics.jsonl"
@@ -328,7 +331,7 @@ class Trainer:
             )
             while self.step < self.total_steps:
                 waited = time.perf_counter()
-                for batch in self.loader:
+                for batch in self._batches:
                     self.clock.add("data", time.perf_counter() - waited)
                     # From the host copy of the lengths: no device sync.
                     lengths = batch.sequence_offsets.diff()
@@ -337,7 +340,7 @@ class Trainer:
                     window.tokens += int(lengths.sum())
                     if profiled is not None and self.step == profile_from:
                         profiled.begin()
-                    loss = self.train_step(batch.to(self.device, non_blocking=True))
+                    loss = self.train_step(batch)  # on the device already
                     if profiled is not None and profiled.active:
                         profiled.after_step(flops)
                         self.profile = profiled.result
@@ -438,7 +441,7 @@ class Trainer:
         trainer_state = {
             "step": self.step,
             "world_size": self.world_size,
-            "loader": self.loader.state_dict(),
+            "loader": self._batches.state_dict(),
             "torch_rng": torch.get_rng_state().tolist(),
         }
         return save_checkpoint(checkpoint_dir, self.step, self._app_state(), trainer_state)
