@@ -8,14 +8,17 @@ built wheels instead of the source trees: what `pip install gem-<x>` would get.
 
     uv run --extra cpu nox                 # lint + every package + integration + wheels (CPU)
     uv run --extra cpu nox -s "tests(gem-data)"
-    uv run --extra cpu nox -s wheels       # build every wheel + sdist, install each one alone
+    uv run --extra cpu nox -s wheels       # build every wheel + sdist; each alone + its README example
     python -m nox -s gpu                   # on the GPU machine, with its own interpreter
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import nox
@@ -156,6 +159,27 @@ print(package.__name__, f"and {len(modules)} submodules import from", sys.prefix
 """Imports the package from the fresh environment, then every submodule (gem_data's public
 names are lazy, so its loaders would otherwise go unimported)."""
 
+_RUN_EXAMPLE = """
+import runpy, sys
+script, package_name = sys.argv[1], sys.argv[2]
+runpy.run_path(script, run_name="__main__")
+package = sys.modules[package_name]
+assert package.__file__.startswith(sys.prefix), f"{package.__file__} is not the installed wheel"
+print(f"README example of {package_name} ran with", package.__file__)
+"""
+"""Runs a README example as ``__main__`` (a script), then checks that the package it used is the
+wheel installed in this environment, not a source tree."""
+
+
+def _readme_example(name: str) -> str:
+    """The first ```python block of the "## Example" section of ``packages/<name>/README.md``."""
+    readme = ROOT / "packages" / name / "README.md"
+    section = re.search(r"^## Example[ \t]*\n(.*?)(?=^## |\Z)", readme.read_text(), re.M | re.S)
+    block = section and re.search(r"^```python[ \t]*\n(.*?)^```", section.group(1), re.M | re.S)
+    if not block:
+        raise ValueError(f'{readme} has no ```python block under "## Example"')
+    return block.group(1)
+
 
 @nox.session(venv_backend="none")
 def wheels(session: nox.Session) -> None:
@@ -164,9 +188,18 @@ def wheels(session: nox.Session) -> None:
     Each wheel goes into its own fresh environment with only its declared dependencies: the
     gem-* ones from the wheels just built (``--find-links dist/``, pinned to the workspace
     versions so an index cannot substitute its own), third-party ones pinned to uv.lock like
-    ``tests(<package>)``. Then every module of the package is imported, and ``gem-train
-    --print-config`` runs from gem-train's environment.
+    ``tests(<package>)``. Then every module of the package is imported, ``gem-train
+    --print-config`` runs from gem-train's environment, and the first ```python block of the
+    package README's "## Example" section runs with the environment's python, isolated (``-I``:
+    no PYTHONPATH, no user site) in a temporary directory outside the repository that holds
+    only the example, so only the installed wheels can be imported; it must then have imported
+    the package from the environment.
+
+    TRITON_INTERPRET is left as it is: on CPU tensors the examples' kernels (``backend="auto"``)
+    take the PyTorch reference path and never launch a Triton kernel, so the interpreter would
+    change nothing (a Triton launch on CPU would fail loudly, asking for it).
     """
+    examples = {name: _readme_example(name) for name in PACKAGES}  # a missing one fails first
     dist = ROOT / "dist"
     session.run(
         "uv", "build", "--all-packages", "--no-sources", "--clear", "--out-dir", str(dist),
@@ -185,17 +218,24 @@ def wheels(session: nox.Session) -> None:
     for name in PACKAGES:
         try:
             _install_wheel_alone(
-                session, name, dist, [*pinned, "--constraint", str(workspace_pins)]
+                session, name, dist, [*pinned, "--constraint", str(workspace_pins)], examples[name]
             )
         except nox.command.CommandFailed:
             failed.append(name)
     if failed:
-        session.error(f"these wheels do not install and import alone: {failed} (output above)")
+        session.error(
+            f"these wheels do not install, import or run their README example alone: {failed} "
+            "(output above)"
+        )
 
 
-def _install_wheel_alone(session: nox.Session, name: str, dist: Path, pins: list[str]) -> None:
-    """A fresh environment with the wheel of ``name`` and its dependencies; imports it all."""
-    environment = Path(session.create_tmp()) / f"venv-{name}"
+def _install_wheel_alone(
+    session: nox.Session, name: str, dist: Path, pins: list[str], example: str
+) -> None:
+    """A fresh environment with the wheel of ``name`` and its dependencies; imports it all and
+    runs ``example`` (its README's) there."""
+    # Absolute: the example runs from another directory.
+    environment = Path(session.create_tmp()).resolve() / f"venv-{name}"
     python = environment / "bin" / "python"
     session.run(
         "uv", "venv", "--quiet", "--clear", "--python", sys.executable, str(environment),
@@ -215,6 +255,16 @@ def _install_wheel_alone(session: nox.Session, name: str, dist: Path, pins: list
         session.run(
             str(environment / "bin" / "gem-train"), "--print-config", silent=True, external=True
         )
+    with tempfile.TemporaryDirectory(prefix=f"{name}-example-") as workdir:
+        script = Path(workdir) / "readme_example.py"
+        script.write_text(example)
+        start = time.perf_counter()
+        with session.chdir(workdir):
+            session.run(
+                str(python), "-I", "-c", _RUN_EXAMPLE, str(script), name.replace("-", "_"),
+                external=True,
+            )  # fmt: skip
+        session.log(f"{name}: README example ran in {time.perf_counter() - start:.1f} s")
 
 
 @nox.session(python=False)
