@@ -30,7 +30,7 @@ kernel must move (input read once, outputs written once).
 Every linear provider is timed in two rounds (the faster median counts). The committed
 ``fp8_linear.json`` predates that: bf16 ran first and last (faster counted) and every other
 provider once, right after the bf16 run, which is why the policy's ``gem`` (the very same bf16
-``nn.Linear``) shows 0.67x / 0.77x at the small shapes there; ``fp8_linear_first_run.json``
+``nn.Linear``) shows 0.67x / 0.77x at the small shapes there; ``tuning/fp8_linear_first_run.json``
 (the first call, one pass, K=N=512) has them at 1.02x.
 
 ``--only-kernels NAMES`` runs just those bandwidth rows and ``--merge`` replaces only them in an
@@ -541,22 +541,22 @@ def _norm_linear_case(rows, errors, k, n, device) -> None:
 # gradient of a linear with bias), "dy_nobias" the same without sums, "xtiles" = rows and
 # 128x128 tiles of x.T. Every variant is bit-exact on the CPU interpreter (unit tests). The
 # overrides apply on top of the defaults with EXPLORE_BASE; each results file records both
-# (meta.defaults, meta.variants). Until fp8_quant_explore5.json EXPLORE_BASE held the defaults
+# (meta.defaults, meta.variants). Until tuning/fp8_quant_explore5.json EXPLORE_BASE held the defaults
 # from before the packed transposes and the Triton sum of the partials ({"t_run": 0,
-# "t_run_colsum": 0, "t_run_x": 0, "partials_reduce": "torch"}); since fp8_quant_explore6.json
+# "t_run_colsum": 0, "t_run_x": 0, "partials_reduce": "torch"}); since tuning/fp8_quant_explore6.json
 # (L2 prefetch) it is empty: variants of the current defaults.
 EXPLORE_BASE: dict = {}
-# fp8_quant_explore2.json (2026-12-01) holds variants of kernels and options removed since (a
+# tuning/fp8_quant_explore2.json (2026-12-01) holds variants of kernels and options removed since (a
 # strip kernel with TMA / pipelining, timing probes, per-warp column sums, register caps): its
 # meta.variants lists their options; they do not run with this tree.
-# fp8_quant_explore*.json hold the earlier variants (packed-run lengths, warps, strip / TMA /
+# tuning/fp8_quant_explore*.json hold the earlier variants (packed-run lengths, warps, strip / TMA /
 # pipelined kernels, per-warp sums, register caps, warp-owned columns, late sums; their
-# meta.variants lists the options, most of which do not exist any more). fp8_quant_explore4.json:
+# meta.variants lists the options, most of which do not exist any more). tuning/fp8_quant_explore4.json:
 # the warps question (dy with its sums at 4 and 8 warps, without sums at 8 and 4); that run also
 # timed x.T runs packed by shifted-byte sums ("words_by_sum", slower, removed).
-# fp8_quant_explore5.json (commit 9c8d820): dy's column maxima and sums in one two-operand
+# tuning/fp8_quant_explore5.json (commit 9c8d820): dy's column maxima and sums in one two-operand
 # tl.reduce ("joint_col": 10 barriers instead of 13, 199 registers) took 0.403 ms against 0.3753
-# reduced separately: removed. fp8_quant_explore6-11.json (2026-12-01, second session that day):
+# reduced separately: removed. tuning/fp8_quant_explore6-11.json (2026-12-01, second session that day):
 # the L2 prefetch distances (line and bulk prefetches), a register cap of 168, x.T runs packed by
 # inline PTX, and the partial sums reduced by the last program of each column of tiles (an
 # arrival counter; 0.394 against 0.336 ms: spills and the atomics, removed). This list: what the

@@ -31,13 +31,13 @@ options) eagerly, from CUDA graphs and for their host time, after a correctness 
 ``--explore-self-cross [--explore-set 2] --workers N --out X.json`` checks and times the
 self/cross forward and backward variants (one loop, TMA, hand pipelining, tiles, programs per
 SM; round 2 combines round 1's winners; round 3 the fused backward, round 4 its tiles, round 5
-warp specialisation of the forward) on the protocol shapes. Rounds 6 and 7 (``gdpa_explore6.json``,
-``gdpa_explore7.json``: fused-backward dQ by TMA reduce, TMA loads of Q/dO, warp specialisation,
+warp specialisation of the forward) on the protocol shapes. Rounds 6 and 7 (``tuning/gdpa_explore6.json``,
+``tuning/gdpa_explore7.json``: fused-backward dQ by TMA reduce, TMA loads of Q/dO, warp specialisation,
 dQ as ``K^T dS^T``, smaller tiles) were no faster; their variants and options were removed.
 ``--explore-pma-cross [--explore-set 2] --workers N --out X.json`` (issue 4, round 4): the
 streamed PMA forward (eager medians repeated, CUDA-graph and host times, repeat-call
 bit-equality) and cross forward variants (query rows per item). The one-launch PMA forward and
-the chunked short-KV kernel this mode also timed (``gdpa_explore4.json``, ``gdpa_explore4b.json``)
+the chunked short-KV kernel this mode also timed (``tuning/gdpa_explore4.json``, ``tuning/gdpa_explore4b.json``)
 were slower and have been removed.
 Without ``--config`` gem runs through the public entry point, so each call gets the default
 configuration of its lengths and masks (``gdpa_triton.default_config``).
@@ -853,10 +853,10 @@ def _self_cross_variants5() -> dict:
     """Fifth round (``--explore-set 5``): Triton's automatic warp specialisation on Hopper
     (``tl.range(..., warp_specialize=True)``) of the one-loop forward over whole-tensor TMA
     descriptors, 128-row tiles, 4 warps per consumer group, 1 program per SM ("default" when
-    this round ran, ``gdpa_explore5b.json``: 128x128 tiles, 2 stages up to 1024 keys, cross
+    this round ran, ``tuning/gdpa_explore5b.json``: 128x128 tiles, 2 stages up to 1024 keys, cross
     attention on the generic path; 128x64 beyond, since reverted), against the default before
     it ("old", per case) and a few tiles, stages and schedules. Forward only. (Its first run,
-    ``gdpa_explore5.json``, remade per-item descriptors in the persistent loop: wrong results,
+    ``tuning/gdpa_explore5.json``, remade per-item descriptors in the persistent loop: wrong results,
     and the short-KV cross kernel did not compile with the flag.)"""
     fwd = ("fwd",)
     both = ("self", "cross")
@@ -1135,8 +1135,8 @@ def explore_self_cross(device, out_path: Path, workers: int, budget_s: float, ro
 def _cross_variants(base: gt.GdpaTritonConfig, round_: int = 1) -> dict:
     """Cross forward variants of ``--explore-pma-cross`` (overrides of the cross default): the
     short-KV kernel's query rows per item and, in round 1, the generic pipelined TMA forward
-    with the long-sequence tiles. When the rounds ran (``gdpa_explore4.json``,
-    ``gdpa_explore4b.json``), "default" streamed 1024 query rows per item (4096 since); their
+    with the long-sequence tiles. When the rounds ran (``tuning/gdpa_explore4.json``,
+    ``tuning/gdpa_explore4b.json``), "default" streamed 1024 query rows per item (4096 since); their
     chunked short-KV variants (``s2-*``, ``s4-*``) were slower and were removed with that
     kernel."""
     variants = {
@@ -1208,7 +1208,7 @@ def explore_pma_cross(
     times, CUDA-graph time and host enqueue time of the kernel wrapper, of
     ``gdpa_from_lengths`` and of the public ``gdpa``; (2) the cross forward variants of
     :func:`_cross_variants` at L1024 and L4096 after a GPU check against the reference. (The
-    rounds recorded in ``gdpa_explore4.json`` / ``gdpa_explore4b.json`` also timed a one-launch
+    rounds recorded in ``tuning/gdpa_explore4.json`` / ``tuning/gdpa_explore4b.json`` also timed a one-launch
     PMA forward, ``gem-fused``: slower, removed.)"""
     start = time.time()
     pma = {"two-launch": gt.default_config(D, masked=True)}

@@ -454,7 +454,7 @@ def _measure_rounds(rows, errors, case, providers, rounds: int) -> None:
     the median per (provider, mode). Under sustained load the H200's clock falls from ~1980
     to 1620-1830 MHz within seconds (power), so whoever is timed first in a case runs
     faster: the same kernel timed first and sixth in a row differed by 9%
-    (``results/h200/jagged_attention_timing_drift.json``, ``probe_timing_drift.py``)."""
+    (``results/h200/tuning/jagged_attention_timing_drift.json``, ``probe_timing_drift.py``)."""
     samples: dict[tuple[str, str], list[float]] = {}
     for round_index in range(rounds):
         order = providers if round_index % 2 == 0 else providers[::-1]
@@ -522,7 +522,7 @@ def _bias_inputs(case: Case, device, jagged: bool):
 def _bias_sweep_configs() -> dict[str, tuple[JfaTritonConfig, str]]:
     """Tile variants of the biased paths (``--bias-sweep``): name -> (config, bias), bias
     ``rel_pos_bias`` or ``jagged_bias``. Edit to explore; the rounds run so far are in
-    ``results/h200/jagged_attention_bias_explore.json``."""
+    ``results/h200/tuning/jagged_attention_bias_explore.json``."""
     biased = default_config(D, with_bias=True)
     jagged = default_config(D, with_jagged_bias=True)
     short = JfaTritonConfig(64, 32, 4, 3, 64, 32, 64, 32, 4, 3)
@@ -610,7 +610,7 @@ def _bias_sweep(device, out_path: Path, shapes) -> None:
 def _tile_sweep_configs() -> dict[str, JfaTritonConfig]:
     """Tile variants of the unbiased kernels (``--tile-sweep``), timed on the cases of
     ``TILE_SWEEP_CASES`` against the default and flash varlen. Edit to explore; the rounds run
-    so far are in ``results/h200/jagged_attention_tile_explore.json``."""
+    so far are in ``results/h200/tuning/jagged_attention_tile_explore.json``."""
     # Round r12 (tiles dealt sample by sample, now the only order) showed the short tiles
     # ahead again at L1024 causal: the regimes' tiles against each other.
     return {

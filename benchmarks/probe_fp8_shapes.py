@@ -1,7 +1,7 @@
 """GPU probe: per small Fp8Linear shape, whether a GEMM falls back to the emulation (cuBLAS
 rejects the layout) and the eager forward+backward time against bf16 nn.Linear, per recipe.
 
-`python benchmarks/probe_fp8_shapes.py --out benchmarks/results/h200/fp8_probe.json` on a GPU
+`python benchmarks/probe_fp8_shapes.py --out benchmarks/results/h200/tuning/fp8_probe.json` on a GPU
 (no install needed). Rows: case ``M<m>xK<k>xN<n>``, provider ``gem-<recipe>`` or ``bf16_linear``
 (measured in the same run on the same tensors), mode ``fwd_bwd``, metrics ``ms`` (eager, per
 call) and ``first_ms`` (the first call, compiles included); the ``fallbacks`` field lists the
@@ -68,7 +68,7 @@ def eager_ms(layer, x, dy):
 
 
 def main() -> None:
-    args = results_parser(__doc__, "h200/fp8_probe.json").parse_args()
+    args = results_parser(__doc__, "h200/tuning/fp8_probe.json").parse_args()
     require_cuda()
     rows = []
     for rname, recipe in RECIPES.items():

@@ -6,7 +6,7 @@ B128xL4096 causal, and reads the SM clock (``nvidia-smi``) before and after each
 is why ``bench_jagged_attention.py`` times providers in rounds with alternating order.
 
     PYTHONPATH=packages/gem-kernels/src:benchmarks python benchmarks/probe_timing_drift.py \
-        --out benchmarks/results/h200/jagged_attention_timing_drift.json
+        --out benchmarks/results/h200/tuning/jagged_attention_timing_drift.json
 """
 
 import subprocess
@@ -27,7 +27,7 @@ def _clocks() -> str:
 
 
 def main() -> None:
-    parser = results_parser(__doc__, "h200/jagged_attention_timing_drift.json")
+    parser = results_parser(__doc__, "h200/tuning/jagged_attention_timing_drift.json")
     args = parser.parse_args()
     require_cuda()
     bench.TIMING.update(warmup=10, rep=40)

@@ -97,7 +97,7 @@ def _gelu_fast_cdf(s):
 # gdpa_triton.GELU_FAST_F16_MAX_ABS_ERROR (4.5e-3; float32 path 1.07e-3). Evaluating in bf16x2
 # instead would save one op per pair but nearly double the RMS error (3.6e-3). Measured on an
 # H200: the forward is not faster with it at a 128x128 tile (which spills registers), the
-# backward is (see GdpaTritonConfig).
+# backward is (see docs/kernel-tuning.md).
 
 
 def _half2(value: float) -> str:

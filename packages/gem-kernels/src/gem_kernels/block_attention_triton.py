@@ -54,16 +54,8 @@ _TURN_BITS = 40  # fixed-point fraction bits of the per-frequency "turns per pos
 class BlockAttentionTritonConfig:
     """Launch parameters of the two kernels (heads per program are reduced to divide H).
 
-    The defaults are the fastest of a short sweep on an H200 at D=128 (bf16, B128xL4096);
-    ``fast_trig`` took the forward from 0.386 to 0.304 ms there (2717 to 3452 GB/s) and the
-    forward+backward from 1.399 to 1.136 ms (``bench_gdpa.py --explore``). 8 forward warps were
-    slower (0.49-0.56 ms), one head per program too (0.340 ms). A second explore run
-    (2026-11-30 19:33 UTC, eager do_bench, B512xL1024 / B128xL4096 / B32xL16384) chose the
-    per-block table with 1 stage: 0.3087 / 0.2956 / 0.3543 ms (80.7% / 83.1% / 85.0% of 4.27
-    TB/s) against 0.3214 / 0.3085 / 0.3692 ms for the offsets lookup with 2 stages, and 0.3140
-    / 0.3022 / 0.3618 ms for the table with 2 stages. Persistent grids were no faster (2
-    programs per SM, 4 heads each: 0.3170 / 0.3058 / 0.3650 ms; one head per item: 0.38 /
-    0.35 / 0.42 ms); 2 warps were 2x slower, 3 stages 25% slower.
+    The defaults are the fastest of H200 sweeps at D=128 (bf16); the numbers, and the
+    variants measured slower, are in docs/kernel-tuning.md.
     """
 
     fwd_heads_per_program: int = 4
@@ -81,7 +73,7 @@ class BlockAttentionTritonConfig:
     """Software-pipelining depth of the backward's head loop."""
     fwd_programs_per_sm: int = 0
     """Forward: persistent programs per SM, each looping over (block, head group) items; 0:
-    one program per item (measured faster or equal, see the class docstring)."""
+    one program per item (measured faster or equal, see docs/kernel-tuning.md)."""
     fwd_block_table: bool = True
     """Forward: read each block's first row, row count and first position from a per-block
     host table (independent loads) instead of deriving them from the offsets (three dependent

@@ -37,8 +37,7 @@ one chunk write their result directly.
 Plans (work tables and combines) are cached by lengths, heads, masks and config, so a repeated
 call costs one lengths copy to the host and a dictionary lookup. Host time matters: the PMA
 forward takes ~0.15 ms on an H200, and an eager call whose host work is longer is bound by it
-(the kernel module lookup resolved a file path on every launch: 209 -> 113 us per public PMA
-call once cached, ``gdpa_explore4b.json``).
+(see docs/kernel-tuning.md).
 
 CPU tensors run under the Triton interpreter when ``TRITON_INTERPRET=1`` is set at call time.
 """
@@ -105,19 +104,8 @@ class GdpaTritonConfig(host.FlashTileConfig):
 
     The field defaults are the D=128 bf16 configuration of masked (causal / window) and PMA
     calls; :func:`default_config` switches unmasked self/cross calls to the one-loop, TMA and
-    pipelined variants below by their longest key length (``gdpa_explore2.json``). ``bench_gdpa.py --explore`` (one H200 run, 2026-11-30) chose: the packed f16x2
-    gelu_fast (forward+backward 360 vs 337 TFLOP/s at B128xL4096, 267 vs 253 at B512xL1024), a
-    128x64 forward tile with it (fwd 308/426/305 TFLOP/s at B512xL1024/B128xL4096/B1152xL1000
-    against 286/443/285 for 128x128 without packing: the 128x128 tile spills registers), and 2
-    PMA programs per SM (3127 vs 2525 GB/s at B512xL1024, 2300 vs 2050 at B128xL4096; PMA keeps
-    the float32 activation, see ``packed_gelu``). A second explore run (2026-11-30 19:33 UTC,
-    kernel time from CUDA-graph replays, eager do_bench is host-bound near 0.15 ms) chose the
-    streamed PMA forward (``pma_stream``) with 128-key tiles, 4 warps, 2 stages, 2 programs
-    per SM: 0.1487 / 0.1405 ms (86% / 88% of 4.27 TB/s) at B512xL1024 / B128xL4096 against
-    0.1550 / 0.1484 ms for the split-KV items (1 program per SM: 0.197 / 0.178 ms; 64-key
-    tiles x3: 0.152 / 0.144 ms). The short-KV tiles won a sweep of the cross forward at L4096; the backward tiles (dK/dV 64x64
-    was 30% slower), ``pma_kv_chunk`` (512 and 2048 no better), ``pma_dq_block_n`` and
-    ``dkdv_q_chunk`` were kept.
+    pipelined variants below by their longest key length. Each default won an H200 sweep of
+    ``benchmarks/bench_gdpa.py``; the numbers are in docs/kernel-tuning.md.
     """
 
     fwd_block_n: int = 64
@@ -250,42 +238,10 @@ def default_config(
     2 stages, 1 program per SM; cross attention too, instead of the short-KV kernel) up to
     ``SHORT_SEQUENCE_LEN`` keys and the hand-pipelined 128x64 loop (4 stages, 2 programs per
     SM) beyond; the short-KV forward (kept for other calls) drops its score mask and streams
-    4096 query rows per item. Masked calls keep the three-phase kernels. Chosen from
-    ``benchmarks/results/h200/gdpa_explore2.json`` (two H200 runs); ``gdpa.json`` then
-    measured, forward / forward+backward TFLOP/s, before -> after:
-    self B512xL1024 307/275 -> 412/297, B1152xL1000 307/272 -> 379/298 (64x32 tiles),
-    B128xL4096 429/357 -> 521/377 (pipelined 128x64); cross L1024 224/224 -> 266/246, L4096
-    264/253 -> 317/275. The fused backward (``gdpa_explore3.json``, 2026-12-01, one H200 run,
-    forward+backward TFLOP/s, two kernels -> fused): self B512xL1024 298 -> 315, B128xL4096
-    374 -> 400, B1152xL1000 290 -> 306; cross L1024 248 -> 253, L4096 275 -> 279 (its 64-key
-    tiles, 4 warps, 2 stages or 32-query tiles were 5-40% slower). With it, cross dK/dV items
-    no longer split long query ranges (``dkdv_q_chunk=0``: 279 -> 294 at L4096; 4 stages and
-    1024-row chunks no better, same file, round r4). ``gdpa_explore4b.json`` (2026-12-01, one
-    H200 run, cross forward TFLOP/s at L1024 / L4096): 4096 instead of 1024 query rows per
-    short-KV item, 273 / 318 -> 273 / 339 (2048: 273 / 327). Two variants measured in
-    ``gdpa_explore4.json`` / ``gdpa_explore4b.json`` were slower and removed: a short-KV
-    forward over 2 or 4 resident key chunks (TMA, 4 chunks: 236 / 289 against 272 / 318;
-    pointer loads, 2048 rows: 264 / 328 against 273 / 339) and a one-launch PMA forward whose
-    last program of a shared segment summed the partials (CUDA graph 0.1547 / 0.1468 ms against
-    0.1513 / 0.1428 for stream + combine at B512xL1024 / B128xL4096).
-    Warp specialisation (``gdpa_explore5b.json``, 2026-12-01, one H200 run, triton 3.6,
-    forward TFLOP/s, previous default -> warp-specialised 128x128): self B512xL1024 406 ->
-    422, B1152xL1000 379 -> 380, cross L1024 262 -> 381, L4096 325 -> 401 (168 registers, no
-    spills, 12 warps); at B128xL4096 it lost (502 -> 480; 128x64: 493), so long sequences keep
-    the pipelined loop. 3 stages gave NaN, per-item descriptors remade in the persistent
-    loop wrong results (``gdpa_explore5.json``), and the short-KV kernel did not compile
-    with the flag. Fused-backward variants (``gdpa_explore6.json`` / ``gdpa_explore7.json``,
-    2026-12-01, two H200 runs, forward+backward speed against this default, self and cross)
-    were no faster and were removed: dQ by TMA bulk reduce instead of atomics (per-item
-    descriptor 0.97-1.01x, whole-tensor 0.95-0.97x), also computed as ``K^T dS^T``
-    (0.98-1.02x), Q and dO through TMA descriptors (0.73-0.96x, 50-88 spilled registers),
-    32-query tiles (0.85-0.94x), 64-key 4-warp items (0.65-0.88x); warp specialisation of the
-    loop did not compile on triton 3.6 at 4 warps (8 warps checked correct, not timed).
-    The fused backward's zero fill of the float32 dQ buffer and its cast afterwards take 0.115
-    + 0.180 of 4.04 ms at self B512xL1024 (``kernel_profiles.json``). Letting the last key tile
-    into each query tile cast and re-zero it (an arrival count per tile, a reused workspace)
-    was correct but 1.4-1.7x slower forward+backward (``gdpa_explore8.json``, 2026-12-01): the
-    barrier and the wait on the count inside the pipelined query loop doubled the dK/dV kernel.
+    4096 query rows per item. Masked calls keep the three-phase kernels. Each choice won an
+    H200 sweep (warp specialisation lost at 4096 keys, hence the pipelined loop beyond
+    ``SHORT_SEQUENCE_LEN``); the numbers, and the variants measured and removed, are in
+    docs/kernel-tuning.md.
     """
     if masked:
         tiles = "masked"

@@ -108,19 +108,12 @@ def default_config(
     ``max_len``: the longest sample of the batch, or the keys a query row can see when a window
     bounds both sides (causal with a left window: ``left + 1``), whichever is smaller; ``None``:
     unknown (long tiles). ``masked``: a causal mask or a window. Unbiased calls at head_dim
-    65..128 (H200 tile sweeps,
-    ``benchmarks/results/h200/jagged_attention_tile_explore.json``, rounds r1-r2, TFLOP/s
-    forward / forward+backward, long tiles -> chosen):
+    65..128:
 
     - up to ``SHORT_SEQUENCE_LEN``: 64x32 forward tiles, 64-key dK/dV tiles stepping 32 query
-      rows and 64x32 dQ tiles, 4 warps. B512xL1024 causal 188/168 -> 198/182, non-causal
-      313/259 -> 309/278; causal window 256 at B32xL16384 138/133 -> 206/174 (flash varlen
-      in the same run: 143/142). With the tiles dealt by work across samples, the medium
-      tiles below beat these at B512xL1024 causal (174 -> 185 forward+backward, round r10);
-      dealt by sample (``_table``) the short ones lead again (r12: 237/203 against 219/202);
+      rows and 64x32 dQ tiles, 4 warps;
     - up to ``MEDIUM_SEQUENCE_LEN``: long forward tiles, the short dK/dV tiles (4 warps) and
-      128x64 dQ tiles (8 warps): B256xL2048 causal forward+backward 241 -> 251 (at B128xL4096
-      causal 299 -> 298, so longer batches keep the long tiles);
+      128x64 dQ tiles (8 warps);
     - longer: 128x128 forward tiles, 128-key dK/dV tiles stepping 64 query rows, 128x64 dQ
       tiles, 8 warps; without a causal mask or window (``masked``), the fused backward
       (``bwd_fused``, dQ by TMA bulk reduces).
@@ -128,45 +121,26 @@ def default_config(
     With a causal mask or window (``masked``), the forward runs each query tile's key tiles in
     one loop that masks only the diagonal, window-edge and partial tiles
     (``fwd_one_loop``; separate loops for them each start and drain a pipeline of their own,
-    and the one loop needs fewer registers: 198 against 232 with the long causal tiles).
-    Forward TFLOP/s, separate loops -> one loop, tile sweeps r8 / r9 (r9: 2 rounds, order
-    alternating): B512xL1024 causal 196 -> 202 / 197 -> 204 (short tiles), causal window 256
-    202 -> 222 / 209 -> 218, B128xL4096 causal 315 -> 340 / 335 -> 345, B32xL16384 causal
-    408 -> 391 / 411 -> 412. Unmasked calls keep the separate loops (B32xL16384 non-causal
-    477 -> 462 / 496 -> 465: there only a partial last tile is masked), and so does the
-    backward (one loop there: forward+backward 4-12% slower, r8).
+    and the one loop needs fewer registers). Unmasked calls keep the separate loops (there
+    only a partial last tile is masked), and so does the backward.
 
     With ``rel_pos_bias`` (``with_bias``), bias tiles are loaded in the loops too; the 128x128
     forward tile then needs more shared memory than an H200 has. Up to ``SHORT_SEQUENCE_LEN``
-    biased calls take the short tiles (B512xL1024 causal 155/105 -> 173/118), longer ones
-    128x64 forward tiles and the medium backward (B128xL4096 303/221 -> 309/232, B32xL16384
-    383/307 -> 385/306; bias sweep round r6 in
-    ``benchmarks/results/h200/jagged_attention_bias_explore.json``). ``with_jagged_bias``
-    (implies ``with_bias``) keeps 128x64 forward tiles, 128-key dK/dV tiles stepping 32 query
-    rows and 128x32 dQ tiles (it loads the bias tile and stores its gradient; 64 keys spill
-    registers) at every length: the short and medium tiles were 4-10% slower (round r6).
+    biased calls take the short tiles, longer ones 128x64 forward tiles and the medium
+    backward. ``with_jagged_bias`` (implies ``with_bias``) keeps 128x64 forward tiles, 128-key
+    dK/dV tiles stepping 32 query rows and 128x32 dQ tiles (it loads the bias tile and stores
+    its gradient; 64 keys spill registers) at every length.
     Other head dims: one configuration per size, biased calls with narrower key tiles.
 
     The fused backward (no dQ kernel: S and dP computed once, dQ added in float32 across key
     tiles) pays one dQ tile of reduce traffic per (key tile, query tile) step: 4 bytes per
     element against 10 * BLOCK_N flops, which the 128-key tiles amortise and the 64-key ones
-    do not. Forward+backward TFLOP/s, split -> fused, long tiles, round r7 (dQ by TMA bulk
-    reduces): B32xL16384 non-causal 395 -> 410 (r4, per-element atomics: 402 -> 412),
-    B128xL4096 non-causal 367 -> 369, causal 352 -> 352 (B32xL16384) and 280 -> 277
-    (B128xL4096); with the short tiles 272 -> 196 at B512xL1024 (r4: 0.69x-0.82x for the
-    short and medium tiles). Masked calls keep the split backward, which is also the one
-    ``torch.use_deterministic_algorithms(True)`` selects. A hand-pipelined forward (the
-    next tile's ``Q K^T`` issued before this tile's softmax, as GDPA's long forward) gained
-    nothing (r7: 64x32 tiles 309 -> 308 at B512xL1024, 128x64 tiles 431 -> 408 at
-    B128xL4096 non-causal; with 128x128 tiles it needs more shared memory than an H200 has)
-    and was removed. A warp-specialised
-    forward (Triton's automatic warp specialisation of one masked key loop, TMA loads through
-    whole-tensor descriptors, as GDPA's short forward) was slower too: 128x128 tiles, 4 warps,
-    2 stages gave 0.78x-0.95x of the default forward, 1.05x only at B128xL4096 causal (round r5).
-    Persistent forward programs (1 per SM with the long tiles, 2 or 4 with the short ones, each
-    looping over the longest-first items, the item and key loops flattened or not) were 3-15%
-    slower at every shape (round r11: B512xL1024 full 314 -> 279 / 271 flattened, B32xL16384
-    causal 398 -> 345 / 364), so the per-item prologue is not won back that way.
+    do not. Masked calls keep the split backward, which is also the one
+    ``torch.use_deterministic_algorithms(True)`` selects.
+
+    Each choice won an H200 tile sweep (D=128, bf16); the numbers, and the variants measured
+    and removed (hand-pipelined, warp-specialised and persistent forwards), are in
+    docs/kernel-tuning.md.
     """
     if interpret:
         return JfaTritonConfig(16, 16, 1, 1, 16, 16, 16, 16, 1, 1)
@@ -273,10 +247,8 @@ def _table(columns: list[torch.Tensor], work: torch.Tensor, sample: torch.Tensor
     The programs running at once then read one sample's keys and values (queries, for dK/dV),
     which stay in L2. Ordering all tiles by work alone interleaves the tiles of every sample
     under a causal mask (each of a sample's tiles has different work), so dozens of samples'
-    keys and values compete for L2: H200 tile sweep r12, TFLOP/s forward / forward+backward,
-    work order -> by sample: B32xL16384 causal 380/356 -> 455/383, B128xL4096 causal
-    345/290 -> 370/319, B512xL1024 causal 196/168 -> 237/203; unmasked and windowed calls,
-    whose tiles of a sample have equal work and so were already together, are unchanged."""
+    keys and values compete for L2 (H200 numbers in docs/kernel-tuning.md); unmasked and
+    windowed calls, whose tiles of a sample have equal work, were already together."""
     table = torch.stack([*columns, torch.zeros_like(work), torch.zeros_like(work)], dim=1)
     if work.numel() == 0:
         return table

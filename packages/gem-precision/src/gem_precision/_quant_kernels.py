@@ -560,7 +560,7 @@ def _prefetch_tile_l2(
     per row, each thread its own row. HBM then streams the later tile while the resident
     programs reduce theirs, and no registers wait for it. (One ``cp.async.bulk.prefetch`` per
     row instead needs a warp-uniform address: ptxas loops over the warp's rows, 254 registers,
-    slower on the H200, ``fp8_quant_explore6.json``.)"""
+    slower on the H200, see docs/kernel-tuning.md.)"""
     n_r = tl.num_programs(0)
     later = pid_r + AHEAD
     tile_c = pid_c + later // n_r

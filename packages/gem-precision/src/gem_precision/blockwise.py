@@ -153,69 +153,18 @@ def fake_quantize_blockwise(
 BLOCK = 128
 """Block length of the Hopper recipe (1x128 activations / gradients, 128x128 weights)."""
 
-# Launch options of the one-pass operand kernels. ``variant`` picks the kernel of the 1x128 and
-# tensorwise kinds: "tile" (blockwise_tile_kernel, one program per 128x128 tile with the integer
-# block maximum and no explicit saturation) or "dual" (blockwise_dual_kernel, the first version;
-# 31% of HBM for both layouts on the H200; it also serves the 128x128 kind). "tile_warps" (with
-# "tile_warps_colsum" when column sums are also written, "tile_warps_x" for col_tiles) /
-# "num_warps" are the warps of the tile / the other kernels, "trans" the transpose variant of
-# the "dual" kernel, "rows_only_block_r" the rows per program when only the row layout is
-# written. Defaults: the fastest bit-exact options on an H200 (65536 x 4096 bf16, both
-# layouts): "tile" 0.390 ms with 8 warps (0.405 with 4, 0.618 with 16), but with the column
-# sums 0.424 ms with 4 warps against 0.697 with 8; rows and 128x128 tiles of x.T 0.295 ms (4 or
-# 8 warps); "dual" 0.834 ms. Rows only: 0.217 ms (32 or 64 rows per program). "early_col": the
-# tile kernel reduces the column maxima before writing the row layout (dy 0.413 against 0.424
-# ms, x with 1x128 blocks of x.T 0.346 ms with 8 warps).
-# Measured on the H200, bit-exact, slower, and removed (2026-11-30): a kernel walking each tile
-# in 32-row slices twice (1.57-1.67 ms), block maxima on the raw bfloat16 bits (dy 0.47-0.51
-# ms), 2 or 4 column blocks per program (dy 0.63-1.0 ms, x tiles 0.45-0.49 against 0.33), the
-# column maxima and sums in one two-value reduction (dy 0.430 against 0.412 ms), and a grid
-# walking column blocks first (0.48 ms, no gain).
-# "t_run" / "t_run_colsum" / "t_run_x" (0, 4, 8 or 16): the tile kernel stores x.T as packed
-# runs of that many rows per thread instead of transposing FP8 bytes through shared memory (one
-# byte load per element); whole tiles only. H200, 65536 x 4096 / 8192 bf16 (2026-11-30,
-# benchmarks/results/h200/fp8_quant_explore.json): dy 0.415 -> 0.392 ms (62.0 -> 65.6% of HBM)
-# and 0.803 -> 0.755 ms at 8192 with runs of 4 (8: 0.407, 16: 0.406); dy without sums 0.347 ->
-# 0.327 ms (8 warps, runs of 4); x with 128x128 tiles of x.T slower with runs (0.321-0.341
-# against 0.294 ms), so "t_run_x" stays 0. Runs are used for bfloat16 x with 1x128 blocks only:
-# the tensorwise kind with runs wrote a misordered data_t on the H200 (Triton 3.6; bit-exact in
-# the interpreter), and float32 x was not checked there. Measured for dy, slower, and removed
-# (variants in fp8_quant_explore.json): an evict-first hint on the x read (0.428 ms), a register
-# cap for 3 programs per SM (168: 0.412), column sums as ones(16|64, 128) @ x on the tensor
-# cores (0.409-0.459), and a persistent grid with or without prefetching the next tile
-# (0.44-0.78 ms).
-# Measured for dy on the H200, bit-exact, slower, and removed (2026-12-01, fp8_quant_explore2.
-# json; default 0.389-0.392 / 0.750-0.754 ms at N 4096 / 8192 in the same runs): a strip kernel
-# (8-16 row tiles per program, column sums kept in registers across the strip: 0.48-0.51 ms),
-# the same with the loop pipelined (cp.async, 2 stages: 0.76) or with TMA tensor-descriptor
-# loads and/or stores (x.T transposed in shared memory: 0.67-1.13 ms), per-warp partial column
-# sums with no cross-warp reduction (0.46 ms, 4 or 8 warps), and 8 warps capped at 128
-# registers for 2 programs per SM (0.50-0.51 ms, no spills; 8 warps uncapped 0.50).
-# Why the column sums cost ~0.07 ms (2026-12-01, fp8_quant_explore3.json; dy 0.3895 ms against
-# 0.3172 without sums, same launch): ~0.023 ms is the second kernel, torch's sum over the
-# (R/128, C) float32 partials (0.0230 / 0.0247 ms alone at C 4096 / 8192); the rest is in the
-# tile kernel, whose SASS has 5 more BAR.SYNC, 24 more STS and 20 more LDS per tile than without
-# sums: a second exchange of per-warp partials between warps (as for the column maxima) and a
-# layout conversion of the 128 sums before their store, all before the row quantisation.
-# "partials_reduce": "triton" (column_sum_kernel, 16 columns per program, rows in a fixed order)
-# or "torch" (partials.sum(0)): the Triton reduction takes 0.0098 / 0.0117 ms, and dy 0.3757 /
-# 0.7368 ms (68.5 / 69.9% of HBM) against 0.3895 / 0.7500 in the same run, the FP8 outputs
-# bit-exact and the sums within the float64 bound on the H200. "triton" is the default for CUDA
-# tensors; the interpreter sums with torch (the GPU fused-norm tests compare against it: Triton
-# 3.6's interpreter failed on the kernel's runtime loop bound, which made 3 of them fail).
-# Measured and removed (bit-exact, slower): a kernel whose warps own 32 columns each (the column
-# maxima and sums then need no exchange between warps: 10 BAR, 30 STS, 12 LDS; but 0.722 ms,
-# the warp-wide loads and stores span 16 rows instead of 4), and the sums reduced after both
-# layouts are stored (222 registers, 0.4068 ms).
-# (2026-12-01, fp8_quant_explore4.json) Both 1x128 layouts without sums: 4 warps 0.3183 ms
-# (80.2% of HBM) against 8 warps 0.3261 (78.3%), the same split in fp8_quant_explore3.json, so
-# "tile_warps" is 4. With the sums, 8 warps (128 registers, 2 programs of 8 warps per SM) take
-# 0.4875 ms against 0.3772 for 4: ncu (kernel_profiles dy_w8) shows the cross-warp exchange of
-# the sums doubling the shared-memory wavefronts (37M loads, 80% of them bank conflicts), with
-# short-scoreboard and MIO-throttle stalls on top. Packing the runs of x.T by a sum of shifted
-# bytes along the run axis (no permute / split) was bit-exact but slower (dy 0.4775 ms, no-sums
-# 0.3314 / 0.388 ms at 8 / 4 warps): the store is still re-laid-out through shared memory, for
-# 4-byte instead of 16-byte vectors, and 4 warps need 255 registers. Removed.
+# Launch options of the one-pass operand kernels: the fastest bit-exact ones on an H200
+# (65536 x 4096 bfloat16; timings and the variants measured and removed: docs/kernel-tuning.md).
+# "variant": the kernel of the 1x128 and tensorwise kinds, "tile" (blockwise_tile_kernel, one
+# program per 128x128 tile) or "dual" (blockwise_dual_kernel, which also serves 128x128).
+# "tile_warps" ("_colsum" with column sums, "_x" for col_tiles) / "num_warps": warps of the tile
+# / the other kernels; "trans": the dual kernel's transpose variant; "rows_only_block_r": rows
+# per program when only the row layout is written; "early_col": the tile kernel reduces the
+# column maxima before it writes the row layout. "t_run" ("_colsum", "_x"; 0, 4, 8 or 16): the
+# tile kernel stores x.T as packed runs of that many rows per thread instead of transposing FP8
+# bytes through shared memory; whole tiles of bfloat16 x with 1x128 blocks only (the tensorwise
+# kind with runs wrote a misordered data_t on the H200, Triton 3.6). "partials_reduce": the
+# column sums of the per-tile partials by column_sum_kernel ("triton", CUDA tensors) or torch.
 _DUAL_OPTIONS = {
     "variant": "tile",
     "tile_warps": 4,
@@ -235,9 +184,8 @@ _DUAL_OPTIONS = {
     "prefetch": 1.5,
     "prefetch_x": 0.0,
     # Packed runs of x.T made by inline PTX (two x2 conversions and a move per word, sm_89+),
-    # without / with column sums: dy with sums and the prefetch 0.3624 -> 0.3356 ms (71.0 ->
-    # 76.7% of HBM; 8192 columns 72.5 -> 78.2%), without sums slower (86.4 -> 76.6%), and
-    # without the prefetch slower (0.4422 ms) (fp8_quant_explore9-11.json).
+    # without / with column sums: faster only with the sums and the L2 prefetch (see
+    # docs/kernel-tuning.md).
     "t_run_asm": False,
     "t_run_asm_colsum": True,
 }
@@ -407,12 +355,8 @@ def _tile_t_run(cols: bool, col_tiles: bool, col_sum: bool) -> int:
 def _prefetch_distance(x: torch.Tensor, cols: bool, col_tiles: bool, col_sum: bool) -> int:
     """How many programs ahead the tile kernel prefetches x into L2, 0 for none.
 
-    H200 (65536 x 4096 bfloat16, fp8_quant_explore6-8/10.json): dy with column sums 0.3760 ->
-    0.3632 ms (68.5 -> 70.9% of HBM; 8192 columns 69.8 -> 72.5%) at one SM's worth of programs
-    ahead (132), slower below 96 or at 528, and with the runs of x.T packed by inline PTX best at
-    1.25 per SM (0.3348 ms); without sums 0.3176 -> 0.2951 ms (80.4 -> 86.5%) at 1.5 per SM; x
-    with tiles of x.T (8 warps, more programs per SM) gains nothing. Scaled by the SM count so
-    the distance keeps its meaning (programs resident per SM) on other GPUs.
+    Scaled by the SM count, so the distance keeps its meaning (programs resident per SM) on
+    other GPUs; the per-SM values are the H200's best (docs/kernel-tuning.md).
     """
     if not cols:
         return 0

@@ -49,14 +49,10 @@ _KINDS = ("rms", "layer")
 # Fp8Linear failed the same way at that shape. Set it False to run norm + Fp8Linear instead.
 FUSED_ON_CUDA = True
 
-# Launch options of the norm kernels (tuned on an H200; the benchmark sweeps them): two rows of
-# 4096 per program with 4 warps ran the fused RMSNorm -> quantise at 0.196 ms for 65536 x 4096
-# bf16 (97% of HBM), 8 warps 0.210 ms.
-# "xt_warps": warps of the backward's kernel that recomputes norm(x).T in 128x128 tiles for
-# wgrad. H200, 65536 x 4096 bf16: 8 warps 0.231 ms (81.6% of HBM), 4 warps 0.247, 2 warps 0.569;
-# two or four 128-column blocks per program or a column-major grid were slower (0.31-0.51 ms)
-# and are gone. (The results do not depend on the warps: block maxima are exact in any order
-# and each element is scaled on its own.)
+# Launch options of the norm kernels: the fastest on an H200 (65536 x 4096 bf16; the benchmark
+# sweeps them, timings in docs/kernel-tuning.md). "xt_warps": warps of the backward's kernel
+# that recomputes norm(x).T in 128x128 tiles for wgrad. (The results do not depend on the
+# warps: block maxima are exact in any order and each element is scaled on its own.)
 _NORM_OPTIONS = {
     "rows_per_program": 2,
     "num_warps": 4,

@@ -28,8 +28,8 @@ __all__ = ["MxKernelConfig", "dequantize_mx_triton", "quantize_mx_triton"]
 class MxKernelConfig:
     """Tile shape and warps of the MX kernels (square blocks use ``block_size`` rows and at
     most 512 columns). The default was the fastest 1x32 configuration on an H200 (0.204 ms for
-    65536 x 4096 bf16, 94% of HBM bandwidth; 32x32 blocks 0.201 ms, ``benchmarks/_fp8_probe``
-    numbers, swept again by ``benchmarks/bench_fp8_linear.py --sweep``)."""
+    65536 x 4096 bf16, 94% of HBM bandwidth; 32x32 blocks 0.201 ms), swept by
+    ``benchmarks/bench_fp8_linear.py --sweep`` (``benchmarks/results/h200/fp8_linear.json``)."""
 
     block_rows: int = 8
     """Rows per program for 1 x block_size blocks (a power of two)."""
