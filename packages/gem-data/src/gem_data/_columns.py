@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -28,6 +30,30 @@ HISTORY_COLUMNS = (*SEQUENCE_FEATURE_NAMES, "hist_timestamps")
 SCALAR_ID_COLUMNS = ("sample_index", "user_id", "device_type", "region", "ad_id", "ad_category_id")
 FLOAT_COLUMNS = ("click", "conversion", "click_prob", "conversion_prob")
 PROB_COLUMNS = ("click_prob", "conversion_prob")
+
+#: ``on_bad_row`` values of the loaders: ``"error"`` raises ``DatasetFormatError`` naming the
+#: file, row group and column; ``"skip"`` leaves bad rows out of the batches and counts them.
+BAD_ROW_MODES = ("error", "skip")
+#: Descriptions of skipped rows a loader keeps (``skipped_examples``).
+MAX_SKIP_EXAMPLES = 20
+
+
+def check_on_bad_row(value: Any) -> str:
+    if not isinstance(value, str) or value not in BAD_ROW_MODES:
+        raise ValueError(f"on_bad_row must be one of {BAD_ROW_MODES}, got {value!r}")
+    return value
+
+
+def check_directory(directory: Any) -> Path:
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"directory must be a str or os.PathLike, got {type(directory).__name__}")
+    return Path(directory)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
+    return bool(value)
 
 
 def check_int(name: str, value: Any, minimum: int) -> int:
@@ -102,6 +128,8 @@ class Columns:
         "dense",
         "labels",
         "label_probs",
+        "bad",
+        "bad_reasons",
     )
 
     def __init__(
@@ -114,6 +142,8 @@ class Columns:
         dense: np.ndarray,
         labels: np.ndarray,
         label_probs: np.ndarray,
+        bad: np.ndarray | None = None,
+        bad_reasons: dict[int, str] | None = None,
     ) -> None:
         self.num_rows = int(len(history_lengths))
         self.history_lengths = history_lengths
@@ -126,11 +156,25 @@ class Columns:
         self.dense = dense
         self.labels = labels
         self.label_probs = label_probs
+        self.bad = bad
+        """``on_bad_row="skip"``: rows to leave out of batches (their values are placeholders),
+        or None when every row is good."""
+        self.bad_reasons = bad_reasons or {}
+        """Row -> why it is bad, for the first bad rows of the table it came from."""
 
     @staticmethod
     def concat(parts: list[Columns]) -> Columns:
         if len(parts) == 1:
             return parts[0]
+        bad = None
+        if any(p.bad is not None for p in parts):
+            bad = np.concatenate(
+                [np.zeros(p.num_rows, dtype=bool) if p.bad is None else p.bad for p in parts]
+            )
+        reasons, start = {}, 0
+        for part in parts:
+            reasons.update({start + row: why for row, why in part.bad_reasons.items()})
+            start += part.num_rows
         return Columns(
             history_lengths=np.concatenate([p.history_lengths for p in parts]),
             history=np.concatenate([p.history for p in parts], axis=1),
@@ -142,6 +186,8 @@ class Columns:
             dense=np.concatenate([p.dense for p in parts]),
             labels=np.concatenate([p.labels for p in parts]),
             label_probs=np.concatenate([p.label_probs for p in parts]),
+            bad=bad,
+            bad_reasons=reasons,
         )
 
     def slice(self, start: int, stop: int) -> Columns:
@@ -157,6 +203,10 @@ class Columns:
             dense=self.dense[start:stop],
             labels=self.labels[start:stop],
             label_probs=self.label_probs[start:stop],
+            bad=None if self.bad is None else self.bad[start:stop],
+            bad_reasons={
+                row - start: why for row, why in self.bad_reasons.items() if start <= row < stop
+            },
         )
 
     def take(self, rows: np.ndarray) -> Columns:
@@ -172,7 +222,19 @@ class Columns:
             dense=self.dense[rows],
             labels=self.labels[rows],
             label_probs=self.label_probs[rows],
+            bad=None if self.bad is None else self.bad[rows],
+            bad_reasons=_taken_reasons(self.bad_reasons, rows),
         )
+
+    def good_rows(self, rows: np.ndarray) -> tuple[np.ndarray, list[str]]:
+        """``rows`` without the bad ones, and why each left-out row was bad."""
+        if self.bad is None:
+            return rows, []
+        bad = self.bad[rows]
+        if not bad.any():
+            return rows, []
+        reasons = [self.bad_reasons.get(int(row), "bad row") for row in rows[bad]]
+        return rows[~bad], reasons
 
     def collate(self, rows: np.ndarray) -> Batch:
         """The batch of the given rows (vectorized gathers, no per-sample loop)."""
@@ -213,6 +275,12 @@ class Columns:
         )
 
 
+def _taken_reasons(reasons: dict[int, str], rows: np.ndarray) -> dict[int, str]:
+    if not reasons:
+        return {}
+    return {new: reasons[int(old)] for new, old in enumerate(rows) if int(old) in reasons}
+
+
 def open_parquet(path: Path) -> pq.ParquetFile:
     """The file's reader (footer parsed; page checksums verified where they were written)."""
     try:
@@ -223,13 +291,121 @@ def open_parquet(path: Path) -> pq.ParquetFile:
         raise DatasetFormatError(f"{path}: not a readable Parquet file ({error})") from error
 
 
+def _numpy(array: pa.Array | pa.ChunkedArray, fill: Any) -> np.ndarray:
+    return pc.fill_null(array, fill).to_numpy(zero_copy_only=False)
+
+
+def find_bad_rows(
+    table: pa.Table, num_dense: int, info: DatasetInfo | None
+) -> tuple[np.ndarray, dict[int, str]]:
+    """Rows of ``table`` that :func:`table_to_columns` would reject, and why (the first reason
+    of the first rows): nulls, null list items, history columns of different lengths or over
+    ``max_seq_len``, ids outside the cardinalities, NaN / Inf dense features, labels and
+    probabilities outside [0, 1] (probabilities must be NaN when unknown)."""
+    rows = table.num_rows
+    bad = np.zeros(rows, dtype=bool)
+    reasons: dict[int, str] = {}
+
+    def mark(flags: np.ndarray, reason: str) -> None:
+        new = np.flatnonzero(flags & ~bad)
+        for row in new[: max(0, MAX_SKIP_EXAMPLES - len(reasons))]:
+            reasons[int(row)] = reason
+        bad[new] = True
+
+    cardinalities: dict[str, int | None] = {}
+    if info is not None:
+        cardinalities.update(info.sequence_features)
+        cardinalities.update(info.sparse_features)
+    for name in table.column_names:
+        column = table.column(name)
+        if column.null_count:
+            mark(np.asarray(column.is_null()), f"column {name!r} is null")
+    lengths = {}
+    for name in (*HISTORY_COLUMNS, "user_segments"):
+        column = table.column(name).combine_chunks()
+        lengths[name] = _numpy(pc.list_value_length(column), 0).astype(np.int64)
+        flat = column.flatten()
+        parents = np.asarray(pc.list_parent_indices(column), dtype=np.int64)
+        if flat.null_count:
+            hits = np.bincount(parents[np.asarray(flat.is_null())], minlength=rows) > 0
+            mark(hits, f"column {name!r} has null list items")
+        if name in cardinalities or name in SEQUENCE_FEATURE_NAMES or name == "user_segments":
+            values = _numpy(flat, 0)
+            limit = cardinalities.get(name)
+            outside = values < 0 if limit is None else (values < 0) | (values >= limit)
+            hits = np.bincount(parents[outside], minlength=rows) > 0
+            mark(hits, f"column {name!r} has an id outside [0, {limit if limit else 'inf'})")
+    for name in HISTORY_COLUMNS[1:]:
+        mark(lengths[name] != lengths["hist_item_ids"], f"column {name!r} has another length")
+    if info is not None:
+        mark(
+            lengths["hist_item_ids"] > info.max_seq_len,
+            f"column 'hist_item_ids' is longer than max_seq_len={info.max_seq_len}",
+        )
+    for name in SCALAR_ID_COLUMNS[1:]:
+        values = _numpy(table.column(name), 0)
+        limit = cardinalities.get(name)
+        outside = values < 0 if limit is None else (values < 0) | (values >= limit)
+        mark(outside, f"column {name!r} has an id outside [0, {limit if limit else 'inf'})")
+    dense = table.column("dense_features").combine_chunks()
+    values = dense.values.slice(dense.offset * num_dense, rows * num_dense)
+    dense_values = _numpy(values, np.nan).reshape(rows, num_dense)
+    mark(~np.isfinite(dense_values).all(axis=1), "column 'dense_features' has NaN or Inf")
+    probs_known = info is None or info.label_probs_known
+    for name in FLOAT_COLUMNS:
+        values = _numpy(table.column(name), np.nan)
+        if name in PROB_COLUMNS and not probs_known:
+            mark(~np.isnan(values), f"column {name!r} must be NaN (probabilities unknown)")
+        else:
+            mark(~((values >= 0.0) & (values <= 1.0)), f"column {name!r} is outside [0, 1]")
+    return bad, reasons
+
+
+def _placeholder(num_dense: int) -> Columns:
+    """One row that stands in for a bad row (empty history, zeros): never part of a batch."""
+    zero = np.zeros(1, dtype=np.int64)
+    return Columns(
+        history_lengths=zero,
+        history=np.zeros((4, 0), dtype=np.int64),
+        segment_lengths=zero,
+        segments=np.zeros(0, dtype=np.int64),
+        scalars=dict.fromkeys(SCALAR_ID_COLUMNS, zero),
+        dense=np.zeros((1, num_dense), dtype=np.float32),
+        labels=np.zeros((1, 2), dtype=np.float32),
+        label_probs=np.zeros((1, 2), dtype=np.float32),
+    )
+
+
 def table_to_columns(
-    table: pa.Table, where: str, num_dense: int, info: DatasetInfo | None
+    table: pa.Table,
+    where: str,
+    num_dense: int,
+    info: DatasetInfo | None,
+    on_bad_row: str = "error",
 ) -> Columns:
     """Validate the values of ``table`` (a whole shard or one row group) and convert them.
 
-    ``where`` names the file (and row group) in error messages.
+    ``where`` names the file (and row group) in error messages. ``on_bad_row="skip"``: rows
+    that would fail the checks are kept as placeholders marked in ``Columns.bad`` (with
+    ``bad_reasons``) instead, so that the row positions, which the loaders' epoch plans are
+    made of, do not move; the loaders leave them out of the batches.
     """
+    if on_bad_row == "skip" and table.num_rows:
+        bad, reasons = find_bad_rows(table, num_dense, info)
+        if bad.any():
+            good = table_to_columns(table.filter(pa.array(~bad)), where, num_dense, info)
+            index = np.full(table.num_rows, good.num_rows, dtype=np.int64)
+            index[~bad] = np.arange(good.num_rows)
+            full = Columns.concat([good, _placeholder(num_dense)]).take(index)
+            full.bad = bad
+            full.bad_reasons = {row: f"{where} row {row}: {why}" for row, why in reasons.items()}
+            return full
+    return _strict_table_to_columns(table, where, num_dense, info)
+
+
+def _strict_table_to_columns(
+    table: pa.Table, where: str, num_dense: int, info: DatasetInfo | None
+) -> Columns:
     for name in table.column_names:
         if table.column(name).null_count:
             raise DatasetFormatError(f"{where}: column {name!r} has null values")
@@ -293,7 +469,9 @@ def table_to_columns(
     )
 
 
-def read_file(path: Path, num_dense: int | None, info: DatasetInfo | None) -> tuple[Columns, int]:
+def read_file(
+    path: Path, num_dense: int | None, info: DatasetInfo | None, on_bad_row: str = "error"
+) -> tuple[Columns, int]:
     """Validated columns of one whole shard and its dense width."""
     parquet_file = open_parquet(path)
     num_dense = validate_schema(parquet_file.schema_arrow, path, num_dense_features=num_dense)
@@ -302,4 +480,4 @@ def read_file(path: Path, num_dense: int | None, info: DatasetInfo | None) -> tu
         table = parquet_file.read(columns=names)
     except (pa.ArrowException, OSError) as error:
         raise DatasetFormatError(f"{path}: cannot read the Parquet data ({error})") from error
-    return table_to_columns(table, str(path), num_dense, info), num_dense
+    return table_to_columns(table, str(path), num_dense, info, on_bad_row), num_dense

@@ -10,7 +10,15 @@ from typing import Any
 
 import numpy as np
 
-from gem_data._columns import Columns, check_int, read_file
+from gem_data._columns import (
+    MAX_SKIP_EXAMPLES,
+    Columns,
+    check_bool,
+    check_directory,
+    check_int,
+    check_on_bad_row,
+    read_file,
+)
 from gem_data.batch import Batch
 from gem_data.schema import DatasetFormatError
 from gem_data.writer import DATASET_INFO_FILE, DatasetInfo, read_dataset_info
@@ -96,6 +104,10 @@ class ParquetBatchLoader(ResumablePosition):
     a finished epoch starts the next epoch at batch 0). :meth:`state_dict` records the position;
     :meth:`load_state_dict` makes the next batch the one that would have come next.
 
+    ``on_bad_row``: ``"error"`` (default) raises ``DatasetFormatError`` (file and column) for a
+    shard with a bad value; ``"skip"`` leaves bad rows out of their batches (smaller batches,
+    the same plan) and counts them in ``skipped_rows``, as :class:`gem_data.ShardedBatchLoader`.
+
     For datasets larger than memory, or to balance jagged batches across ranks, use
     :class:`gem_data.ShardedBatchLoader` (streams row groups, Base Batch Shuffling).
     """
@@ -113,16 +125,22 @@ class ParquetBatchLoader(ResumablePosition):
         rank: int = 0,
         world_size: int = 1,
         drop_last: bool = False,
+        on_bad_row: str = "error",
     ) -> None:
+        self.directory = check_directory(directory)
         self.batch_size = _check_int("batch_size", batch_size, 1)
         self.seed = _check_int("seed", seed, 0)
         self.world_size = _check_int("world_size", world_size, 1)
         self.rank = _check_int("rank", rank, 0)
         if self.rank >= self.world_size:
             raise ValueError(f"rank must be < world_size ({self.world_size}), got {self.rank}")
-        self.shuffle = bool(shuffle)
-        self.drop_last = bool(drop_last)
-        self.directory = Path(directory)
+        self.shuffle = check_bool("shuffle", shuffle)
+        self.drop_last = check_bool("drop_last", drop_last)
+        self.on_bad_row = check_on_bad_row(on_bad_row)
+        self.skipped_rows = 0
+        """Bad rows left out of the batches collated so far (``on_bad_row="skip"``)."""
+        self.skipped_examples: list[str] = []
+        """Where and why, for the first skipped rows."""
         self.dataset_info, files, num_dense = dataset_files(self.directory)
         self.files = list(files)
         self._load(num_dense)
@@ -133,7 +151,7 @@ class ParquetBatchLoader(ResumablePosition):
     def _load(self, num_dense: int | None) -> None:
         parts = []
         for path in self.files:
-            part, num_dense = read_file(Path(path), num_dense, self.dataset_info)
+            part, num_dense = read_file(Path(path), num_dense, self.dataset_info, self.on_bad_row)
             parts.append(part)
         total = sum(part.num_rows for part in parts)
         if self.dataset_info is not None and total != self.dataset_info.num_samples:
@@ -208,7 +226,17 @@ class ParquetBatchLoader(ResumablePosition):
             raise ValueError(f"rows must be a non-empty 1-D array, got shape {rows.shape}")
         if rows.min() < 0 or rows.max() >= self.total_samples:
             raise ValueError(f"rows must be in [0, {self.total_samples}), got {rows}")
-        return self._data.collate(rows)
+        kept, reasons = self._data.good_rows(rows)
+        if reasons:
+            if kept.size == 0:
+                raise DatasetFormatError(
+                    f"every row of a batch of {rows.size} is bad (on_bad_row='skip' cannot "
+                    f"make a batch of it); first: {reasons[0]}"
+                )
+            self.skipped_rows += len(reasons)
+            room = MAX_SKIP_EXAMPLES - len(self.skipped_examples)
+            self.skipped_examples.extend(reasons[: max(0, room)])
+        return self._data.collate(kept)
 
     # ---------------------------------------------------------------------- resume
     def _identity(self) -> dict[str, Any]:

@@ -17,7 +17,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from gem_data._columns import Columns, check_int, open_parquet, table_to_columns
+from gem_data._columns import (
+    MAX_SKIP_EXAMPLES,
+    Columns,
+    check_bool,
+    check_directory,
+    check_int,
+    check_on_bad_row,
+    open_parquet,
+    table_to_columns,
+)
 from gem_data.balance import CostModel, attention_cost, bbs_merge, sub_batch_costs
 from gem_data.batch import Batch
 from gem_data.loader import ResumablePosition, dataset_files
@@ -32,6 +41,15 @@ BALANCE_MODES = ("bbs", "none")
 _ROW_GROUP_ORDER_STREAM = 0x52474F52
 _ROW_ORDER_STREAM = 0x524F5753
 _STAGES = ("read", "validate", "shuffle", "assemble", "balance", "collate", "pin")
+
+
+def _file_signature(path: Path, where: str | None = None) -> tuple[int, ...]:
+    """What changes when a file is rewritten: inode, size, modification time."""
+    try:
+        stat = os.stat(path)
+    except OSError as error:
+        raise DatasetFormatError(f"{where or path}: shard file is missing ({error})") from error
+    return (stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
 def _cost_model_name(cost_model: CostModel) -> str:
@@ -71,7 +89,17 @@ class ShardedBatchLoader(ResumablePosition):
     column, wrong type, unreadable file) and its row count compared with ``dataset.json``;
     each row group's values are checked when it is read (``DatasetFormatError`` naming file and
     row group, never a silent partial read). Page checksums written by the generator are
-    verified.
+    verified. A shard that changes on disk during the run (another schema, other row groups,
+    emptied) is detected when it is next read: ``DatasetFormatError`` naming it and the row
+    group.
+
+    **Bad rows** (``on_bad_row``): ``"error"`` (default) raises the ``DatasetFormatError`` above
+    for a row group with a bad value (NaN / Inf dense features, ids outside the cardinalities
+    of ``dataset.json``, nulls, labels outside [0, 1], ...); ``"skip"`` leaves the bad rows out of
+    their batches (which come out smaller; the epoch plan, the batch count and resuming are
+    unchanged) and counts them in ``skipped_rows`` (``skipped_examples``: why, for the first
+    ones). A batch whose rows are all bad still raises. Problems of a whole file (unreadable,
+    wrong schema, row counts) always raise.
     """
 
     _STATE_FORMAT = "gem_data.ShardedBatchLoader"
@@ -94,7 +122,9 @@ class ShardedBatchLoader(ResumablePosition):
         num_workers: int = 0,
         prefetch_row_groups: int | None = None,
         pin_memory: bool | None = None,
+        on_bad_row: str = "error",
     ) -> None:
+        self.directory = check_directory(directory)
         self.batch_size = check_int("batch_size", batch_size, 1)
         self.seed = check_int("seed", seed, 0)
         self.world_size = check_int("world_size", world_size, 1)
@@ -113,7 +143,7 @@ class ShardedBatchLoader(ResumablePosition):
             2 * max(1, self.num_workers) if prefetch_row_groups is None else prefetch_row_groups,
             1,
         )
-        if balance not in BALANCE_MODES:
+        if not isinstance(balance, str) or balance not in BALANCE_MODES:
             raise ValueError(f"balance must be one of {BALANCE_MODES}, got {balance!r}")
         if balance == "bbs" and self.batch_size % self.sub_batch_size:
             raise ValueError(
@@ -124,12 +154,19 @@ class ShardedBatchLoader(ResumablePosition):
             raise TypeError(f"cost_model must be callable (lengths -> costs), got {cost_model!r}")
         self.balance = balance
         self.cost_model = cost_model
-        self.shuffle = bool(shuffle)
-        self.drop_last = bool(drop_last)
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+        self.shuffle = check_bool("shuffle", shuffle)
+        self.drop_last = check_bool("drop_last", drop_last)
+        if pin_memory is None:
+            self.pin_memory = torch.cuda.is_available()
+        else:
+            self.pin_memory = check_bool("pin_memory", pin_memory)
         if self.pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs CUDA (pinned memory is for device copies)")
-        self.directory = Path(directory)
+        self.on_bad_row = check_on_bad_row(on_bad_row)
+        self.skipped_rows = 0
+        """Bad rows left out of the batches yielded so far (``on_bad_row="skip"``)."""
+        self.skipped_examples: list[str] = []
+        """Where and why, for the first skipped rows."""
         self.dataset_info, files, num_dense = dataset_files(self.directory)
         self.files = [Path(path) for path in files]
         self._open(num_dense)
@@ -146,12 +183,19 @@ class ShardedBatchLoader(ResumablePosition):
         """Read every footer: schema, row counts, row-group layout."""
         expected_rows = self.dataset_info.file_num_rows if self.dataset_info else []
         file_of, index_in_file, rows = [], [], []
+        self._file_layouts: list[list[int]] = []
+        self._file_signatures: list[tuple[int, ...]] = []
         for number, path in enumerate(self.files):
+            signature = _file_signature(path)
             parquet_file = open_parquet(path)
             num_dense = validate_schema(
                 parquet_file.schema_arrow, path, num_dense_features=num_dense
             )
             metadata = parquet_file.metadata
+            self._file_signatures.append(signature)
+            self._file_layouts.append(
+                [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+            )
             if expected_rows and metadata.num_rows != expected_rows[number]:
                 raise DatasetFormatError(
                     f"{path}: holds {metadata.num_rows} rows, {DATASET_INFO_FILE} says "
@@ -269,13 +313,33 @@ class ShardedBatchLoader(ResumablePosition):
             self.stage_seconds[stage] += now - started
         return now
 
-    def _parquet_file(self, number: int) -> pq.ParquetFile:
+    def _parquet_file(self, number: int, where: str) -> pq.ParquetFile:
+        """This thread's reader of file ``number`` (ParquetFile is not shared across threads),
+        opened again when the file changed on disk, after checking that its schema and
+        row-group layout are still the ones the epoch plan was made from."""
         cache = getattr(self._local, "files", None)
         if cache is None:
             cache = self._local.files = {}
-        if number not in cache:  # one reader per thread: ParquetFile is not shared across threads
-            cache[number] = open_parquet(self.files[number])
-        return cache[number]
+        path = self.files[number]
+        signature = _file_signature(path, where)
+        cached = cache.get(number)
+        if cached is None or cached[1] != signature:
+            reader = open_parquet(path)
+            if signature != self._file_signatures[number]:
+                self._check_unchanged(number, reader, where)
+            cache[number] = cached = (reader, signature)
+        return cached[0]
+
+    def _check_unchanged(self, number: int, reader: pq.ParquetFile, where: str) -> None:
+        """The schema and row groups of a file rewritten since :meth:`_open` are the same."""
+        validate_schema(reader.schema_arrow, where, num_dense_features=self.num_dense_features)
+        metadata = reader.metadata
+        layout = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+        if layout != self._file_layouts[number]:
+            raise DatasetFormatError(
+                f"{where}: the file changed since the loader opened it: row groups of "
+                f"{layout} rows, the epoch plan was made from {self._file_layouts[number]}"
+            )
 
     def _read_segment(self, epoch: int, group: int, lo: int, hi: int) -> Columns:
         """Rows ``lo:hi`` (in shuffled order) of one row group, validated."""
@@ -283,18 +347,21 @@ class ShardedBatchLoader(ResumablePosition):
         path = self.files[self._group_file[group]]
         index = int(self._group_index[group])
         where = f"{path} (row group {index})"
+        reader = self._parquet_file(int(self._group_file[group]), where)
         try:
-            table = self._parquet_file(int(self._group_file[group])).read_row_group(
-                index, columns=self._columns
-            )
-        except (pa.ArrowException, OSError) as error:
+            table = reader.read_row_group(index, columns=self._columns)
+        except (pa.ArrowException, OSError, IndexError) as error:
             raise DatasetFormatError(f"{where}: cannot read the Parquet data ({error})") from error
+        # The reader checked the footer; this checks what was decoded.
+        validate_schema(table.schema, where, num_dense_features=self.num_dense_features)
         if table.num_rows != self.row_group_rows[group]:
             raise DatasetFormatError(
                 f"{where}: read {table.num_rows} rows, the footer says {self.row_group_rows[group]}"
             )
         started = self._add_time("read", started)
-        columns = table_to_columns(table, where, self.num_dense_features, self.dataset_info)
+        columns = table_to_columns(
+            table, where, self.num_dense_features, self.dataset_info, self.on_bad_row
+        )
         started = self._add_time("validate", started)
         order = self._row_order(epoch, group)
         if order is not None:
@@ -377,14 +444,29 @@ class ShardedBatchLoader(ResumablePosition):
         return batches
 
     def collate(self, pool: Columns, rows: np.ndarray) -> Batch:
-        """One batch of ``pool`` rows, pinned when ``pin_memory``."""
+        """One batch of ``pool`` rows (bad rows left out and counted), pinned when
+        ``pin_memory``."""
         started = time.perf_counter()
+        rows = self._without_bad_rows(pool, rows)
         batch = pool.collate(rows)
         started = self._add_time("collate", started)
         if self.pin_memory:
             batch = batch.pin_memory()
             self._add_time("pin", started)
         return batch
+
+    def _without_bad_rows(self, pool: Columns, rows: np.ndarray) -> np.ndarray:
+        kept, reasons = pool.good_rows(rows)
+        if reasons:
+            if kept.size == 0:
+                raise DatasetFormatError(
+                    f"every row of a batch of {rows.size} is bad (on_bad_row='skip' cannot "
+                    f"make a batch of it); first: {reasons[0]}"
+                )
+            self.skipped_rows += len(reasons)
+            room = MAX_SKIP_EXAMPLES - len(self.skipped_examples)
+            self.skipped_examples.extend(reasons[: max(0, room)])
+        return kept
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[Batch]:

@@ -55,6 +55,11 @@ _BLOCK_OP = torch.ops.gem_kernels.block_attention.default
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FLOAT_DTYPE_NAMES = "float16, bfloat16, float32 or float64"
 
+#: Window sides, declared max lengths and block sizes at or above this bound mean "unbounded"
+#: (a window side or max length of ``None``; one block per sample): no tensor has 2**48 rows,
+#: and the operators take 64-bit integers, which a larger Python int would overflow.
+UNBOUNDED = 2**48
+
 
 # ---------------------------------------------------------------------------------------------
 # Argument checks.
@@ -100,14 +105,23 @@ def _check_bool(value: object, name: str) -> bool:
     return value
 
 
+def _finite_float(value: object, name: str, what: str = "a Python float") -> float:
+    """``value`` (a Python int or float, not a bool) as a finite float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
+    try:
+        result = float(value)  # an int beyond float's range raises OverflowError
+    except OverflowError:
+        result = math.inf
+    if not math.isfinite(result):
+        raise ValueError(f"{name} must be finite, got {value!r:.40}")
+    return result
+
+
 def _resolve_scale(scale: object, head_dim: int) -> float:
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return float(scale)
+    return _finite_float(scale, "scale", "a Python float or None")
 
 
 def _check_window(window: object) -> tuple[int | None, int | None] | None:
@@ -124,17 +138,24 @@ def _check_window(window: object) -> tuple[int | None, int | None] | None:
             continue
         if isinstance(side, bool) or not isinstance(side, int) or side < 0:
             raise ValueError(message)
-    return (window[0], window[1])
+    left, right = window[0], window[1]
+    # A side of UNBOUNDED or more is no bound at all (and would overflow the operator's int64).
+    return (
+        None if left is None or left >= UNBOUNDED else left,
+        None if right is None or right >= UNBOUNDED else right,
+    )
 
 
-def _check_max_len(max_len: object, name: str) -> None:
-    """``max_len`` is None or an int >= 0 (the operator compares it with the real lengths)."""
+def _check_max_len(max_len: object, name: str) -> int | None:
+    """``max_len`` is None or an int >= 0 (the operator compares it with the real lengths);
+    returns it, or None for ``UNBOUNDED`` and above (no length reaches it)."""
     if max_len is None:
-        return
+        return None
     if isinstance(max_len, bool) or not isinstance(max_len, int):
         raise TypeError(f"{name} must be an int or None, got {max_len!r}")
     if max_len < 0:
         raise ValueError(f"{name} must be >= 0, got {max_len}")
+    return None if max_len >= UNBOUNDED else max_len
 
 
 def _check_offsets_device(offsets: torch.Tensor, name: str, device: torch.device) -> None:
@@ -155,14 +176,14 @@ def _check_jagged_pair(
     k_offsets: torch.Tensor | None,
     max_q: int | None,
     max_k: int | None,
-) -> None:
-    """The checks of q/k offsets that read no values (the operator checks the values)."""
+) -> tuple[int | None, int | None]:
+    """The checks of q/k offsets that read no values (the operator checks the values); returns
+    ``(max_q, max_k)`` as the operator takes them (see :func:`_check_max_len`)."""
     _check_offsets(q_offsets, "q_offsets", q.device)
     if k_offsets is not None:
         _check_offsets(k_offsets, "k_offsets", q.device)
     ops.check_jagged_pair(q, k, q_offsets, k_offsets)
-    _check_max_len(max_q, "max_q")
-    _check_max_len(max_k, "max_k")
+    return _check_max_len(max_q, "max_q"), _check_max_len(max_k, "max_k")
 
 
 def _check_bias_tensor(bias: object, name: str, q: torch.Tensor, layout: str) -> torch.Tensor:
@@ -233,7 +254,7 @@ def jagged_flash_attention(
         ``(Tq, H, D)`` in q's dtype. Rows that see no key (empty KV, or fully masked) are 0.
     """
     _check_qkv(q, k, v)
-    _check_jagged_pair(q, k, q_offsets, k_offsets, max_q, max_k)
+    max_q, max_k = _check_jagged_pair(q, k, q_offsets, k_offsets, max_q, max_k)
     resolved_scale = _resolve_scale(scale, q.shape[2])
     _check_bool(causal, "causal")
     left, right = _window_sides(_check_window(window))
@@ -309,11 +330,11 @@ def gdpa(
                 "q_offsets=None); both are None"
             )
         _check_offsets(k_offsets, "k_offsets", q.device)
-        _check_max_len(max_q, "max_q")
+        max_q = _check_max_len(max_q, "max_q")
         ops.check_max_len(max_q, "max_q", q.shape[0], "query (Nq)")
-        _check_max_len(max_k, "max_k")
+        max_k = _check_max_len(max_k, "max_k")
     else:
-        _check_jagged_pair(q, k, q_offsets, k_offsets, max_q, max_k)
+        max_q, max_k = _check_jagged_pair(q, k, q_offsets, k_offsets, max_q, max_k)
     resolved_scale = _resolve_scale(scale, q.shape[2])
     _check_bool(causal, "causal")
     _check_bool(normalize_by_length, "normalize_by_length")
@@ -373,14 +394,14 @@ def block_attention(
     if q.shape[2] % 2 != 0:
         raise ValueError(f"head_dim must be even for rotary embedding, got {q.shape[2]}")
     _check_offsets(offsets, "offsets", q.device)
-    _check_max_len(max_len, "max_len")
+    max_len = _check_max_len(max_len, "max_len")
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise TypeError(f"block_size must be an int, got {block_size!r}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)):
-        raise TypeError(f"rope_theta must be a Python float, got {type(rope_theta).__name__}")
-    if not (math.isfinite(rope_theta) and rope_theta > 0):
+    block_size = min(block_size, UNBOUNDED)  # one block per sample either way
+    theta = _finite_float(rope_theta, "rope_theta")
+    if theta <= 0:
         raise ValueError(f"rope_theta must be finite and > 0, got {rope_theta}")
     if positions is not None:
         if not isinstance(positions, torch.Tensor):
@@ -396,6 +417,5 @@ def block_attention(
     resolved_scale = _resolve_scale(scale, q.shape[2])
     _check_backend(backend, BLOCK_ATTENTION_BACKENDS)
     return _BLOCK_OP(
-        q, k, v, offsets, positions, max_len, block_size, float(rope_theta), resolved_scale,
-        backend,
+        q, k, v, offsets, positions, max_len, block_size, theta, resolved_scale, backend,
     )  # fmt: skip

@@ -56,6 +56,7 @@ BlockAttention modules) run, on the same prepared inputs.
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
@@ -286,7 +287,7 @@ def _jfa(
         rel_pos_bias=rel_pos_bias,
         jagged_bias=jagged_bias,
     )
-    triton = _jfa_triton(backend, q, rel_pos_bias, jagged_bias)
+    triton = _jfa_triton(backend, q, rel_pos_bias, jagged_bias, scale)
     if triton is not None:
         return triton.forward_from_lengths(q, k, v, q_lengths, k_lengths, **options)
     return reference.jagged_flash_attention_reference(
@@ -294,15 +295,26 @@ def _jfa(
     )
 
 
-def _jfa_triton(backend, q, rel_pos_bias, jagged_bias) -> ModuleType | None:
-    return _triton_module(
-        backend,
-        q,
-        "jfa_triton",
-        lambda m: m.triton_unsupported_reason(
+#: Smallest non-zero ``|scale|`` the Triton JFA kernels take with a bias: they add the bias
+#: divided by the scale to q.k in float32, which overflows for smaller scales (and any bias
+#: below 2**60). Such calls run the reference instead (``backend="auto"``).
+MIN_TRITON_BIAS_SCALE = 2.0**-60
+
+
+def _jfa_triton(backend, q, rel_pos_bias, jagged_bias, scale) -> ModuleType | None:
+    def unsupported(module: ModuleType) -> str | None:
+        reason = module.triton_unsupported_reason(
             q, rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias
-        ),
-    )
+        )
+        biased = rel_pos_bias is not None or jagged_bias is not None
+        if reason is None and biased and 0.0 < abs(scale) < MIN_TRITON_BIAS_SCALE:
+            reason = (
+                f"scale={scale!r} is below {MIN_TRITON_BIAS_SCALE!r} in magnitude with a bias "
+                "(the kernels add bias / scale in float32)"
+            )
+        return reason
+
+    return _triton_module(backend, q, "jfa_triton", unsupported)
 
 
 @_fake("jagged_flash_attention")
@@ -316,7 +328,7 @@ def _jfa_backward_impl(
     window_left, window_right, backend,
 ):  # fmt: skip
     options = dict(scale=scale, causal=causal, window=_window(window_left, window_right))
-    triton = _jfa_triton(backend, q, rel_pos_bias, jagged_bias)
+    triton = _jfa_triton(backend, q, rel_pos_bias, jagged_bias, scale)
     if triton is not None:
         grads = triton.backward_from_lengths(
             grad_out, q, k, v, out, lse, host_lengths(q_offsets),
@@ -477,13 +489,30 @@ _once_differentiable("gdpa_backward")
 # Block attention.
 
 
-def _block_triton(backend, q, block_size) -> ModuleType | None:
-    return _triton_module(
-        backend,
-        q,
-        "block_attention_triton",
-        lambda m: m.triton_unsupported_reason(q, block_size),
+#: Largest RoPE frequency, in turns per position, that the Triton kernels' fixed-point table
+#: holds exactly (2**40 fractions of a turn in an int64). A rope_theta below 1 makes the
+#: frequencies ``theta ** (-2i / D)`` grow with ``i``; beyond this bound the reference runs.
+MAX_TRITON_ROPE_TURNS = 2.0**20
+
+
+def _rope_unsupported_reason(head_dim: int, rope_theta: float) -> str | None:
+    if rope_theta >= 1.0 or head_dim <= 2:
+        return None  # every frequency is at most 1 radian per position
+    turns = rope_theta ** (-(head_dim - 2) / head_dim) / (2.0 * math.pi)
+    if turns < MAX_TRITON_ROPE_TURNS:
+        return None
+    return (
+        f"rope_theta={rope_theta!r} gives RoPE frequencies of {turns:.3g} turns per position, "
+        f"more than the kernels' fixed-point table holds ({MAX_TRITON_ROPE_TURNS:.0f})"
     )
+
+
+def _block_triton(backend, q, block_size, rope_theta) -> ModuleType | None:
+    def unsupported(module: ModuleType) -> str | None:
+        reason = module.triton_unsupported_reason(q, block_size)
+        return reason or _rope_unsupported_reason(q.shape[2], rope_theta)
+
+    return _triton_module(backend, q, "block_attention_triton", unsupported)
 
 
 @_operator("block_attention", _BLOCK_SCHEMA)
@@ -492,7 +521,7 @@ def _block(q, k, v, offsets, positions, max_len, block_size, rope_theta, scale, 
     lengths = host_lengths(offsets)
     check_max_len(max_len, "max_len", lengths, "sample")
     options = dict(block_size=block_size, positions=positions, rope_theta=rope_theta, scale=scale)
-    triton = _block_triton(backend, q, block_size)
+    triton = _block_triton(backend, q, block_size, rope_theta)
     if triton is not None:
         return triton.forward_from_lengths(q, k, v, lengths, **options)
     return reference.block_attention_reference(q, k, v, offsets, **options)
@@ -508,7 +537,7 @@ def _block_backward_impl(
     grad_out, q, k, v, offsets, positions, block_size, rope_theta, scale, backend
 ):
     options = dict(block_size=block_size, positions=positions, rope_theta=rope_theta, scale=scale)
-    triton = _block_triton(backend, q, block_size)
+    triton = _block_triton(backend, q, block_size, rope_theta)
     if triton is not None:
         grads = triton.backward_from_lengths(grad_out, q, k, v, host_lengths(offsets), **options)
         return tuple(_fresh(grads))

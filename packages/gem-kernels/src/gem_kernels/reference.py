@@ -400,6 +400,9 @@ def _attend_chunk(
     key_index = (k_starts[:, None] + key_pos[None, :]).clamp(max=k_heads.shape[1] - 1)
     k_pad = k_heads.index_select(1, key_index.flatten()).view(heads, num, k_len, head_dim)
     v_pad = v_heads.index_select(1, key_index.flatten()).view(heads, num, k_len, head_dim)
+    # Key slots past a sample's length read another sample's rows: zero their values, since a
+    # zero weight times a NaN or Inf there would still reach this sample's output.
+    v_pad = v_pad.masked_fill(~key_valid[None, :, :, None], 0.0)
     k_pad_t = k_pad.transpose(-1, -2)  # matmul takes the transposed view without a copy
 
     window = problem.window
@@ -442,7 +445,8 @@ def _attend_chunk(
             mask = mask | ~row_has_key[:, :, None]
             masked_scores = scores.masked_fill(~mask, float("-inf"))
             weights = torch.softmax(masked_scores, dim=-1)
-            out = torch.matmul(weights, v_pad) * row_has_key[None, :, :, None]
+            # Selected, not multiplied: a NaN in the scores of a row without keys stays out.
+            out = torch.matmul(weights, v_pad).masked_fill(~row_has_key[None, :, :, None], 0.0)
             if problem.with_lse:
                 # log2 domain, +inf for rows without keys: what the Triton backward reads.
                 lse = (torch.logsumexp(masked_scores, dim=-1) * _LOG2E).float()  # (H, n, r)

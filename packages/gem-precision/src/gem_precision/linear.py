@@ -58,6 +58,13 @@ __all__ = [
 _ACT_BLOCK = (1, 128)
 _WEIGHT_BLOCK = (128, 128)
 
+#: Largest ``Fp8Recipe.hadamard_block_size``.
+MAX_HADAMARD_BLOCK_SIZE = 4096
+#: dtypes of ``Fp8Linear`` parameters and inputs.
+_LINEAR_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: MX GEMM operands are quantised in blocks (weights: squares) of this size.
+_MX_BLOCK = 32
+
 
 @dataclass(frozen=True)
 class Fp8Recipe:
@@ -96,7 +103,8 @@ class Fp8Recipe:
 
     def __post_init__(self) -> None:
         for name in ("fp8_dtype", "grad_dtype"):
-            if getattr(self, name) not in MX_ELEMENT_DTYPES:
+            value = getattr(self, name)
+            if not isinstance(value, torch.dtype) or value not in MX_ELEMENT_DTYPES:
                 raise TypeError(
                     f"{name} must be torch.float8_e4m3fn or torch.float8_e5m2, "
                     f"got {getattr(self, name)}"
@@ -113,11 +121,20 @@ class Fp8Recipe:
         b = self.hadamard_block_size
         if isinstance(b, bool) or not isinstance(b, int) or b <= 0 or b & (b - 1):
             raise ValueError(f"hadamard_block_size must be a positive power of two, got {b!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
-        if self.scaling not in ("auto", "blockwise", "mx"):
+        if b > MAX_HADAMARD_BLOCK_SIZE:
+            # The transform multiplies by a dense b x b matrix and pads K up to b.
+            raise ValueError(
+                f"hadamard_block_size must be at most {MAX_HADAMARD_BLOCK_SIZE}, got {b}"
+            )
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+        if not isinstance(self.scaling, str) or self.scaling not in ("auto", "blockwise", "mx"):
             raise ValueError(f"scaling must be 'auto', 'blockwise' or 'mx', got {self.scaling!r}")
-        if self.mx_scale_rounding not in ("ceil", "floor"):
+        if not isinstance(self.mx_scale_rounding, str) or self.mx_scale_rounding not in (
+            "ceil",
+            "floor",
+        ):
             raise ValueError(
                 f"mx_scale_rounding must be 'ceil' or 'floor', got {self.mx_scale_rounding!r}"
             )
@@ -430,6 +447,12 @@ class _MxLinearFunction(torch.autograd.Function):
         x2d, bias = ctx.saved_tensors
         recipe: Fp8Recipe = ctx.recipe
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if need_w and x2d.shape[0] % _MX_BLOCK:
+            # The weight gradient quantises dy.T and x.T in blocks along the tokens.
+            raise ValueError(
+                f"Fp8Recipe(scaling='mx') needs a multiple of {_MX_BLOCK} rows of x (tokens) for "
+                f"the weight gradient, got {x2d.shape[0]}"
+            )
         grad_x = grad_w = None
         if need_x:
             gq = _mx(grad_out, recipe, recipe.grad_dtype)
@@ -476,9 +499,22 @@ class Fp8Linear(nn.Linear):
         *,
         recipe: Fp8Recipe | None = None,
     ) -> None:
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if in_features * out_features >= 2**60:
+            raise ValueError(
+                f"in_features * out_features must be below 2**60 (a weight tensor), got "
+                f"in_features={in_features}, out_features={out_features}"
+            )
+        if dtype is not None and dtype not in _LINEAR_DTYPES:
+            raise TypeError(
+                f"dtype must be None, torch.float16, bfloat16, float32 or float64, got {dtype!r}"
+            )
+        _check_recipe(recipe)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        if recipe is not None and not isinstance(recipe, Fp8Recipe):
-            raise TypeError(f"recipe must be an Fp8Recipe or None, got {type(recipe).__name__}")
         self.recipe = recipe or Fp8Recipe()
         # Philox counter for stochastic rounding; advanced each forward so steps differ.
         self._sr_offset = 0
@@ -486,18 +522,40 @@ class Fp8Linear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe | None = None) -> Fp8Linear:
         """Wrap an existing ``nn.Linear``, sharing (not copying) its parameters."""
+        _check_recipe(recipe)
         new = _sharing_parameters_of(cls, linear)
         new.recipe = recipe or Fp8Recipe()
         new._sr_offset = 0
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T + b`` with FP8-quantized GEMM operands; any leading dims are kept."""
-        if x.shape[-1] != self.in_features:
+        """``x @ W.T + b`` with FP8-quantized GEMM operands; any leading dims are kept.
+
+        float64 inputs and parameters are computed as float32. Raises ``TypeError`` (x not a
+        float16/bfloat16/float32/float64 tensor) or ``ValueError`` (x 0-d, its last dim not
+        ``in_features``, on another device than the weight; with an MX recipe, features not
+        divisible by 32; its backward: a number of rows not divisible by 32 for the weight
+        gradient).
+        """
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in _LINEAR_DTYPES:
+            raise TypeError(
+                f"x must have dtype float16, bfloat16, float32 or float64, got {x.dtype}"
+            )
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(
                 f"the last dim of x must be in_features={self.in_features}, got {tuple(x.shape)}"
             )
+        if x.device != self.weight.device:
+            raise ValueError(f"x is on {x.device} but the weight is on {self.weight.device}")
         path, native = _path(self.recipe, x.device)
+        if path == "mx" and (self.in_features % _MX_BLOCK or self.out_features % _MX_BLOCK):
+            raise ValueError(
+                f"Fp8Recipe(scaling='mx') needs in_features and out_features divisible by "
+                f"{_MX_BLOCK}, got in_features={self.in_features}, "
+                f"out_features={self.out_features}"
+            )
         if x.is_cuda and not native:
             # Not silent: on a GPU a user expects FP8 speed, and this path only has FP8 numerics.
             warnings.warn(
@@ -507,18 +565,31 @@ class Fp8Linear(nn.Linear):
                 stacklevel=2,
             )
         x2d = x.reshape(-1, self.in_features)
+        if x2d.shape[0] == 0:
+            # No rows: nothing to quantise (a tensorwise scale of nothing is undefined). The
+            # empty result still depends on the parameters, whose gradients are then zero.
+            out = F.linear(x2d.to(self.weight.dtype), self.weight, self.bias)
+            return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        weight, bias = self.weight, self.bias
+        # The FP8 operand kernels take float32, bfloat16 and float16: float64 is computed as
+        # float32 (quantised from float32 values, like the emulation), cast back at the end.
+        if x2d.dtype == torch.float64:
+            x2d = x2d.float()
+        if weight.dtype == torch.float64:
+            weight = weight.float()
+            bias = None if bias is None else bias.float()
         offset = self._sr_offset
         if self.training and torch.is_grad_enabled():
             # Room for dgrad + wgrad draws of this step.
             self._sr_offset += 2 * x2d.shape[0] * self.out_features
         if path == "blockwise":
-            out = _Fp8LinearFunction.apply(x2d, self.weight, self.bias, self.recipe, offset, native)
+            out = _Fp8LinearFunction.apply(x2d, weight, bias, self.recipe, offset, native)
         elif path == "mx":
-            out = _MxLinearFunction.apply(x2d, self.weight, self.bias, self.recipe, native)
+            out = _MxLinearFunction.apply(x2d, weight, bias, self.recipe, native)
         else:
-            out = _Fp8LinearRotatedFunction.apply(x2d, self.weight, self.recipe, offset, native)
-            if self.bias is not None:
-                out = out + self.bias.to(out.dtype)
+            out = _Fp8LinearRotatedFunction.apply(x2d, weight, self.recipe, offset, native)
+            if bias is not None:
+                out = out + bias.to(out.dtype)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -615,6 +686,11 @@ def convert_to_fp8(module: nn.Module, policy: PrecisionPolicy | None = None) -> 
         owner=(NormLinear, lambda norm_linear: _fp8_norm_linear(norm_linear, policy.recipe)),
     )
     return report
+
+
+def _check_recipe(recipe: object) -> None:
+    if recipe is not None and not isinstance(recipe, Fp8Recipe):
+        raise TypeError(f"recipe must be an Fp8Recipe or None, got {type(recipe).__name__}")
 
 
 def _sharing_parameters_of(cls: type[nn.Module], linear: nn.Linear) -> nn.Module:

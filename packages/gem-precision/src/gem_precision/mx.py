@@ -121,6 +121,8 @@ def _scale_shape(
 ) -> tuple[int, ...]:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if block_size >= 2**31:
+        raise ValueError(f"block_size must be below 2**31, got {block_size}")
     if not isinstance(square, bool):
         raise TypeError(f"square must be a bool, got {square!r}")
     if len(shape) == 0:
@@ -187,9 +189,9 @@ def _check_quantize_args(x: object, elem_dtype: object, scale_rounding: object) 
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _INPUT_DTYPES:
         raise TypeError(f"x must have dtype float32, bfloat16 or float16, got {x.dtype}")
-    if elem_dtype not in MX_ELEMENT_DTYPES:
+    if not isinstance(elem_dtype, torch.dtype) or elem_dtype not in MX_ELEMENT_DTYPES:
         raise TypeError(
-            f"elem_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {elem_dtype}"
+            f"elem_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {elem_dtype!r}"
         )
     if scale_rounding not in ("floor", "ceil"):
         raise ValueError(f"scale_rounding must be 'floor' or 'ceil', got {scale_rounding!r}")
@@ -272,11 +274,19 @@ def quantize_mx(
 
 
 def _use_triton(x: torch.Tensor, block_size: int, backend: str) -> bool:
-    if backend not in ("auto", "torch", "triton"):
+    if not isinstance(backend, str) or backend not in ("auto", "torch", "triton"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    from gem_precision import _triton
+
+    if backend == "triton" and not _triton.can_run(x):
+        raise ValueError(
+            f"backend='triton' cannot run on a tensor on {x.device}: the Triton kernels need "
+            "CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 (and triton installed)"
+        )
+    if x.numel() == 0:
+        return False  # nothing to quantise: the reference returns the empty result
     if backend != "auto":
         return backend == "triton"
-    from gem_precision import _triton
 
     power_of_two = 2 <= block_size <= 256 and not block_size & (block_size - 1)
     return x.is_cuda and power_of_two and _triton.triton_available()

@@ -28,6 +28,41 @@ __all__ = [
 DATA_PROFILES = ("tiny", "gem")
 """Values of ``DataConfig.profile``."""
 
+BAD_ROW_MODES = ("error", "skip")
+"""Values of ``DataConfig.on_bad_row`` (``gem_data``'s loaders take the same)."""
+
+
+def _check_int(section: str, target: object, name: str, low: int) -> None:
+    value = getattr(target, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{section}{name} must be an int >= {low}, got {value!r}")
+
+
+def _check_float(section: str, target: object, name: str, low: float = 0.0) -> None:
+    value = getattr(target, name)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < low
+    ):
+        raise ValueError(f"{section}{name} must be a finite number >= {low}, got {value!r}")
+
+
+def _check_str(section: str, target: object, name: str, choices: tuple[str, ...] | None) -> None:
+    value = getattr(target, name)
+    if not isinstance(value, str) or (choices is None and not value.strip()):
+        raise ValueError(f"{section}{name} must be a non-empty str, got {value!r}")
+    if choices is not None and value not in choices:
+        listed = ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}"
+        raise ValueError(f"{section}{name} must be {listed}, got {value!r}")
+
+
+def _check_bool(section: str, target: object, name: str) -> None:
+    value = getattr(target, name)
+    if not isinstance(value, bool):
+        raise ValueError(f"{section}{name} must be a bool, got {value!r}")
+
 
 @dataclass
 class DataConfig:
@@ -57,10 +92,18 @@ class DataConfig:
     """Rows of the user-id table."""
     num_ads: int = 2_000
     """Rows of the ad-id table."""
+    on_bad_row: str = "error"
+    """What the training loader does with a row whose values are bad (NaN / Inf dense
+    features, ids outside the dataset's tables, labels outside [0, 1], ...): 'error' stops with
+    ``gem_data.DatasetFormatError`` naming the file, row group and column; 'skip' leaves the row
+    out of its batch and counts it (``ShardedBatchLoader(on_bad_row=...)``, ``skipped_rows``)."""
 
     def __post_init__(self) -> None:
         if self.profile not in DATA_PROFILES:
             raise ValueError(f"data.profile must be one of {DATA_PROFILES}, got {self.profile!r}")
+        _check_str("data.", self, "on_bad_row", BAD_ROW_MODES)
+        _check_str("data.", self, "directory", None)
+        _check_int("data.", self, "seed", 0)
         for name in (
             "num_train",
             "num_eval",
@@ -99,6 +142,9 @@ class OptimConfig:
     """Clip the dense gradients' global norm (0 disables)."""
 
     def __post_init__(self) -> None:
+        for name in ("dense_lr", "weight_decay", "sparse_lr", "max_grad_norm"):
+            _check_float("optim.", self, name)
+        _check_int("optim.", self, "warmup_steps", 0)
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(
                 f"optim.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}"
@@ -330,6 +376,21 @@ class TrainConfig:
     """Dense parallelism: DDP or 2D FSDP, and expert parallelism for the DHEN experts."""
 
     def __post_init__(self) -> None:
+        for name, low in (
+            ("seed", 0),
+            ("batch_size", 1),
+            ("eval_batch_size", 1),
+            ("epochs", 0),
+            ("max_steps", 0),
+            ("log_every", 1),
+            ("checkpoint_every", 0),
+        ):
+            _check_int("", self, name, low)
+        _check_float("", self, "activation_budget_gib")
+        _check_str("", self, "output_dir", None)
+        _check_str("", self, "device", ("auto", "cpu", "cuda"))
+        for name in ("compare_no_sequence", "compile"):
+            _check_bool("", self, name)
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING_MODES:
             raise ValueError(
                 f"activation_checkpointing must be one of {ACTIVATION_CHECKPOINTING_MODES}, "
@@ -388,13 +449,26 @@ def _override(target: object, path: list[str], value: str, full_path: str) -> ob
         raise ValueError(f"override {full_path!r}: {name!r} is a section; name one of its fields")
     try:
         return dataclasses.replace(target, **{name: _convert(value, fields[name].type, full_path)})
-    except ValueError as error:
+    except (ValueError, TypeError) as error:  # the field's own checks, or the parse
         raise ValueError(f"override {full_path!r}: {error}") from error
 
 
 def apply_overrides(config: TrainConfig, overrides: list[str]) -> TrainConfig:
-    """Returns a copy of ``config`` with ``section.field=value`` (or ``field=value``) overrides."""
+    """Returns a copy of ``config`` with ``section.field=value`` (or ``field=value``) overrides.
+
+    Raises ``TypeError`` when ``config`` is not a ``TrainConfig`` or ``overrides`` is not a list
+    (or tuple) of str, and ``ValueError`` naming the override (``'section.field'``) when it is
+    malformed, names no field, or its value does not parse or fails the field's checks.
+    """
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {type(config).__name__}")
+    if not isinstance(overrides, (list, tuple)):
+        raise TypeError(
+            f"overrides must be a list of 'section.field=value' str, got {type(overrides).__name__}"
+        )
     for override in overrides:
+        if not isinstance(override, str):
+            raise TypeError(f"overrides must hold str, got {override!r}")
         if "=" not in override:
             raise ValueError(f"override {override!r} must look like section.field=value")
         path, value = override.split("=", 1)

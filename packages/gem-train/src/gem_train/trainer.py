@@ -178,6 +178,7 @@ class Trainer:
             rank=self.rank,
             world_size=self.world_size,
             drop_last=True,
+            on_bad_row=config.data.on_bad_row,
         )
         steps_per_epoch = len(self.loader)
         if steps_per_epoch == 0:
@@ -381,6 +382,7 @@ class Trainer:
                 achieved / self.measured_peak_tflops if self.measured_peak_tflops else None
             ),
             "step_ms": seconds / steps * 1e3,
+            "skipped_rows": self.loader.skipped_rows,  # data.on_bad_row="skip", since start
             **{f"time_{phase}": t / steps for phase, t in self.clock.take().items()},
             **self.saved_activations.metrics(),
         }
