@@ -18,8 +18,7 @@ budget, drawing fresh examples from ``--seed`` (the tests' own short runs are de
 
 An example counts as ``unexpected`` when the call raised anything but a ``ValueError`` /
 ``TypeError`` naming an argument the example broke (or hung), and as ``wrong`` when an invalid
-call was accepted or a result differs from the oracle (see each package's
-``*_fuzz_tally.py``).
+call was accepted or a result differs from the oracle (see ``tests/support/fuzz_tally.py``).
 
 **Bad data** (rows ``data/<case>``): the cases of ``packages/gem-data/tests/data_faults.py``
 (NaN / Inf dense features, ids outside the tables of dataset.json, an empty or zero-byte

@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from data_faults import BATCH, ROW_GROUP, ROWS, _set_cell, _shard, make_dataset
-from data_fuzz_tally import Fault, Tally, fuzz_settings
+from fuzz_tally import Fault, Tally, fuzz_settings
 from gem_data import DatasetFormatError, ParquetBatchLoader, ShardedBatchLoader, read_dataset_info
 from hypothesis import given
 from hypothesis import strategies as st

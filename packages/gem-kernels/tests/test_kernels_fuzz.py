@@ -7,7 +7,7 @@ values, zero-size batches, huge or too small ``max_*`` lengths, malformed window
 biases, block sizes, positions and RoPE bases. Every call either works and matches the naive
 float64 oracle of ``kernels_naive`` (non-finite inputs: rows the oracle gets finite must match,
 rows it gets non-finite must not come back finite), or raises a ``ValueError`` / ``TypeError``
-naming an argument the example broke (see ``kernels_fuzz_tally``). The reference backend runs
+naming an argument the example broke (see ``tests/support/fuzz_tally.py``). The reference backend runs
 on the CPU; a few examples run the Triton kernels under ``TRITON_INTERPRET=1``.
 """
 
@@ -21,7 +21,7 @@ import torch
 from gem_kernels import block_attention, gdpa, jagged_flash_attention
 from hypothesis import given
 from hypothesis import strategies as st
-from kernels_fuzz_tally import Fault, Tally, fuzz_settings
+from fuzz_tally import Fault, Tally, fuzz_settings
 from kernels_naive import naive_block_attention, naive_gdpa, naive_jfa, offsets_of
 
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]

@@ -6,7 +6,7 @@ not recipes or hold bad fields (a Hadamard block too large to build is one), inp
 not tensors, have the wrong dtype, rank, last dim or device, zero rows, NaN / Inf values;
 block sizes, element dtypes, roundings, square flags and backends that are wrong. Every call
 either works and matches an oracle, or raises a ``ValueError`` / ``TypeError`` naming an
-argument the example broke (``precision_fuzz_tally``).
+argument the example broke (``tests/support/fuzz_tally.py``).
 
 Oracles: ``Fp8Linear`` against the fake-quantised emulation of its recipe (operands quantised
 by ``fake_quantize_blockwise`` / ``quantize_mx``, multiplied in float32, rounded as the layer
@@ -24,7 +24,7 @@ import torch
 from gem_precision import Fp8Linear, Fp8Recipe, fp8_gemm_emulated, quantize_mx
 from hypothesis import given
 from hypothesis import strategies as st
-from precision_fuzz_tally import Fault, Tally, fuzz_settings
+from fuzz_tally import Fault, Tally, fuzz_settings
 from test_mx import REF_FORMATS, ref_quantize
 
 LINEAR_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

@@ -19,7 +19,7 @@ from gem_train import TrainConfig
 from gem_train.config import apply_overrides
 from hypothesis import given
 from hypothesis import strategies as st
-from train_fuzz_tally import Fault, Tally, fuzz_settings
+from fuzz_tally import Fault, Tally, fuzz_settings
 
 BASE = TrainConfig()
 

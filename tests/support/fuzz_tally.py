@@ -9,7 +9,8 @@ the first failures; since no example raises, hypothesis runs its whole budget.
 
 ``GEM_FUZZ_SCALE`` multiplies every test's example budget and ``GEM_FUZZ_REPORT_DIR`` makes
 each API write ``<api>.json`` with its counts there (``benchmarks/bench_fuzz.py`` uses both).
-The same file exists in each package's tests (named per package: the packages are tested alone).
+Shared by the packages' fuzz tests: pytest puts ``tests/support`` on the path (root
+``pyproject.toml``), so each package's suite still runs alone.
 """
 
 from __future__ import annotations
