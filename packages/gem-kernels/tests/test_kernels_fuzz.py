@@ -18,10 +18,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from fuzz_tally import Fault, Tally, fuzz_settings
 from gem_kernels import block_attention, gdpa, jagged_flash_attention
 from hypothesis import given
 from hypothesis import strategies as st
-from fuzz_tally import Fault, Tally, fuzz_settings
 from kernels_naive import naive_block_attention, naive_gdpa, naive_jfa, offsets_of
 
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]

@@ -21,10 +21,10 @@ import os
 import numpy as np
 import pytest
 import torch
+from fuzz_tally import Fault, Tally, fuzz_settings
 from gem_precision import Fp8Linear, Fp8Recipe, fp8_gemm_emulated, quantize_mx
 from hypothesis import given
 from hypothesis import strategies as st
-from fuzz_tally import Fault, Tally, fuzz_settings
 from test_mx import REF_FORMATS, ref_quantize
 
 LINEAR_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

@@ -15,11 +15,11 @@ import dataclasses
 import math
 import typing
 
+from fuzz_tally import Fault, Tally, fuzz_settings
 from gem_train import TrainConfig
 from gem_train.config import apply_overrides
 from hypothesis import given
 from hypothesis import strategies as st
-from fuzz_tally import Fault, Tally, fuzz_settings
 
 BASE = TrainConfig()
 
