@@ -1,6 +1,14 @@
 """gem-train: recipes, the trainer (torchrec DMP, AdamW + fused sparse optimizer), NE/AUC, DCP checkpoints, CLI."""
 
-from gem_train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from gem_train.checkpoint import (
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    IncompleteCheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from gem_train.config import DataConfig, OptimConfig, ParallelConfig, TrainConfig, apply_overrides
 from gem_train.metrics import auc, normalized_entropy
 from gem_train.parallel import DenseParallel, ExpertParallelDHENLayer
@@ -26,4 +34,8 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointSaveError",
+    "IncompleteCheckpointError",
 ]

@@ -31,7 +31,7 @@ from gem_data.writer import DATASET_INFO_FILE
 from rich.console import Console
 from rich.table import Table
 
-from gem_train.checkpoint import latest_checkpoint
+from gem_train.checkpoint import find_resumable
 from gem_train.config import DataConfig, TrainConfig, apply_overrides
 from gem_train.parallel import check_sparse_layout
 from gem_train.profiling import profile_table
@@ -232,14 +232,22 @@ def _validate_parallel(config: TrainConfig, world: int) -> None:
 
 
 def _validate_resume(config: TrainConfig) -> None:
+    """A whole checkpoint to resume from (a variant without any starts fresh). Damaged ones
+    are skipped for the newest whole one (the trainer says so); a variant with checkpoints
+    but none whole is an error."""
     first = Path(config.output_dir) / "gem" / "checkpoints"
     variants = ["gem", "no_sequence"] if config.compare_no_sequence else ["gem"]
-    try:
-        found = [
-            latest_checkpoint(Path(config.output_dir) / name / "checkpoints") for name in variants
-        ]
-    except (OSError, ValueError) as error:
-        raise UsageError("--resume", str(error)) from None
+    found = []
+    for name in variants:
+        directory = Path(config.output_dir) / name / "checkpoints"
+        try:
+            path, skipped = find_resumable(directory)
+        except OSError as error:
+            raise UsageError("--resume", str(error)) from None
+        if path is None and skipped:
+            reasons = "; ".join(f"{bad.name}: {error}" for bad, error in skipped)
+            raise UsageError("--resume", f"no whole checkpoint under {directory}: {reasons}")
+        found.append(path)
     if not any(found):
         raise UsageError("--resume", f"no checkpoint under {first}")
 
@@ -306,7 +314,7 @@ def run(
         )
         checkpoints = output / name / "checkpoints"
         if resume and trainer.resume(checkpoints):
-            console.print(f"{name}: resumed at step {trainer.step} from {checkpoints}")
+            console.print(f"{name}: resumed at step {trainer.step} from {trainer.resumed_from}")
         losses = trainer.fit(checkpoint_dir=checkpoints, profile=profile)
         if trainer.profile is not None:
             console.print(profile_table(trainer.profile, f"{name}: time per training step"))
@@ -315,7 +323,10 @@ def run(
             trainer.save(checkpoints)  # fit() did not already save this final step
         results[name] = trainer.evaluate(eval_data)
         results[name]["train_seconds"] = time.perf_counter() - variant_started
-        results[name]["final_train_loss"] = sum(losses[-20:]) / max(1, len(losses[-20:]))
+        # Of this call's steps (None when a resume had none left to train).
+        results[name]["final_train_loss"] = (
+            sum(losses[-20:]) / len(losses[-20:]) if losses else None
+        )
         console.print(f"{name}: {trainer.step} steps in {results[name]['train_seconds']:.1f} s")
 
     summary = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 import os
@@ -25,7 +26,9 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from gem_train.checkpoint import (
-    latest_checkpoint,
+    CheckpointMismatchError,
+    IncompleteCheckpointError,
+    find_resumable,
     load_checkpoint,
     read_trainer_state,
     save_checkpoint,
@@ -59,19 +62,51 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def init_distributed(device: torch.device) -> tuple[int, int]:
+DIST_TIMEOUT_S = 1800.0
+"""Default seconds a collective waits for the other ranks before it fails (``GEM_DIST_TIMEOUT_S``
+in the environment overrides it): long enough for rank 0 generating the data or a large
+checkpoint while the others wait, short enough that a stuck or dead rank ends the job."""
+
+
+def dist_timeout_s() -> float:
+    """The process-group timeout: ``GEM_DIST_TIMEOUT_S`` when set (seconds > 0), else
+    ``DIST_TIMEOUT_S``."""
+    value = os.environ.get("GEM_DIST_TIMEOUT_S")
+    if value is None:
+        return DIST_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"GEM_DIST_TIMEOUT_S must be a number of seconds > 0, got {value!r}")
+    return seconds
+
+
+def init_distributed(device: torch.device, *, timeout_s: float | None = None) -> tuple[int, int]:
     """Joins the process group torchrun describes, or starts a one-process group.
 
     torchrec's sharded modules always need a process group, even alone.
     Returns ``(rank, world_size)``.
+
+    Every collective fails after ``timeout_s`` (default: ``dist_timeout_s()``) instead of
+    waiting forever for a rank that died or hangs: gloo raises in the waiting call (a peer that
+    died also closes its connections, which fails the call at once). NCCL work runs on CUDA
+    streams that no Python call can interrupt: ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` (unless
+    set; torch's default, made explicit since 0 would hang) has the NCCL watchdog end the
+    process when a collective times out or fails, without first aborting the communicators
+    (mode 1 does, which can itself hang).
     """
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=dist_timeout_s() if timeout_s is None else timeout_s)
+        if backend == "nccl":
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=timeout)
         else:
             store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="gem-train-"), "store"), 1)
-            dist.init_process_group(backend, store=store, rank=0, world_size=1)
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     return dist.get_rank(), dist.get_world_size()
@@ -439,37 +474,88 @@ class Trainer:
         }
 
     def save(self, checkpoint_dir: str | Path) -> Path:
-        """Atomically saves model, both optimizers, data position and step."""
+        """Atomically saves model, both optimizers, data position, step and model config.
+
+        Raises ``gem_train.checkpoint.CheckpointSaveError`` on every rank when the save did
+        not complete (full disk, unwritable path): the previous checkpoint stays the newest
+        one and training must not go on as if it had saved."""
         trainer_state = {
             "step": self.step,
             "world_size": self.world_size,
             "loader": self._batches.state_dict(),
             "torch_rng": torch.get_rng_state().tolist(),
+            "model_config": json.loads(
+                json.dumps(dataclasses.asdict(self.model_config), default=str)
+            ),
         }
         return save_checkpoint(checkpoint_dir, self.step, self._app_state(), trainer_state)
 
     def resume(self, checkpoint_dir: str | Path, *, allow_mesh_change: bool = False) -> bool:
-        """Restores the newest checkpoint under ``checkpoint_dir``; False when there is none.
+        """Restores the newest whole checkpoint under ``checkpoint_dir``; False when there is
+        none at all.
 
-        The model and optimizer reshard onto any number of ranks (DCP reads each shard's
-        slice of the saved tensors). The data position is exact only for the same number of
-        ranks: with ``allow_mesh_change=True`` a checkpoint from another world size is
-        accepted and this job's data order starts from its own beginning.
+        The one ``latest`` names is used when it is whole. One that is not (a truncated or
+        missing shard, missing or unreadable ``.metadata`` or ``trainer_state.json``, ``latest``
+        naming a deleted step, a load that fails) is skipped for the newest whole one, and
+        rank 0 says so on stderr (``self.skipped_checkpoints`` lists them with their
+        ``IncompleteCheckpointError``, ``self.resumed_from`` is the one loaded). When
+        checkpoints exist but none is whole, ``IncompleteCheckpointError`` is raised.
+
+        A whole checkpoint of another model, or of another world size without
+        ``allow_mesh_change``, raises ``CheckpointMismatchError`` (no fallback: that would
+        drop the newer training). The model and optimizer reshard onto any number of ranks
+        (DCP reads each shard's slice of the saved tensors). The data position is exact only
+        for the same number of ranks: with ``allow_mesh_change=True`` a checkpoint from
+        another world size is accepted and this job's data order starts from its own
+        beginning.
         """
-        path = latest_checkpoint(checkpoint_dir)
-        if path is None:
-            return False
-        trainer_state = read_trainer_state(path)
-        saved_world = int(trainer_state.get("world_size", self.world_size))
-        if saved_world != self.world_size and not allow_mesh_change:
-            raise ValueError(
-                f"checkpoint {path} was written by {saved_world} ranks but this job has "
-                f"{self.world_size}; pass allow_mesh_change=True to reshard the model and "
-                "optimizer (the data position cannot carry over exactly)"
+        self.skipped_checkpoints: list[tuple[Path, IncompleteCheckpointError]] = []
+        self.resumed_from: Path | None = None
+
+        def say(line: str) -> None:
+            if self.rank == 0:
+                print(f"gem-train: {line}", file=sys.stderr, flush=True)
+
+        failed: list[Path] = []  # whole on disk, but their load failed
+        while True:
+            path, skipped = find_resumable(checkpoint_dir, exclude=failed)
+            for bad, error in skipped:
+                say(f"skipping checkpoint {bad}: {type(error).__name__}: {error}")
+            self.skipped_checkpoints += skipped
+            if path is None:
+                if self.skipped_checkpoints:
+                    raise IncompleteCheckpointError(
+                        f"no whole checkpoint under {checkpoint_dir}: "
+                        + "; ".join(f"{p.name}: {e}" for p, e in self.skipped_checkpoints),
+                        Path(checkpoint_dir),
+                    )
+                return False
+            trainer_state = read_trainer_state(path)
+            saved_world = int(trainer_state.get("world_size", self.world_size))
+            if saved_world != self.world_size and not allow_mesh_change:
+                raise CheckpointMismatchError(
+                    f"checkpoint {path} was written by {saved_world} ranks (its "
+                    f"{path / 'trainer_state.json'} says so) but this job has "
+                    f"{self.world_size}; pass allow_mesh_change=True to reshard the model and "
+                    "optimizer (the data position cannot carry over exactly)",
+                    path / "trainer_state.json",
+                )
+            self.dense_optimizer.init_state()  # AdamW state is lazy; DCP loads in place
+            app_state = self._app_state()
+            try:
+                load_checkpoint(path, app_state, model_config=dataclasses.asdict(self.model_config))
+            except IncompleteCheckpointError as error:
+                say(f"skipping checkpoint {path}: {type(error).__name__}: {error}")
+                self.skipped_checkpoints.append((path, error))
+                failed.append(path)
+                continue
+            break
+        if self.skipped_checkpoints:
+            say(
+                f"falling back to checkpoint {path} (step {trainer_state['step']}), the newest "
+                f"whole one; skipped: {', '.join(p.name for p, _ in self.skipped_checkpoints)}"
             )
-        self.dense_optimizer.init_state()  # AdamW state is lazy; DCP loads in place
-        app_state = self._app_state()
-        load_checkpoint(path, app_state)
+        self.resumed_from = path
         self.model.load_state_dict(app_state["model"])
         self.optimizer.load_state_dict(app_state["optimizer"])
         self.step = int(trainer_state["step"])
