@@ -481,3 +481,19 @@ def read_file(
     except (pa.ArrowException, OSError) as error:
         raise DatasetFormatError(f"{path}: cannot read the Parquet data ({error})") from error
     return table_to_columns(table, str(path), num_dense, info, on_bad_row), num_dense
+
+
+def drop_bad_rows(
+    columns: Columns, rows: np.ndarray, examples: list[str]
+) -> tuple[np.ndarray, int]:
+    """``rows`` of ``columns`` without the bad ones (``on_bad_row="skip"``) and how many were
+    dropped; the first reasons are appended to ``examples`` (up to ``MAX_SKIP_EXAMPLES`` in
+    all). A batch whose rows are all bad is an error: there is nothing to train on."""
+    kept, reasons = columns.good_rows(rows)
+    if reasons and kept.size == 0:
+        raise DatasetFormatError(
+            f"every row of a batch of {rows.size} is bad (on_bad_row='skip' cannot make a "
+            f"batch of it); first: {reasons[0]}"
+        )
+    examples.extend(reasons[: max(0, MAX_SKIP_EXAMPLES - len(examples))])
+    return kept, len(reasons)

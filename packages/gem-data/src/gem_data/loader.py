@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 
 from gem_data._columns import (
-    MAX_SKIP_EXAMPLES,
     Columns,
     check_bool,
     check_directory,
     check_int,
     check_on_bad_row,
+    drop_bad_rows,
     read_file,
 )
 from gem_data.batch import Batch
@@ -226,16 +226,8 @@ class ParquetBatchLoader(ResumablePosition):
             raise ValueError(f"rows must be a non-empty 1-D array, got shape {rows.shape}")
         if rows.min() < 0 or rows.max() >= self.total_samples:
             raise ValueError(f"rows must be in [0, {self.total_samples}), got {rows}")
-        kept, reasons = self._data.good_rows(rows)
-        if reasons:
-            if kept.size == 0:
-                raise DatasetFormatError(
-                    f"every row of a batch of {rows.size} is bad (on_bad_row='skip' cannot "
-                    f"make a batch of it); first: {reasons[0]}"
-                )
-            self.skipped_rows += len(reasons)
-            room = MAX_SKIP_EXAMPLES - len(self.skipped_examples)
-            self.skipped_examples.extend(reasons[: max(0, room)])
+        kept, dropped = drop_bad_rows(self._data, rows, self.skipped_examples)
+        self.skipped_rows += dropped
         return self._data.collate(kept)
 
     # ---------------------------------------------------------------------- resume

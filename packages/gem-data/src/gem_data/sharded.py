@@ -18,12 +18,12 @@ import pyarrow.parquet as pq
 import torch
 
 from gem_data._columns import (
-    MAX_SKIP_EXAMPLES,
     Columns,
     check_bool,
     check_directory,
     check_int,
     check_on_bad_row,
+    drop_bad_rows,
     open_parquet,
     table_to_columns,
 )
@@ -456,16 +456,8 @@ class ShardedBatchLoader(ResumablePosition):
         return batch
 
     def _without_bad_rows(self, pool: Columns, rows: np.ndarray) -> np.ndarray:
-        kept, reasons = pool.good_rows(rows)
-        if reasons:
-            if kept.size == 0:
-                raise DatasetFormatError(
-                    f"every row of a batch of {rows.size} is bad (on_bad_row='skip' cannot "
-                    f"make a batch of it); first: {reasons[0]}"
-                )
-            self.skipped_rows += len(reasons)
-            room = MAX_SKIP_EXAMPLES - len(self.skipped_examples)
-            self.skipped_examples.extend(reasons[: max(0, room)])
+        kept, dropped = drop_bad_rows(pool, rows, self.skipped_examples)
+        self.skipped_rows += dropped
         return kept
 
     # ------------------------------------------------------------------ iteration
