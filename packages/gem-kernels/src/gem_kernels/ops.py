@@ -133,6 +133,29 @@ def _autograd(name: str, backward: Callable, setup_context: Callable | None = No
     )
 
 
+def _qkv_autograd(name: str, *, num_inputs: int, saved: int, options_from: int) -> None:
+    """Fake and autograd of ``gem_kernels::<name>``, whose gradients are those of its
+    ``<name>_backward`` operator, ``(dq, dk, dv)``: the backward takes ``grad_out``, the
+    forward's first ``saved`` inputs (q, k, v and the offsets-like tensors) and its inputs from
+    ``options_from`` on; the ``num_inputs - 3`` non-q/k/v inputs get no gradient."""
+    backward_op = getattr(torch.ops.gem_kernels, f"{name}_backward")
+
+    @_fake(f"{name}_backward")
+    def _backward_fake(grad_out, q, k, v, *_):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:saved])
+        ctx.options = inputs[options_from:]
+
+    def backward(ctx, grad_out):
+        dq, dk, dv = backward_op(grad_out, *ctx.saved_tensors, *ctx.options)
+        return (dq, dk, dv) + (None,) * (num_inputs - 3)
+
+    _autograd(name, backward, setup_context)
+    _once_differentiable(f"{name}_backward")
+
+
 def _once_differentiable(name: str) -> None:
     """A backward operator's own gradient is not implemented (the kernels' backward is
     once-differentiable): differentiating it raises instead of returning nothing."""
@@ -462,27 +485,8 @@ def _gdpa_backward_impl(
     return tuple(_fresh(_reference_grads(forward, (q, k, v), grad_out)))
 
 
-@_fake("gdpa_backward")
-def _gdpa_backward_fake(grad_out, q, k, v, *_):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _gdpa_setup_context(ctx, inputs, output):
-    q, k, v, q_offsets, k_offsets = inputs[:5]
-    ctx.save_for_backward(q, k, v, q_offsets, k_offsets)
-    ctx.options = inputs[7:]  # activation .. backend
-
-
-def _gdpa_backward(ctx, grad_out):
-    q, k, v, q_offsets, k_offsets = ctx.saved_tensors
-    dq, dk, dv = torch.ops.gem_kernels.gdpa_backward(
-        grad_out, q, k, v, q_offsets, k_offsets, *ctx.options
-    )
-    return (dq, dk, dv) + (None,) * 11
-
-
-_autograd("gdpa", _gdpa_backward, _gdpa_setup_context)
-_once_differentiable("gdpa_backward")
+# Saved: q, k, v, q_offsets, k_offsets; passed on: activation .. backend (not max_q, max_k).
+_qkv_autograd("gdpa", num_inputs=14, saved=5, options_from=7)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -548,24 +552,5 @@ def _block_backward_impl(
     return tuple(_fresh(_reference_grads(forward, (q, k, v), grad_out)))
 
 
-@_fake("block_attention_backward")
-def _block_backward_fake(grad_out, q, k, v, *_):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
-def _block_setup_context(ctx, inputs, output):
-    q, k, v, offsets, positions = inputs[:5]
-    ctx.save_for_backward(q, k, v, offsets, positions)
-    ctx.options = inputs[6:]  # block_size .. backend
-
-
-def _block_backward(ctx, grad_out):
-    q, k, v, offsets, positions = ctx.saved_tensors
-    dq, dk, dv = torch.ops.gem_kernels.block_attention_backward(
-        grad_out, q, k, v, offsets, positions, *ctx.options
-    )
-    return (dq, dk, dv) + (None,) * 7
-
-
-_autograd("block_attention", _block_backward, _block_setup_context)
-_once_differentiable("block_attention_backward")
+# Saved: q, k, v, offsets, positions; passed on: block_size .. backend (not max_len).
+_qkv_autograd("block_attention", num_inputs=10, saved=5, options_from=6)
