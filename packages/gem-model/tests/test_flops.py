@@ -292,3 +292,11 @@ def test_bad_lengths_are_rejected(lengths, error, match):
 def test_config_must_be_a_gem_model_config():
     with pytest.raises(TypeError, match="config must be a GemModelConfig"):
         model_flops(make_config().architecture, [1])
+
+
+def test_flops_of_two_batches_add_region_by_region():
+    config = make_config(**V1)
+    a, b = model_flops(config, [3, 0, 70]), model_flops(config, [5, 9])
+    both = a + b
+    assert both.as_dict() == {k: a.as_dict()[k] + b.as_dict()[k] for k in a.as_dict()}
+    assert both.forward == a.forward + b.forward

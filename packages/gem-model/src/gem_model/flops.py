@@ -83,6 +83,11 @@ class ModelFlops:
         """Forward + backward of the whole model."""
         return self.as_dict()["total"]
 
+    def __add__(self, other: ModelFlops) -> ModelFlops:
+        """Region by region: the FLOPs of two steps (or batches) together."""
+        return ModelFlops(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                             for f in fields(self)})  # fmt: skip
+
     def as_dict(self) -> dict[str, float]:
         """The regions, then ``total``."""
         regions = {name: getattr(self, name) for name in _REGIONS}

@@ -11,7 +11,6 @@ between regions, the loss, host waits, idle GPU).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -188,13 +187,7 @@ class ProfilePass:
         self._started = time.perf_counter()
 
     def after_step(self, flops: ModelFlops) -> None:
-        if self._flops is None:
-            self._flops = flops
-        else:
-            self._flops = ModelFlops(
-                **{f.name: getattr(self._flops, f.name) + getattr(flops, f.name)
-                   for f in dataclasses.fields(flops)}
-            )  # fmt: skip
+        self._flops = flops if self._flops is None else self._flops + flops
         self._done += 1
         if self._done < self.steps:
             return
