@@ -45,7 +45,11 @@ def test_host_offsets_give_the_same_step():
     [
         (torch.tensor([0, 1, 71]), "sequence_offsets must be the \\(6,\\) history offsets"),
         (_offsets([0, 1, 70, 5, 33]).float(), "int32 or int64"),
-        (_offsets([0, 1, 70, 6, 33]), "sequence_offsets ends at 110, but .* 109 events"),
+        (
+            _offsets([0, 1, 70, 6, 33]),
+            "sequence_offsets\\[-1\\] must equal the number of rows \\(109\\)",
+        ),
+        (torch.tensor([0, 0, 1, 71, 70, 109]), "sequence_offsets must be non-decreasing"),
     ],
 )
 def test_bad_host_offsets_are_rejected(offsets, message):

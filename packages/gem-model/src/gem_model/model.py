@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 from gem_kernels import host_offsets as host_offsets_of
+from gem_kernels import validate_offsets
 from torch import nn
 from torchrec import (
     EmbeddingBagCollection,
@@ -300,26 +301,18 @@ class GemModel(nn.Module):
                 if tokens.is_cuda:  # the upload below then queues without blocking the host
                     host_offsets = host_offsets.pin_memory()
             expected = (history.lengths().shape[0] + 1,)
-            if host_offsets.dtype not in (torch.int32, torch.int64):
-                raise TypeError(
-                    f"sequence_offsets must have dtype int32 or int64, got {host_offsets.dtype}"
-                )
             if host_offsets.device.type != "cpu" or host_offsets.shape != expected:
                 raise ValueError(
                     f"sequence_offsets must be the {expected} history offsets on "
                     f"the CPU, got shape {tuple(host_offsets.shape)} on {host_offsets.device}"
                 )
+            # Dtype, start, order and total (remembered for the kernels' own checks).
+            validate_offsets(host_offsets, "sequence_offsets", num_rows=tokens.shape[0])
             # The host copy is the one source of the split into histories (the lookups are per
             # id, so the tokens do not depend on it): the model's own index arithmetic reads
             # this upload of it, which queues behind the step's work instead of waiting for it.
             offsets = host_offsets.to(tokens.device, non_blocking=True)
-        host = host_offsets_of(host_offsets)
-        if int(host[-1]) != tokens.shape[0]:
-            raise ValueError(
-                f"sequence_offsets ends at {int(host[-1])}, but sequence_features holds "
-                f"{tokens.shape[0]} events"
-            )
-        host_lengths = host.diff()
+        host_lengths = host_offsets_of(host_offsets).diff()
         if host_lengths.numel() and int(host_lengths.max()) > config.max_seq_len:
             raise ValueError(
                 f"sequence_features has a history of {int(host_lengths.max())} tokens, "
