@@ -83,7 +83,6 @@ def test_compiled_regions_match_eager_without_graph_breaks(architecture):
         "v1-rel-pos": {**V1, "position": "rel_pos_bias", "num_sequence_layers": 2},
         "block": {"self_attention": "block", "position": "rope"},
     }[architecture]
-    generator = torch.Generator().manual_seed(1)
     torch.manual_seed(1)
     model = GemModel(make_config(**changes))
     batches = [LENGTHS, [2, 6, 0, 1, 3, 9]]  # other lengths and batch size: recompiles once
@@ -104,4 +103,3 @@ def test_compiled_regions_match_eager_without_graph_breaks(architecture):
             torch.testing.assert_close(got_grads[name], grads[name], rtol=1e-4, atol=1e-6)
     # fullgraph=True raises on a break; the counter also catches a break dynamo skipped over.
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    del generator
