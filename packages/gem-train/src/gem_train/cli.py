@@ -290,10 +290,13 @@ def run(
 
     ``validate`` runs first; with ``resume`` a missing checkpoint is a ``UsageError``. With
     ``profile`` each variant's training gets a profiler pass (``Trainer.fit``) whose
-    per-region table is printed and written beside its metrics."""
+    per-region table is printed and written beside its metrics.
+
+    A process group that ``run`` starts, it ends after the run (see ``init_distributed``)."""
     validate(config, resume=resume)
     console = console or Console()
     started = time.perf_counter()
+    owns_group = not dist.is_initialized()
     rank, world_size = init_distributed(resolve_device(config.device))
     if rank != 0:  # one rank reports; the others train and evaluate silently
         console = Console(quiet=True)
@@ -344,6 +347,8 @@ def run(
     if rank == 0:
         # Unwrapped and literal, so the path can be copied (and read by scripts) as printed.
         console.print(f"report: {write_report(output)}", soft_wrap=True, markup=False)
+    if owns_group:  # every rank gets here; after an error the group is left as it is
+        dist.destroy_process_group()
     return summary
 
 

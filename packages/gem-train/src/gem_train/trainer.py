@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import json
@@ -83,6 +84,11 @@ def dist_timeout_s() -> float:
     return seconds
 
 
+def _end_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_distributed(device: torch.device, *, timeout_s: float | None = None) -> tuple[int, int]:
     """Joins the process group torchrun describes, or starts a one-process group.
 
@@ -96,12 +102,19 @@ def init_distributed(device: torch.device, *, timeout_s: float | None = None) ->
     set; torch's default, made explicit since 0 would hang) has the NCCL watchdog end the
     process when a collective times out or fails, without first aborting the communicators
     (mode 1 does, which can itself hang).
+
+    A gloo group started here is ended at the interpreter's exit if it is still open: left to
+    the interpreter's teardown, gloo's worker threads can abort the process. Ending a gloo
+    group is local to the rank, so this is safe after any error. Ending an NCCL group may wait
+    for the other ranks, so its owner ends it after a successful run (the CLI does).
     """
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=dist_timeout_s() if timeout_s is None else timeout_s)
         if backend == "nccl":
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        else:
+            atexit.register(_end_process_group)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:
