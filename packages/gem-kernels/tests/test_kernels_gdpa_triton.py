@@ -1,4 +1,4 @@
-"""Triton GDPA vs the naive float64 oracle (forward and every gradient), schedules, errors.
+"""Triton GDPA vs the naive float64 oracle (forward and every gradient), the work dealing, errors.
 
 CPU tests run the kernels under the Triton interpreter: the ``interpret`` fixture sets
 ``TRITON_INTERPRET=1`` through monkeypatch before any kernel is launched (gem_kernels.gdpa_triton
@@ -313,17 +313,12 @@ def test_gpu_packed_gelu_fast_matches_reference(kind, monkeypatch):
         assert not torch.equal(packed, plain), label
 
 
-def test_every_schedule_computes_the_same_function(interpret):
-    gen = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(sum(LONG_SKEWED), H, D, generator=gen) for _ in range(3))
-    lengths = torch.tensor(LONG_SKEWED)
-    outs = [
-        gdpa_from_lengths(q, k, v, lengths, config=_config(schedule=schedule), causal=True)
-        for schedule in ("zigzag", "sorted", "unsorted")
-    ]
-    expected = naive_gdpa(q, k, v, LONG_SKEWED, LONG_SKEWED, causal=True)
-    for out in outs:
-        torch.testing.assert_close(out.double(), expected, atol=3e-5, rtol=3e-5)
+def test_schedule_loads_deal_longest_first_in_zigzag():
+    # Sorted 9 7 5 3 2 1: round 0 gives programs 0, 1 the 9 and 7, round 1 (reversed) gives
+    # program 1 the 5 and program 0 the 3, round 2 program 0 the 2 and program 1 the 1.
+    loads = gdpa_triton.schedule_loads([2, 9, 5, 1, 7, 3], 2)
+    assert loads.tolist() == [14.0, 13.0]
+    assert gdpa_triton.schedule_loads([4.0], 3).tolist() == [4.0, 0.0, 0.0]
 
 
 def test_public_entry_point_dispatch(interpret):
@@ -372,19 +367,18 @@ def test_operator_gradients_match_reference(interpret):
 
 def test_schedule_loads_zigzag_balances_skewed_work():
     # Power-law work (one huge item plus a long tail): the zigzag dealing over a longest-first
-    # list must not be worse than plain round-robin, and every unit of work is assigned.
+    # list must not be worse than plain round-robin in sample order, and every unit of work is
+    # assigned.
     gen = torch.Generator().manual_seed(0)
     work = (torch.rand(500, generator=gen) ** (-1 / 0.7)).floor().clamp(max=400)
-    for schedule in ("zigzag", "unsorted", "sorted"):
-        loads = schedule_loads(work, 16, schedule)
-        assert loads.shape == (16,)
-        assert float(loads.sum()) == pytest.approx(float(work.sum()))
-    zigzag = schedule_loads(work, 16, "zigzag")
-    unsorted = schedule_loads(work, 16, "unsorted")
-    assert zigzag.max() / zigzag.mean() <= unsorted.max() / unsorted.mean()
+    zigzag = schedule_loads(work, 16)
+    assert zigzag.shape == (16,)
+    assert float(zigzag.sum()) == pytest.approx(float(work.sum()))
+    round_robin = torch.nn.functional.pad(work.double(), (0, 12)).reshape(-1, 16).sum(0)
+    assert zigzag.max() / zigzag.mean() <= round_robin.max() / round_robin.mean()
     # Zigzag of 2P equal-rank pairs is perfectly balanced on a linear ramp.
     ramp = torch.arange(32, dtype=torch.float64)
-    assert torch.equal(schedule_loads(ramp, 16, "zigzag"), torch.full((16,), 31.0))
+    assert torch.equal(schedule_loads(ramp, 16), torch.full((16,), 31.0))
 
 
 def test_errors(interpret, monkeypatch):
@@ -394,12 +388,14 @@ def test_errors(interpret, monkeypatch):
         gdpa(q, q, q, off, backend="cuda")
     with pytest.raises(ValueError, match="backend='triton' cannot run this call: dtype"):
         gdpa(q.double(), q.double(), q.double(), off, backend="triton")
-    with pytest.raises(ValueError, match="config.schedule must be one of"):
-        gdpa_from_lengths(q, q, q, torch.tensor([5]), config=_config(schedule="random"))
+    with pytest.raises(ValueError, match="config.fwd_loop must be one of"):
+        gdpa_from_lengths(q, q, q, torch.tensor([5]), config=_config(fwd_loop="random"))
+    with pytest.raises(ValueError, match="config.bwd_loop must be one of"):
+        gdpa_from_lengths(q, q, q, torch.tensor([5]), config=_config(bwd_loop="one_loop"))
     with pytest.raises(ValueError, match="PMA broadcast"):
         gdpa_from_lengths(q, q, q, None, None)
-    with pytest.raises(ValueError, match="fwd_warp_specialize needs fwd_stages <= 2"):
-        ws3 = _config(fwd_warp_specialize=True, fwd_stages=3)
+    with pytest.raises(ValueError, match="warp_specialized.* needs fwd_stages <= 2"):
+        ws3 = _config(fwd_loop="warp_specialized", fwd_stages=3)
         gdpa_from_lengths(q, q, q, torch.tensor([5]), config=ws3)
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="need TRITON_INTERPRET=1"):
@@ -412,14 +408,15 @@ def test_errors(interpret, monkeypatch):
 @pytest.mark.parametrize(
     "changes",
     [
-        # (TMA with and without the pipelined loop: test_default_unmasked_kernels.)
-        dict(fwd_one_loop=True, fwd_pipeline=True, bwd_one_loop=True, short_mask_free=True),
-        dict(short_mask_free=True, fwd_programs_per_sm=2),
+        # (The production tables on interpreter tiles: test_default_unmasked_kernels.)
+        dict(fwd_loop="pipelined", bwd_loop="fused"),
+        dict(fwd_loop="one_loop", fwd_programs_per_sm=2),
     ],
 )
 def test_one_loop_and_short_kv_variants(interpret, changes):
-    # Mask-free single loops with pointer loads (keys past a sample's end load as zeros), the
-    # hand-pipelined loop, the mask-free short-KV forward; windows keep the three phases.
+    # Mask-free single loops (keys past a sample's end load as zeros; pointer loads under the
+    # interpreter), the hand-pipelined loop, the mask-free short-KV forward; windows keep the
+    # three phases.
     config = _config(**changes)
     generic = replace(config, short_kv_max=0)
     _check(LONG_SKEWED, None, activation="gelu_fast", tol=1e-4, config=config)
@@ -434,8 +431,8 @@ def test_warp_specialized_forward_matches_the_plain_loop(interpret):
     # the one-loop TMA forward bit for bit under the interpreter (which ignores the loop flag),
     # self with q, k, v split from one packed (T, 3, H, D) tensor (rows of 3 H D) and cross
     # (generic path), and match the oracle with normalisation and gradients.
-    base = _config(fwd_one_loop=True, fwd_kv_tma=True, short_kv_max=0)
-    special = replace(base, fwd_warp_specialize=True)
+    base = _config(fwd_loop="one_loop", short_kv_max=0)
+    special = replace(base, fwd_loop="warp_specialized")
     gen = torch.Generator().manual_seed(3)
     for q_lengths, k_lengths in ((LONG_SKEWED, None), (CROSS_Q, CROSS_K)):
         keys = q_lengths if k_lengths is None else k_lengths
@@ -456,12 +453,11 @@ def test_warp_specialized_forward_matches_the_plain_loop(interpret):
     _check(CROSS_Q, CROSS_K, activation="gelu_tanh", config=special)
 
 
-@pytest.mark.parametrize("one_loop", [True, False], ids=["one-loop", "three-phase"])
-def test_fused_backward(interpret, one_loop):
+def test_fused_backward(interpret):
     # dQ added by float32 atomics inside the dK/dV kernel (no dQ kernel): self, cross with
-    # split query ranges (partial dK/dV), lengths 0/1/odd, normalisation, a window; PMA keeps
-    # its dQ kernel under the same flag.
-    config = _config(bwd_fused=True, bwd_one_loop=one_loop, short_kv_max=0)
+    # split query ranges (partial dK/dV), lengths 0/1/odd, normalisation, a window (the
+    # three phases inside the fused kernel); PMA keeps its dQ kernel under the same config.
+    config = _config(bwd_loop="fused", short_kv_max=0)
     _check(LONG_SKEWED, None, activation="gelu_fast", tol=1e-4, config=config)
     _check(CROSS_Q, CROSS_K, activation="silu", normalize_by_length=True, config=config)
     _check(SELF_LENGTHS, None, activation="relu2", window=(3, 1), config=config)
@@ -480,7 +476,7 @@ def test_deterministic_mode_takes_the_dq_kernel(interpret, monkeypatch):
             return real[grid]
 
     monkeypatch.setattr(kernels, "gdpa_bwd_dq_kernel", Spy())
-    config = _config(bwd_fused=True, short_kv_max=0)
+    config = _config(bwd_loop="fused", short_kv_max=0)
     _check(CROSS_Q, CROSS_K, activation="silu", config=config)
     assert launches == []
     was = torch.are_deterministic_algorithms_enabled()
@@ -493,10 +489,7 @@ def test_deterministic_mode_takes_the_dq_kernel(interpret, monkeypatch):
 
 
 # The fields the production default sets for unmasked calls (tiles differ under the interpreter).
-_DEFAULT_FLAGS = (
-    "fwd_one_loop", "fwd_kv_tma", "fwd_pipeline", "bwd_one_loop", "short_mask_free", "bwd_fused",
-    "dkdv_q_chunk", "fwd_warp_specialize", "short_kv_max",
-)  # fmt: skip
+_DEFAULT_FLAGS = ("fwd_loop", "bwd_loop", "dkdv_q_chunk", "short_kv_max")
 
 
 @pytest.mark.parametrize("max_len", [SHORT_SEQUENCE_LEN, None], ids=["short", "long"])
@@ -504,8 +497,8 @@ def test_default_unmasked_kernels(interpret, max_len):
     # The H200 default for unmasked D=128 bf16 calls, on interpreter tiles: its kernel paths
     # (one loop, TMA, pipelined forward; one-loop backward; mask-free short KV) vs the oracle.
     production = default_config(128, max_len=max_len)
-    assert production.fwd_one_loop and production.fwd_kv_tma and production.bwd_one_loop
-    assert production.bwd_fused
+    assert production.fwd_loop in ("warp_specialized", "pipelined")
+    assert production.bwd_loop == "fused"
     config = _config(**{name: getattr(production, name) for name in _DEFAULT_FLAGS})
     _check(LONG_SKEWED, None, activation="gelu_fast", tol=1e-4, config=config)
     _check(CROSS_Q, CROSS_K, activation="gelu_fast", tol=1e-4, config=config)
@@ -535,12 +528,12 @@ def test_default_config_choice():
     # 128x128 forward, 4 warps, one program per SM; beyond, the hand-pipelined 128x64.
     assert (short.fwd_block_m, short.fwd_block_n, short.fwd_stages) == (128, 128, 2)
     assert (short.fwd_warps, short.fwd_programs_per_sm) == (4, 1)
-    assert short.fwd_warp_specialize and not short.fwd_pipeline and short.short_kv_max == 0
-    assert long.fwd_pipeline and not long.fwd_warp_specialize and long.short_kv_max == 256
+    assert short.fwd_loop == "warp_specialized" and short.short_kv_max == 0
+    assert long.fwd_loop == "pipelined" and long.short_kv_max == 256
     assert default_config(128) == long  # unknown length: the long-sequence tiles
     masked = default_config(128, max_len=100, masked=True)
-    assert not (masked.fwd_one_loop or masked.bwd_one_loop or masked.short_mask_free)
-    assert short.bwd_fused and long.bwd_fused and not masked.bwd_fused
+    assert masked.fwd_loop == masked.bwd_loop == "phased"
+    assert short.bwd_loop == long.bwd_loop == "fused"
     assert short.dkdv_q_chunk == long.dkdv_q_chunk == 0 and masked.dkdv_q_chunk > 0
     # Cross (short KV): 4096 query rows per item.
     assert short.short_rows_per_item == long.short_rows_per_item == 4096
@@ -549,10 +542,10 @@ def test_default_config_choice():
     for kwargs in (dict(dtype=torch.float32), dict(dtype=torch.float16), dict()):
         dim = 128 if kwargs else 64
         assert default_config(dim, max_len=10, **kwargs) == default_config(dim, **kwargs)
-        assert not default_config(dim, max_len=10, **kwargs).fwd_one_loop
+        assert default_config(dim, max_len=10, **kwargs).fwd_loop == "phased"
     # Inputs the descriptors cannot read keep the 64x32 forward (and cross's short-KV kernel).
     strided = default_config(128, max_len=SHORT_SEQUENCE_LEN, descriptor_layout=False)
-    assert not strided.fwd_warp_specialize and strided.short_kv_max == 256
+    assert strided.fwd_loop == "one_loop" and strided.short_kv_max == 256
     assert (strided.fwd_block_m, strided.fwd_block_n, strided.fwd_programs_per_sm) == (64, 32, 3)
     assert default_config(128, descriptor_layout=False) == long
 

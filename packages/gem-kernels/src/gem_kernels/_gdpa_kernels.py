@@ -18,8 +18,8 @@ Conventions shared by the kernels:
   column, ``to_partial``, sends the forward's output or dK/dV to the float32 partial buffers
   instead (only the samples that are split go there).
 * Every kernel is persistent: program ``p`` of ``P`` runs items ``p, p + P, p + 2P, ...``; the
-  host orders the table so that this deals the work in the chosen schedule (zigzag over a
-  longest-first list, plain order, ...). With ``P`` = number of items it is one item a program.
+  host orders the table so that this deals the work longest-first in zigzag. With ``P`` =
+  number of items it is one item a program.
 * Query ``i`` of a sample sits at the aligned position ``p = i + shift`` with
   ``shift = k_len - q_len`` and sees keys ``p - left <= j <= p + right`` (causal is
   ``right = 0``); ``HAS_LEFT`` / ``HAS_RIGHT`` are false for unbounded sides.

@@ -10,6 +10,7 @@ import functools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
@@ -63,6 +64,14 @@ class FlashTileConfig:
     """Warps per backward program."""
     bwd_stages: int = 3
     """Software-pipelining depth of the backward loops."""
+
+
+class TunedConfig(NamedTuple):
+    """An entry of a kernel's configuration table: a complete configuration and why it is the
+    one for its (architecture, dtype, head_dim, shape class)."""
+
+    config: Any
+    reason: str
 
 
 def unsupported_reason(

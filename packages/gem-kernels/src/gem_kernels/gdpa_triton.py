@@ -6,21 +6,16 @@ public, validating entry point is :func:`gem_kernels.gdpa`, which dispatches her
 Jagged scheduling. The host builds one work list per kernel from the sample lengths: one item
 per ``(tile, head)`` of every sample that has rows (no item exists for padding) with its
 amount of work (key or query tiles it will visit). The kernels are persistent: program ``p`` of
-``P`` runs items ``p, p + P, ...``. ``GdpaTritonConfig.schedule`` decides the order:
-
-* ``"zigzag"`` (default): the list is sorted longest-first and dealt in zigzag (round 0 to
-  programs ``0..P-1``, round 1 to ``P-1..0``, ...), ``P`` = SMs x ``programs_per_sm``;
-* ``"sorted"``: longest-first, one program per item (the hardware hands items to free SMs);
-* ``"unsorted"``: sample order, dealt round-robin over ``P`` programs (the baseline).
-
-:func:`schedule_loads` gives the per-program work of a schedule (the benchmark reports its
-max/mean). Shapes: self (queries and keys share lengths), cross (own key lengths) and PMA
+``P`` runs items ``p, p + P, ...``. The list is sorted longest-first and dealt in zigzag (round
+0 to programs ``0..P-1``, round 1 to ``P-1..0``, ...), ``P`` = SMs x programs per SM; sample
+order dealt round-robin and one program per item both balanced worse (docs/kernel-tuning.md).
+:func:`schedule_loads` gives the per-program work of that dealing. Shapes: self (queries and keys share lengths), cross (own key lengths) and PMA
 (``Nq`` shared queries over every sample's keys). Cross/PMA calls whose samples all have at
 most ``short_kv_max`` keys use a short-KV forward that loads a sample's whole K and V once and
 streams a run of query tiles past them. Backward, without atomics: dK/dV per key tile (loop
 over the query tiles that see it), dQ per query tile (loop over key tiles); for PMA each
 sample's dQ is written to its own rows and the samples are summed on the host. The unmasked
-self/cross default (``bwd_fused``) instead adds dQ from the dK/dV loop with float32 atomics
+self/cross default (``bwd_loop="fused"``) instead adds dQ from the dK/dV loop with float32 atomics
 (one kernel, S and dP computed once; dQ's summation order is not fixed).
 
 Split work with deterministic combines (float32 partials, summed in a fixed order by
@@ -45,7 +40,6 @@ CPU tensors run under the Triton interpreter when ``TRITON_INTERPRET=1`` is set 
 from __future__ import annotations
 
 import functools
-import heapq
 import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -58,7 +52,9 @@ from gem_kernels import _triton_host as host
 from gem_kernels.triton_loader import load_kernel_module
 
 __all__ = [
-    "GDPA_SCHEDULES",
+    "GDPA_BWD_LOOPS",
+    "GDPA_CONFIGS",
+    "GDPA_FWD_LOOPS",
     "GELU_FAST_F16_MAX_ABS_ERROR",
     "GdpaFunction",
     "GdpaTritonConfig",
@@ -81,8 +77,32 @@ MAX_TRITON_HEAD_DIM = 256
 #: float32, before the bfloat16 rounding the PV MMA applies anyway (measured 4.13e-3 at
 #: x ~= -2.92 on a dense grid; 1.4e-3 for |x| <= 1). Exact tails (x or 0) past |x| ~= 3.42.
 GELU_FAST_F16_MAX_ABS_ERROR = 4.5e-3
-#: Accepted values of ``GdpaTritonConfig.schedule``.
-GDPA_SCHEDULES = ("zigzag", "sorted", "unsorted")
+#: Values of ``GdpaTritonConfig.fwd_loop``, the self/cross forward's key loop when no causal or
+#: window mask applies (masked calls run the phased loop whatever the value):
+#:
+#: * ``"phased"``: masked first tiles, unmasked tiles inside the band, masked last tiles;
+#: * ``"one_loop"``: one loop over a query tile's key tiles with no score mask (key rows past
+#:   the sample's end load as zeros and act(0) = 0); K and V through per-item TMA descriptors
+#:   that end at the sample's last key where rows are 16-byte aligned, pointer loads otherwise.
+#:   The short-KV forward drops its score mask too;
+#: * ``"pipelined"``: ``"one_loop"`` issuing the next key tile's ``Q K^T`` before this tile's
+#:   activation (software pipelining by hand);
+#: * ``"warp_specialized"``: ``"one_loop"`` under Triton's automatic warp specialisation (on
+#:   Hopper a producer warpgroup issues the TMA loads, two 4-warp consumer groups split the
+#:   128-row tile): needs ``fwd_warps=4`` and ``fwd_stages <= 2`` (3 gave NaN on triton 3.6), and
+#:   Q, K, V readable through whole-tensor descriptors (:func:`descriptor_layout`; other calls
+#:   run ``"one_loop"``).
+GDPA_FWD_LOOPS = ("phased", "one_loop", "pipelined", "warp_specialized")
+#: Values of ``GdpaTritonConfig.bwd_loop``, the self/cross backward (PMA always runs the
+#: phased kernels):
+#:
+#: * ``"phased"``: dK/dV and dQ kernels, each in masked / inside-the-band / masked phases;
+#: * ``"fused"``: one kernel per (key tile, head) keeps dK, dV on chip, computes S and dP once
+#:   per query tile and adds that tile's dQ rows to a zeroed float32 buffer with atomic adds
+#:   (summation order not fixed); without a causal or window mask its query tiles run in one
+#:   loop with masked loads and no score mask. Under ``torch.use_deterministic_algorithms(True)``
+#:   the dQ rows come from the dQ kernel (one loop likewise).
+GDPA_BWD_LOOPS = ("phased", "fused")
 
 _ACTIVATION_CODES = {
     "silu": 0,
@@ -102,10 +122,10 @@ _NO_LIMIT = 1 << 30  # range_hi of items that see the whole other side
 class GdpaTritonConfig(host.FlashTileConfig):
     """Tile sizes, launch parameters and schedule of the kernels (tiles: powers of two >= 16).
 
-    The field defaults are the D=128 bf16 configuration of masked (causal / window) and PMA
-    calls; :func:`default_config` switches unmasked self/cross calls to the one-loop, TMA and
-    pipelined variants below by their longest key length. Each default won an H200 sweep of
-    ``benchmarks/bench_gdpa.py``; the numbers are in docs/kernel-tuning.md.
+    The field defaults are the D=128 bfloat16 configuration of masked (causal / window) and
+    PMA calls on Hopper, ``GDPA_CONFIGS["d128_masked"]``; :func:`default_config` picks the
+    table entry of a call. Each value won an H200 sweep of ``benchmarks/bench_gdpa.py``; the
+    numbers, and the variants measured and removed, are in docs/kernel-tuning.md.
     """
 
     fwd_block_n: int = 64
@@ -132,10 +152,8 @@ class GdpaTritonConfig(host.FlashTileConfig):
     per SM hide each other's pipeline fill)."""
     short_stages: int = 2
     """Software-pipelining depth of the short-KV forward's query loop."""
-    schedule: str = "zigzag"
-    """Work order: ``"zigzag"``, ``"sorted"`` or ``"unsorted"`` (see the module docstring)."""
     programs_per_sm: int = 1
-    """Persistent programs per SM (``"zigzag"`` and ``"unsorted"``)."""
+    """Persistent programs per SM of the kernels that have no count of their own."""
     pma_kv_chunk: int = 1024
     """PMA (generic path): keys per split-KV item of the forward and dQ (rounded up to a
     multiple of their key tiles); each (sample, chunk, head) writes a float32 partial that a
@@ -163,36 +181,10 @@ class GdpaTritonConfig(host.FlashTileConfig):
     bwd_programs_per_sm: int = 0
     """Persistent programs per SM of the self/cross dK/dV and dQ kernels; 0: use
     ``programs_per_sm``."""
-    fwd_one_loop: bool = False
-    """Self/cross forward without window or causal mask: one loop over a query tile's key
-    tiles with no score mask (key rows past the sample's end load as zeros and act(0) = 0)
-    instead of masked / inside-the-band / masked phases."""
-    fwd_kv_tma: bool = False
-    """With ``fwd_one_loop``: load K and V through per-item TMA tensor descriptors that end at
-    the sample's last key (needs 16-byte aligned rows; other calls use pointer loads)."""
-    fwd_pipeline: bool = False
-    """With ``fwd_one_loop``: issue the next key tile's ``Q K^T`` before this tile's activation
-    (software pipelining by hand)."""
-    fwd_warp_specialize: bool = False
-    """With ``fwd_one_loop`` and ``fwd_kv_tma``, not ``fwd_pipeline``: Triton's automatic warp
-    specialisation of the key loop (``tl.range(..., warp_specialize=True)``; on Hopper a
-    producer warpgroup issues the TMA loads, two 4-warp consumer groups split the 128-row
-    tile for the MMAs and the activation: ``fwd_warps=4`` (at 8 the pass does nothing) and
-    ``fwd_stages`` at most 2 (3 gave NaN on triton 3.6)). Q, K, V go through whole-tensor
-    descriptors (head dim a power of two, heads packed in a row; other calls run the plain
-    loop)."""
-    bwd_one_loop: bool = False
-    """Self/cross backward without window or causal mask: one loop per item with masked loads
-    and no score mask, instead of three phases."""
-    short_mask_free: bool = False
-    """Short-KV forward without window or causal mask: no score mask (keys past a sample's
-    end load as zeros)."""
-    bwd_fused: bool = False
-    """Self/cross backward in one kernel: each (key tile, head) program keeps dK, dV on chip,
-    computes S and dP once per query tile and adds that tile's dQ rows to a zeroed float32
-    buffer with atomic adds (summation order not fixed), cast to the input dtype after; no dQ
-    kernel. PMA, and every call under ``torch.use_deterministic_algorithms(True)``, keeps the
-    dQ kernel."""
+    fwd_loop: str = "phased"
+    """The unmasked self/cross forward's key loop, one of ``GDPA_FWD_LOOPS``."""
+    bwd_loop: str = "phased"
+    """The self/cross backward, one of ``GDPA_BWD_LOOPS``."""
 
     def __hash__(self) -> int:
         # Every call hashes its config several times (config, plan and flag caches): hash the
@@ -207,8 +199,143 @@ class GdpaTritonConfig(host.FlashTileConfig):
         return {key: value for key, value in self.__dict__.items() if key != "_hash"}
 
 
-#: Longest key length (over a call's samples) for which unmasked self/cross calls take the
-#: 64x32 forward tiles (H200, D=128, bf16, see :func:`default_config`).
+_MASKED = GdpaTritonConfig()
+# Only the D=128 bfloat16 tiles were measured with packing and 2 PMA programs per SM.
+_UNMEASURED = dict(pma_programs_per_sm=1, packed_gelu=False)
+_UNMASKED = dict(bwd_loop="fused", bwd_programs_per_sm=2, short_rows_per_item=4096, dkdv_q_chunk=0)
+
+#: The configurations :func:`default_config` chooses from (Hopper; other GPUs take the same
+#: entries unmeasured), each with the reason it is the one.
+GDPA_CONFIGS: dict[str, host.TunedConfig] = {
+    "interpret": host.TunedConfig(
+        GdpaTritonConfig(
+            fwd_block_m=16,
+            fwd_block_n=16,
+            fwd_warps=1,
+            fwd_stages=1,
+            dkdv_block_n=16,
+            dkdv_block_m=16,
+            dq_block_m=16,
+            dq_block_n=16,
+            bwd_warps=1,
+            bwd_stages=1,
+            short_kv_max=256,
+            short_block_m=16,
+            short_rows_per_item=32,
+            short_warps=1,
+            pma_block_n=16,
+            pma_warps=1,
+            pma_stages=1,
+            pma_kv_chunk=32,
+            pma_dq_block_n=16,
+            dkdv_q_chunk=32,
+        ),
+        "the Triton interpreter on the CPU: 16-row tiles, so that tests with short samples "
+        "still cross tile, chunk and split boundaries",
+    ),
+    "d64": host.TunedConfig(
+        GdpaTritonConfig(
+            fwd_block_m=128,
+            fwd_block_n=64,
+            fwd_warps=4,
+            fwd_stages=3,
+            dkdv_block_n=128,
+            dkdv_block_m=64,
+            dq_block_m=128,
+            dq_block_n=64,
+            bwd_warps=8,
+            bwd_stages=2,
+            **_UNMEASURED,
+        ),
+        "head_dim <= 64: half the D=128 operand bytes fit 128x64 forward tiles in 4 warps",
+    ),
+    "d128_masked": host.TunedConfig(
+        _MASKED,
+        "head_dim 65..128 in 16-bit: causal / window calls, PMA (whose kernels were tuned "
+        "with it) and float16 (the loop variants were measured in bfloat16 only)",
+    ),
+    "d128_short": host.TunedConfig(
+        replace(
+            _MASKED,
+            fwd_block_n=128,
+            fwd_warps=4,
+            fwd_stages=2,
+            fwd_programs_per_sm=1,
+            fwd_loop="warp_specialized",
+            short_kv_max=0,
+            **_UNMASKED,
+        ),  # fmt: skip
+        "bfloat16, unmasked, keys <= SHORT_SEQUENCE_LEN, whole-tensor descriptors: the "
+        "warp-specialised 128x128 forward beat the pipelined loop and the short-KV kernel",
+    ),
+    "d128_short_strided": host.TunedConfig(
+        replace(
+            _MASKED,
+            fwd_block_m=64,
+            fwd_block_n=32,
+            fwd_warps=4,
+            fwd_programs_per_sm=3,
+            fwd_loop="one_loop",
+            **_UNMASKED,
+        ),  # fmt: skip
+        "as d128_short without whole-tensor descriptors: 64x32 one-loop tiles, 3 programs "
+        "per SM (the warp-specialised loop's pointer-load fallback spills registers)",
+    ),
+    "d128_long": host.TunedConfig(
+        replace(_MASKED, fwd_stages=4, fwd_programs_per_sm=2, fwd_loop="pipelined", **_UNMASKED),
+        "bfloat16, unmasked, keys > SHORT_SEQUENCE_LEN or unknown: the hand-pipelined "
+        "128x64 loop (warp specialisation lost at 4096 keys)",
+    ),
+    "d128_fp32": host.TunedConfig(
+        GdpaTritonConfig(
+            fwd_block_m=64,
+            fwd_block_n=64,
+            fwd_warps=4,
+            fwd_stages=2,
+            dkdv_block_n=64,
+            dkdv_block_m=32,
+            dq_block_m=64,
+            dq_block_n=32,
+            bwd_warps=4,
+            bwd_stages=2,
+            short_kv_max=128,
+            short_block_m=32,
+            short_rows_per_item=256,
+            short_warps=4,
+            pma_block_n=32,
+            pma_warps=4,
+            pma_stages=2,
+            **_UNMEASURED,
+        ),
+        "float32, head_dim 65..128: operands take twice the shared memory, so tiles halve",
+    ),
+    "d256": host.TunedConfig(
+        GdpaTritonConfig(
+            fwd_block_m=64,
+            fwd_block_n=32,
+            fwd_warps=4,
+            fwd_stages=2,
+            dkdv_block_n=64,
+            dkdv_block_m=32,
+            dq_block_m=64,
+            dq_block_n=32,
+            bwd_warps=4,
+            bwd_stages=2,
+            short_kv_max=128,
+            short_block_m=16,
+            short_rows_per_item=256,
+            short_warps=4,
+            pma_block_n=32,
+            pma_warps=4,
+            pma_stages=2,
+            **_UNMEASURED,
+        ),
+        "head_dim 129..256 (16-bit): twice the D=128 operand bytes, 64x32 tiles",
+    ),
+}
+
+#: Longest key length (over a call's samples) for which unmasked bfloat16 self/cross calls at
+#: head_dim 65..128 take ``d128_short`` / ``d128_short_strided`` (see :func:`default_config`).
 SHORT_SEQUENCE_LEN = 1024
 
 
@@ -221,74 +348,36 @@ def default_config(
     masked: bool = False,
     descriptor_layout: bool = True,
 ) -> GdpaTritonConfig:
-    """Tile configuration for a head dimension and input dtype (16-row tiles under the
-    interpreter). float32 tiles take twice the shared memory, so they are halved.
+    """The ``GDPA_CONFIGS`` entry of a call.
 
-    ``descriptor_layout``: q, k and v can be read through whole-tensor TMA descriptors (see
-    :func:`descriptor_layout`); without it, short unmasked calls take the 64x32 forward tiles
-    (3 programs per SM; cross attention: the short-KV forward) instead of the warp-specialised
-    128x128 forward, whose plain-load fallback would spill registers.
-
-    ``max_len`` (the longest key length of the call, ``None``: unknown) and ``masked`` (a
-    causal or window mask; :func:`gdpa_from_lengths` also passes it for PMA, whose kernels
-    keep that configuration) pick the D=128 bfloat16 kernels: unmasked calls take the one-loop
-    forward with TMA key/value loads and the fused one-loop backward (``bwd_fused``: dQ by
-    float32 atomics inside the dK/dV kernel) with 2 programs per SM, with
-    the warp-specialised 128x128 forward (``fwd_warp_specialize``: 4 warps per consumer group,
-    2 stages, 1 program per SM; cross attention too, instead of the short-KV kernel) up to
-    ``SHORT_SEQUENCE_LEN`` keys and the hand-pipelined 128x64 loop (4 stages, 2 programs per
-    SM) beyond; the short-KV forward (kept for other calls) drops its score mask and streams
-    4096 query rows per item. Masked calls keep the three-phase kernels. Each choice won an
-    H200 sweep (warp specialisation lost at 4096 keys, hence the pipelined loop beyond
-    ``SHORT_SEQUENCE_LEN``); the numbers, and the variants measured and removed, are in
-    docs/kernel-tuning.md.
+    ``max_len``: the longest key length of the call (``None``: unknown). ``masked``: a causal
+    or window mask (:func:`gdpa_from_lengths` also passes it for PMA). ``descriptor_layout``:
+    q, k and v can be read through whole-tensor TMA descriptors (:func:`descriptor_layout`).
+    The entry is ``"interpret"`` under the interpreter, else by head_dim: ``"d64"`` up to 64,
+    ``"d256"`` above 128; at 65..128 ``"d128_fp32"`` for float32, ``"d128_masked"`` for masked
+    and float16 calls, and for unmasked bfloat16 calls ``"d128_short"`` (or
+    ``"d128_short_strided"`` without descriptors) up to ``SHORT_SEQUENCE_LEN`` keys and
+    ``"d128_long"`` beyond.
     """
-    if masked:
-        tiles = "masked"
-    elif max_len is not None and max_len <= SHORT_SEQUENCE_LEN:
-        tiles = "short" if descriptor_layout else "short_strided"
-    else:
-        tiles = "long"
-    return _default_config(head_dim, interpret, dtype, tiles)
+    return GDPA_CONFIGS[
+        _config_name(head_dim, interpret, dtype, max_len, masked, descriptor_layout)
+    ].config
 
 
-@functools.lru_cache(maxsize=32)  # called on every call: build (and hash) each config once
-def _default_config(head_dim: int, interpret: bool, dtype: torch.dtype, tiles: str):
+def _config_name(head_dim, interpret, dtype, max_len, masked, descriptor_layout) -> str:
     if interpret:
-        return GdpaTritonConfig(
-            16, 16, 1, 1, 16, 16, 16, 16, 1, 1, 256, 16, 32, 1, 16, 1, 1,
-            pma_kv_chunk=32, pma_dq_block_n=16, dkdv_q_chunk=32,
-        )  # fmt: skip
-    # Only the D=128 bfloat16 tiles were measured with packing and 2 PMA programs per SM.
-    unmeasured = dict(pma_programs_per_sm=1, packed_gelu=False)
+        return "interpret"
     if head_dim <= 64:
-        return GdpaTritonConfig(128, 64, 4, 3, 128, 64, 128, 64, 8, 2, **unmeasured)
-    if head_dim <= 128 and dtype != torch.float32:
-        base = GdpaTritonConfig()
-        if tiles == "masked" or dtype != torch.bfloat16:  # the variants were measured in bf16
-            return base
-        unmasked = dict(
-            fwd_one_loop=True, fwd_kv_tma=True, bwd_one_loop=True, bwd_programs_per_sm=2,
-            short_mask_free=True, short_rows_per_item=4096, bwd_fused=True, dkdv_q_chunk=0,
-        )  # fmt: skip
-        if tiles == "short_strided":  # the 64x32 forward measured before warp specialisation
-            return replace(
-                base, fwd_block_m=64, fwd_block_n=32, fwd_warps=4, fwd_programs_per_sm=3,
-                **unmasked,
-            )  # fmt: skip
-        if tiles == "short":  # warp-specialised 128x128 forward, cross attention included
-            return replace(
-                base, fwd_block_n=128, fwd_warps=4, fwd_stages=2, fwd_programs_per_sm=1,
-                fwd_warp_specialize=True, short_kv_max=0, **unmasked,
-            )  # fmt: skip
-        return replace(base, fwd_stages=4, fwd_programs_per_sm=2, fwd_pipeline=True, **unmasked)
-    if head_dim <= 128:
-        return GdpaTritonConfig(
-            64, 64, 4, 2, 64, 32, 64, 32, 4, 2, 128, 32, 256, 4, 32, 4, 2, **unmeasured
-        )
-    return GdpaTritonConfig(
-        64, 32, 4, 2, 64, 32, 64, 32, 4, 2, 128, 16, 256, 4, 32, 4, 2, **unmeasured
-    )
+        return "d64"
+    if head_dim > 128:
+        return "d256"
+    if dtype == torch.float32:
+        return "d128_fp32"
+    if masked or dtype != torch.bfloat16:
+        return "d128_masked"
+    if max_len is not None and max_len <= SHORT_SEQUENCE_LEN:
+        return "d128_short" if descriptor_layout else "d128_short_strided"
+    return "d128_long"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -544,67 +633,41 @@ def _pma_stream_steps(s: _Samples, heads: int, block_n: int, num_programs: int):
     return steps, bounds.reshape(-1, 1), combine, int(partial.sum())
 
 
-def schedule_loads(work, num_programs: int, schedule: str) -> torch.Tensor:
-    """Total work of each of ``num_programs`` programs under a schedule (float64 CPU tensor).
-
-    ``work`` (tensor or array) is in list order (sample order). ``"zigzag"`` / ``"unsorted"``
-    are the static dealings the kernels use; ``"sorted"`` models the hardware handing
-    longest-first items to whichever of ``num_programs`` slots frees up first (greedy list
-    scheduling).
-    """
+def schedule_loads(work, num_programs: int) -> torch.Tensor:
+    """Total work of each of ``num_programs`` programs when ``work`` (tensor or array, in list
+    order) is dealt as the kernels deal it: longest first, in zigzag (float64 CPU tensor)."""
     work = np.asarray(work, dtype=np.float64)
-    if schedule == "sorted":
-        loads = [0.0] * num_programs
-        heap = [(0.0, p) for p in range(num_programs)]
-        for value in np.sort(work, kind="stable")[::-1].tolist():
-            load, p = heapq.heappop(heap)
-            loads[p] = load + value
-            heapq.heappush(heap, (loads[p], p))
-        return torch.tensor(loads, dtype=torch.float64)
-    order = _schedule_order(work, num_programs, schedule)
-    padded = np.zeros(order.size, dtype=np.float64)
-    valid = order >= 0
-    padded[valid] = work[order[valid]]
-    return torch.from_numpy(padded.reshape(-1, num_programs).sum(0))
+    order = _longest_first(work)
+    rounds = -(-order.size // num_programs)
+    padded = np.zeros(rounds * num_programs, dtype=np.float64)
+    padded[: order.size] = work[order]
+    grid = padded.reshape(rounds, num_programs)
+    grid[1::2] = grid[1::2, ::-1].copy()  # odd rounds run from the last program to the first
+    return torch.from_numpy(grid.sum(0))
 
 
 def _longest_first(work: np.ndarray) -> np.ndarray:
     return np.argsort(-work, kind="stable")
 
 
-def _schedule_order(work: np.ndarray, num_programs: int, schedule: str) -> np.ndarray:
-    """Item index at each table position (``-1`` = empty padding) for a persistent dealing."""
-    count = work.size
-    order = np.arange(count) if schedule == "unsorted" else _longest_first(work)
-    rounds = -(-count // num_programs)
-    padded = np.full(rounds * num_programs, -1, dtype=np.int64)
-    padded[:count] = order
-    if schedule == "zigzag":
-        grid = padded.reshape(rounds, num_programs)
-        grid[1::2] = grid[1::2, ::-1].copy()  # odd rounds run from the last program to the first
-    return padded
-
-
-def _item_table(base: np.ndarray, work, heads: int, num_programs: int, schedule: str):
-    """Expand tiles to (tile, head) items, order them, return (table, grid size).
+def _item_table(base: np.ndarray, work, heads: int, num_programs: int):
+    """Expand tiles to (tile, head) items dealt longest-first in zigzag; return (table, grid
+    size).
 
     The heads of a tile have the same work, so tiles are ordered first (a sort of #tiles, not
     #items) and expanded to their heads afterwards, head fastest.
     """
-    if schedule != "unsorted":
-        base = base[_longest_first(work)]
-    table = np.repeat(base, heads, axis=0)
+    table = np.repeat(base[_longest_first(work)], heads, axis=0)
     table[:, 6] = np.tile(np.arange(heads, dtype=np.int64), base.shape[0])
     count = table.shape[0]
-    if count == 0 or schedule == "sorted":
+    if count == 0:
         return table, count
     rounds = -(-count // num_programs)
     # Empty slots (all zeros: q_len = k_len = 0) have nothing to do and write nothing.
     out = np.zeros((rounds * num_programs, _TABLE_WIDTH), dtype=np.int64)
     out[:count] = table
-    if schedule == "zigzag":
-        grid = out.reshape(rounds, num_programs, _TABLE_WIDTH)
-        grid[1::2] = grid[1::2, ::-1].copy()  # odd rounds run from the last program to the first
+    grid = out.reshape(rounds, num_programs, _TABLE_WIDTH)
+    grid[1::2] = grid[1::2, ::-1].copy()  # odd rounds run from the last program to the first
     return out, min(num_programs, out.shape[0])
 
 
@@ -664,7 +727,7 @@ def _plan(s: _Samples, heads, left, right, config, device, with_backward, interp
         stream = False  # the short-KV forward keeps a sample's whole K and V on chip
         short = max(16, 1 << max(0, max_k - 1).bit_length())
         rows, work = _short_kv_items(s, config.short_rows_per_item, config.short_block_m)
-        tables.append(_item_table(rows, work, heads, programs, config.schedule))
+        tables.append(_item_table(rows, work, heads, programs))
     elif stream:
         steps, bounds, stream_combine, stream_slots = _pma_stream_steps(
             s, heads, config.pma_block_n, pma_programs
@@ -672,7 +735,7 @@ def _plan(s: _Samples, heads, left, right, config, device, with_backward, interp
         tables.append((steps, bounds.size - 1))
     else:
         rows, work = _query_tile_items(s, fwd_m, fwd_n, left, right, kv_chunk, False)
-        tables.append(_item_table(rows, work, heads, q_programs, config.schedule))
+        tables.append(_item_table(rows, work, heads, q_programs))
         counts = _chunks(s.k_len, kv_chunk)
         split = np.flatnonzero(counts > 1)
         if kv_chunk and split.size:
@@ -683,10 +746,9 @@ def _plan(s: _Samples, heads, left, right, config, device, with_backward, interp
     dkdv_partial = None
     if with_backward:
         rows, work = _key_tile_items(s, config.dkdv_block_n, dkdv_m, left, right, q_chunk)
-        tables.append(_item_table(rows, work, heads, programs if pma_m else bwd_programs,
-                                  config.schedule))  # fmt: skip
+        tables.append(_item_table(rows, work, heads, programs if pma_m else bwd_programs))
         rows, work = _query_tile_items(s, dq_m, dq_n, left, right, kv_chunk)
-        tables.append(_item_table(rows, work, heads, dq_programs, config.schedule))
+        tables.append(_item_table(rows, work, heads, dq_programs))
         dkdv_partial = _key_partials(s, q_chunk)
         if dkdv_partial is not None:
             combines.append(dkdv_partial[1])
@@ -832,7 +894,7 @@ def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tens
         kernels.gdpa_fwd_short_kv_kernel[(plan.fwd_grid,)](
             *common, BLOCK_M=cfg.short_block_m, BLOCK_KV=plan.short_kv_block,
             num_warps=cfg.short_warps, num_stages=cfg.short_stages,
-            MASK_FREE=cfg.short_mask_free, **_flags(q, launch),
+            MASK_FREE=cfg.fwd_loop != "phased", **_flags(q, launch),
         )  # fmt: skip
     elif launch.num_queries is not None:
         kernels.gdpa_fwd_kernel[(plan.fwd_grid,)](
@@ -840,15 +902,14 @@ def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tens
             num_warps=cfg.pma_warps, num_stages=cfg.pma_stages, **_flags(q, launch),
         )  # fmt: skip
     else:
-        tma = (
-            cfg.fwd_one_loop and cfg.fwd_kv_tma and host.tma_ready(k, v, interpret=launch.interpret)
-        )
-        pipeline = cfg.fwd_one_loop and cfg.fwd_pipeline
+        one_loop = cfg.fwd_loop != "phased"
+        tma = one_loop and host.tma_ready(k, v, interpret=launch.interpret)
+        pipeline = cfg.fwd_loop == "pipelined"
         flags = _flags(q, launch)
-        ws = tma and cfg.fwd_warp_specialize and not pipeline and launch.descriptor_layout
+        ws = tma and cfg.fwd_loop == "warp_specialized" and launch.descriptor_layout
         kernels.gdpa_fwd_kernel[(plan.fwd_grid,)](
             *common, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
-            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, ONE_LOOP=cfg.fwd_one_loop,
+            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, ONE_LOOP=one_loop,
             KV_TMA=tma, PIPELINE=pipeline, WARP_SPECIALIZE=ws, q_rows=q.shape[0],
             k_rows=k.shape[0], **flags,
         )  # fmt: skip
@@ -910,11 +971,8 @@ def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     # Under torch.use_deterministic_algorithms(True) dQ comes from its own kernel (a fixed
     # summation order) instead of the fused kernel's float32 atomics.
-    fused_dq = (
-        cfg.bwd_fused
-        and launch.num_queries is None
-        and not torch.are_deterministic_algorithms_enabled()
-    )
+    one_loop = cfg.bwd_loop == "fused" and launch.num_queries is None
+    fused_dq = one_loop and not torch.are_deterministic_algorithms_enabled()
     if fused_dq:  # float32 atomics target of the dK/dV kernel
         dq_rows = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     elif launch.num_queries is None:
@@ -936,7 +994,7 @@ def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
             dk_part, dv_part, dk_part.stride(0), dk_part.stride(1),
             BLOCK_M=pma_m or cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
             num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
-            ONE_LOOP=cfg.bwd_one_loop and not pma_m, dq_ptr=dq_rows,
+            ONE_LOOP=one_loop, dq_ptr=dq_rows,
             stride_dqt=dq_rows.stride(0), stride_dqh=dq_rows.stride(1), FUSED_DQ=fused_dq,
             **flags,
         )  # fmt: skip
@@ -949,7 +1007,7 @@ def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
             BLOCK_M=pma_m or cfg.dq_block_m,
             BLOCK_N=cfg.pma_dq_block_n if pma_m else cfg.dq_block_n,
             num_warps=cfg.pma_warps if pma_m else cfg.bwd_warps,
-            num_stages=cfg.bwd_stages, ONE_LOOP=cfg.bwd_one_loop and not pma_m, **flags,
+            num_stages=cfg.bwd_stages, ONE_LOOP=one_loop, **flags,
         )  # fmt: skip
     if plan.dkdv_combine is not None:
         width = k.shape[1] * k.shape[2]
@@ -1029,14 +1087,18 @@ def _prepare(
             masked=pma or left is not None or right is not None,
             descriptor_layout=whole_tensor_descriptors,
         )  # fmt: skip
-    if config.schedule not in GDPA_SCHEDULES:
+    if config.fwd_loop not in GDPA_FWD_LOOPS:
         raise ValueError(
-            f"config.schedule must be one of {GDPA_SCHEDULES}, got {config.schedule!r}"
+            f"config.fwd_loop must be one of {GDPA_FWD_LOOPS}, got {config.fwd_loop!r}"
         )
-    if config.fwd_warp_specialize and config.fwd_stages > 2:
+    if config.bwd_loop not in GDPA_BWD_LOOPS:
         raise ValueError(
-            "config.fwd_warp_specialize needs fwd_stages <= 2 (3 stages gave NaN on triton "
-            f"3.6), got fwd_stages={config.fwd_stages}"
+            f"config.bwd_loop must be one of {GDPA_BWD_LOOPS}, got {config.bwd_loop!r}"
+        )
+    if config.fwd_loop == "warp_specialized" and config.fwd_stages > 2:
+        raise ValueError(
+            'config.fwd_loop="warp_specialized" needs fwd_stages <= 2 (3 stages gave NaN on '
+            f"triton 3.6), got fwd_stages={config.fwd_stages}"
         )
     if self_attention:
         # Self-attention never takes the short-KV forward (its KV is as long as its queries).
