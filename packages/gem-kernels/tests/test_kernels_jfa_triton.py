@@ -317,7 +317,7 @@ def test_forward_one_loop(interpret, causal, window, fused):
 
 def test_other_tile_shapes(interpret):
     """Rectangular tiles (dK/dV keys 32 x queries 16, forward 16 x 32) give the same result."""
-    config = JfaTritonConfig(16, 32, 1, 1, 32, 16, 32, 16, 1, 1)
+    config = JfaTritonConfig(16, 32, 1, 1, 32, 16, 32, 16, 1, 1, bwd_fused=False)
     tensors = _inputs(CROSS_Q, CROSS_K, seed=10, rel=11, jagged=True)
     _check_grads(CROSS_Q, CROSS_K, tensors, tol=2e-5, causal=True, window=(7, None), config=config)
 
@@ -328,7 +328,7 @@ def test_rel_bias_gradient_reductions(interpret, dkdv_block_m):
     and of tiles spanning several buckets (diagonal sums) give the oracle's gradient, with
     square and rectangular dK/dV tiles; 5 buckets make most tiles fall in one clamped bucket,
     40 make most span several."""
-    config = JfaTritonConfig(16, 16, 1, 1, 32, dkdv_block_m, 16, 16, 1, 1)
+    config = JfaTritonConfig(16, 16, 1, 1, 32, dkdv_block_m, 16, 16, 1, 1, bwd_fused=False)
     lengths = [70, 3, 0, 45]
     for num_buckets in (5, 40):
         tensors = _inputs(lengths, lengths, seed=13, rel=num_buckets)

@@ -35,6 +35,7 @@ from gem_kernels import _triton_host as host
 from gem_kernels.triton_loader import load_kernel_module
 
 __all__ = [
+    "JFA_CONFIGS",
     "JaggedFlashAttentionFunction",
     "JfaTritonConfig",
     "MAX_TRITON_BUCKETS",
@@ -63,14 +64,15 @@ _TABLE_WIDTH = 8  # [q_start, q_len, k_start, k_len, tile_start, bias_start, 0, 
 class JfaTritonConfig(host.FlashTileConfig):
     """Tile sizes and launch parameters of the three kernels (powers of two, >= 16).
 
-    The defaults are the fastest of a short sweep on an H200 at D=128 (bf16, B128xL4096).
+    The defaults are ``JFA_CONFIGS["d128_long"]``, the H200's configuration of unmasked,
+    unbiased calls at head_dim 65..128 longer than ``MEDIUM_SEQUENCE_LEN``.
     """
 
     dq_warps: int = 0
     """Warps per dQ program (0: ``bwd_warps``)."""
     dq_stages: int = 0
     """Software-pipelining depth of the dQ kernel's key loop (0: ``bwd_stages``)."""
-    bwd_fused: bool = False
+    bwd_fused: bool = True
     """The dK/dV kernel also adds dQ into a zeroed float32 buffer (summation order not fixed)
     and no dQ kernel runs: S and dP are computed once instead of twice. Compiled at a
     power-of-two head_dim, each tile's dQ rows go in one TMA bulk reduce; otherwise (the
@@ -93,7 +95,117 @@ SHORT_SEQUENCE_LEN = 1024
 MEDIUM_SEQUENCE_LEN = 2048
 
 
-@functools.lru_cache(maxsize=64)  # called on every call without a config: no per-call replace
+_SHORT = JfaTritonConfig(
+    fwd_block_m=64, fwd_block_n=32, fwd_warps=4, fwd_stages=3, dkdv_block_n=64, dkdv_block_m=32,
+    dq_block_m=64, dq_block_n=32, bwd_warps=4, bwd_stages=3, bwd_fused=False,
+)  # fmt: skip
+_MEDIUM = replace(
+    JfaTritonConfig(), dkdv_block_n=64, dkdv_block_m=32, bwd_warps=4, dq_warps=8, bwd_fused=False
+)
+_D64 = JfaTritonConfig(
+    fwd_block_m=128, fwd_block_n=64, fwd_warps=4, fwd_stages=3, dkdv_block_n=128,
+    dkdv_block_m=64, dq_block_m=128, dq_block_n=64, bwd_warps=8, bwd_stages=2, bwd_fused=False,
+)  # fmt: skip
+
+#: The configurations :func:`default_config` chooses from (Hopper; other GPUs take the same
+#: entries unmeasured), each with the reason it is the one. ``_masked`` entries serve causal and
+#: window calls: the forward's one key loop (separate loops for the diagonal and window-edge
+#: tiles each start and drain a pipeline of their own, and the one loop needs fewer
+#: registers) and the split backward.
+JFA_CONFIGS: dict[str, host.TunedConfig] = {
+    "interpret": host.TunedConfig(
+        JfaTritonConfig(
+            fwd_block_m=16,
+            fwd_block_n=16,
+            fwd_warps=1,
+            fwd_stages=1,
+            dkdv_block_n=16,
+            dkdv_block_m=16,
+            dq_block_m=16,
+            dq_block_n=16,
+            bwd_warps=1,
+            bwd_stages=1,
+            bwd_fused=False,
+        ),
+        "the Triton interpreter on the CPU: 16-row tiles, so that short test samples cross "
+        "tile boundaries; the split backward (the fused one has tests of its own)",
+    ),
+    "d64": host.TunedConfig(_D64, "head_dim <= 64: 128x64 forward tiles in 4 warps"),
+    "d64_bias": host.TunedConfig(
+        replace(_D64, dkdv_block_m=32),
+        "head_dim <= 64 with rel_pos_bias: 32 query rows per dK/dV step for the bias tiles",
+    ),
+    "d64_jagged_bias": host.TunedConfig(
+        replace(_D64, dkdv_block_m=32, dq_block_n=32),
+        "head_dim <= 64 with jagged_bias: also 32-key dQ steps (it stores the bias gradient)",
+    ),
+    "d128_short": host.TunedConfig(
+        _SHORT,
+        "head_dim 65..128, unmasked, samples <= SHORT_SEQUENCE_LEN (rel_pos_bias too): 64x32 "
+        "tiles in 4 warps, several programs per SM overlap prologues and epilogues",
+    ),
+    "d128_short_masked": host.TunedConfig(
+        replace(_SHORT, fwd_one_loop=True), "d128_short for causal and window calls"
+    ),
+    "d128_medium": host.TunedConfig(
+        _MEDIUM,
+        "head_dim 65..128, unmasked, unbiased, samples <= MEDIUM_SEQUENCE_LEN: the long "
+        "forward tiles with the short 4-warp dK/dV tiles and 128x64 dQ tiles in 8 warps",
+    ),
+    "d128_medium_masked": host.TunedConfig(
+        replace(_MEDIUM, fwd_one_loop=True), "d128_medium for causal and window calls"
+    ),
+    "d128_long": host.TunedConfig(
+        JfaTritonConfig(),
+        "head_dim 65..128, unmasked, unbiased, longer samples: 128x128 forward, 128-key dK/dV "
+        "tiles whose 10 * BLOCK_N flops per dQ element amortise the fused backward's reduces",
+    ),
+    "d128_long_masked": host.TunedConfig(
+        replace(JfaTritonConfig(), fwd_one_loop=True, bwd_fused=False),
+        "d128_long for causal and window calls (the split backward measured faster there)",
+    ),
+    "d128_bias_long": host.TunedConfig(
+        replace(_MEDIUM, fwd_block_n=64),
+        "head_dim 65..128 with rel_pos_bias, samples > SHORT_SEQUENCE_LEN: bias tiles in the "
+        "loops leave no shared memory for 128x128 forward tiles",
+    ),
+    "d128_jagged_bias": host.TunedConfig(
+        JfaTritonConfig(
+            fwd_block_m=128,
+            fwd_block_n=64,
+            fwd_warps=8,
+            fwd_stages=3,
+            dkdv_block_n=128,
+            dkdv_block_m=32,
+            dq_block_m=128,
+            dq_block_n=32,
+            bwd_warps=8,
+            bwd_stages=3,
+            bwd_fused=False,
+        ),
+        "head_dim 65..128 with jagged_bias, every length: it loads the bias tile and stores "
+        "its gradient, so 64-key tiles spill registers",
+    ),
+    "d256": host.TunedConfig(
+        JfaTritonConfig(
+            fwd_block_m=64,
+            fwd_block_n=32,
+            fwd_warps=4,
+            fwd_stages=2,
+            dkdv_block_n=64,
+            dkdv_block_m=32,
+            dq_block_m=64,
+            dq_block_n=32,
+            bwd_warps=4,
+            bwd_stages=2,
+            bwd_fused=False,
+        ),
+        "head_dim 129..256, biased or not: twice the D=128 operand bytes, 64x32 tiles",
+    ),
+}
+
+
+@functools.lru_cache(maxsize=64)  # called on every call without a config
 def default_config(
     head_dim: int,
     *,
@@ -103,81 +215,43 @@ def default_config(
     max_len: int | None = None,
     masked: bool = False,
 ) -> JfaTritonConfig:
-    """Tile configuration for a head dimension (small tiles under the interpreter).
+    """The ``JFA_CONFIGS`` entry of a call.
 
     ``max_len``: the longest sample of the batch, or the keys a query row can see when a window
     bounds both sides (causal with a left window: ``left + 1``), whichever is smaller; ``None``:
-    unknown (long tiles). ``masked``: a causal mask or a window. Unbiased calls at head_dim
-    65..128:
-
-    - up to ``SHORT_SEQUENCE_LEN``: 64x32 forward tiles, 64-key dK/dV tiles stepping 32 query
-      rows and 64x32 dQ tiles, 4 warps;
-    - up to ``MEDIUM_SEQUENCE_LEN``: long forward tiles, the short dK/dV tiles (4 warps) and
-      128x64 dQ tiles (8 warps);
-    - longer: 128x128 forward tiles, 128-key dK/dV tiles stepping 64 query rows, 128x64 dQ
-      tiles, 8 warps; without a causal mask or window (``masked``), the fused backward
-      (``bwd_fused``, dQ by TMA bulk reduces).
-
-    With a causal mask or window (``masked``), the forward runs each query tile's key tiles in
-    one loop that masks only the diagonal, window-edge and partial tiles
-    (``fwd_one_loop``; separate loops for them each start and drain a pipeline of their own,
-    and the one loop needs fewer registers). Unmasked calls keep the separate loops (there
-    only a partial last tile is masked), and so does the backward.
-
-    With ``rel_pos_bias`` (``with_bias``), bias tiles are loaded in the loops too; the 128x128
-    forward tile then needs more shared memory than an H200 has. Up to ``SHORT_SEQUENCE_LEN``
-    biased calls take the short tiles, longer ones 128x64 forward tiles and the medium
-    backward. ``with_jagged_bias`` (implies ``with_bias``) keeps 128x64 forward tiles, 128-key
-    dK/dV tiles stepping 32 query rows and 128x32 dQ tiles (it loads the bias tile and stores
-    its gradient; 64 keys spill registers) at every length.
-    Other head dims: one configuration per size, biased calls with narrower key tiles.
-
-    The fused backward (no dQ kernel: S and dP computed once, dQ added in float32 across key
-    tiles) pays one dQ tile of reduce traffic per (key tile, query tile) step: 4 bytes per
-    element against 10 * BLOCK_N flops, which the 128-key tiles amortise and the 64-key ones
-    do not. Masked calls keep the split backward, which is also the one
-    ``torch.use_deterministic_algorithms(True)`` selects.
+    unknown (long tiles). ``masked``: a causal mask or a window. ``with_bias``:
+    ``rel_pos_bias``; ``with_jagged_bias`` implies it. The entry is ``"interpret"`` under the
+    interpreter, ``"d64*"`` up to head_dim 64 and ``"d256"`` above 128. At 65..128:
+    ``"d128_jagged_bias"`` with a jagged bias; ``"d128_short"`` up to ``SHORT_SEQUENCE_LEN``;
+    longer biased calls ``"d128_bias_long"``; unbiased ones ``"d128_medium"`` up to
+    ``MEDIUM_SEQUENCE_LEN`` and ``"d128_long"`` beyond; unbiased masked calls take the
+    ``_masked`` entry of their length (biased kernels keep separate loops either way).
 
     Each choice won an H200 tile sweep (D=128, bf16); the numbers, and the variants measured
     and removed (hand-pipelined, warp-specialised and persistent forwards), are in
     docs/kernel-tuning.md.
     """
+    name = _config_name(head_dim, interpret, with_bias, with_jagged_bias, max_len, masked)
+    return JFA_CONFIGS[name].config
+
+
+def _config_name(head_dim, interpret, with_bias, with_jagged_bias, max_len, masked) -> str:
     if interpret:
-        return JfaTritonConfig(16, 16, 1, 1, 16, 16, 16, 16, 1, 1)
-    short_batch = max_len is not None and max_len <= SHORT_SEQUENCE_LEN
-    medium_batch = max_len is not None and max_len <= MEDIUM_SEQUENCE_LEN
-    if 64 < head_dim <= 128:
-        if with_jagged_bias:
-            return JfaTritonConfig(128, 64, 8, 3, 128, 32, 128, 32, 8, 3)
-        if short_batch:
-            config = _SHORT_TILES
-        elif with_bias:
-            config = replace(_MEDIUM_BWD_TILES, fwd_block_n=64)
-        elif medium_batch:
-            config = _MEDIUM_BWD_TILES
-        else:
-            config = JfaTritonConfig(bwd_fused=not masked)
-        # Masked calls: the forward's one key loop (biased calls keep their separate loops).
-        return replace(config, fwd_one_loop=True) if masked else config
-    with_bias = with_bias or with_jagged_bias
+        return "interpret"
+    if head_dim > 128:
+        return "d256"
     if head_dim <= 64:
-        config = JfaTritonConfig(128, 64, 4, 3, 128, 64, 128, 64, 8, 2)
-    else:
-        config = JfaTritonConfig(64, 32, 4, 2, 64, 32, 64, 32, 4, 2)
-    if with_bias:
-        config = replace(
-            config,
-            fwd_block_n=min(config.fwd_block_n, 64),
-            dkdv_block_m=min(config.dkdv_block_m, 32),
-        )
+        return "d64_jagged_bias" if with_jagged_bias else "d64_bias" if with_bias else "d64"
     if with_jagged_bias:
-        config = replace(config, dq_block_n=min(config.dq_block_n, 32))
-    return config
-
-
-# Head dims 65..128: the short tiles, and the long forward with the short dK/dV tiles.
-_SHORT_TILES = JfaTritonConfig(64, 32, 4, 3, 64, 32, 64, 32, 4, 3)
-_MEDIUM_BWD_TILES = JfaTritonConfig(128, 128, 8, 3, 64, 32, 128, 64, 4, 3, dq_warps=8)
+        return "d128_jagged_bias"
+    masked_suffix = "_masked" if masked and not with_bias else ""
+    if max_len is not None and max_len <= SHORT_SEQUENCE_LEN:
+        return "d128_short" + masked_suffix
+    if with_bias:
+        return "d128_bias_long"
+    if max_len is not None and max_len <= MEDIUM_SEQUENCE_LEN:
+        return "d128_medium" + masked_suffix
+    return "d128_long" + masked_suffix
 
 
 # ---------------------------------------------------------------------------------------------
