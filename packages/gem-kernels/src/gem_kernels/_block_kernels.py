@@ -163,26 +163,24 @@ def block_attn_fwd_kernel(
     HEADS_PER_PROGRAM: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_POS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    FAST_TRIG: tl.constexpr, BLOCK_TABLE: tl.constexpr,
+    FAST_TRIG: tl.constexpr,
 ):  # fmt: skip
     """Items are (block, group of heads), block-major. Program ``p`` of ``P`` runs items ``p,
-    p + P, ...`` (``P`` = items: one item each). ``BLOCK_TABLE``: a block's first row, row
-    count and first position come from ``blocks_ptr`` (three independent loads) instead of the
-    offsets (three dependent ones). With one head per item the head loop folds away and the
-    item loop is the software-pipelined one (the next item's loads overlap this one's math)."""
+    p + P, ...`` (``P`` = items: one item each). A block's first row, row count and first
+    position come from the per-block table ``blocks_ptr`` (three independent loads, where the
+    backward derives them from the offsets by three dependent ones). With one head per item
+    the head loop folds away and the item loop is the software-pipelined one (the next item's
+    loads overlap this one's math)."""
     offs_m = tl.arange(0, BLOCK_M)
     offs_f = tl.arange(0, BLOCK_HALF)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
         block = (item // head_groups).to(tl.int64)
-        if BLOCK_TABLE:
-            info = blocks_ptr + block * 3
-            row0 = tl.load(info)
-            num_rows = tl.load(info + 1)
-            first_pos = tl.load(info + 2)
-        else:
-            row0, num_rows, first_pos = _locate_block(meta_ptr, num_samples, block_size, block)
+        info = blocks_ptr + block * 3
+        row0 = tl.load(info)
+        num_rows = tl.load(info + 1)
+        first_pos = tl.load(info + 2)
         m_ok = offs_m < num_rows
         rows64 = row0 + offs_m.to(tl.int64)
         cos, sin = _rope_tables(pos_ptr, row0, first_pos, offs_m, m_ok, freq_ptr, HALF,

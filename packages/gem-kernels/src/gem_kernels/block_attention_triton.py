@@ -29,6 +29,7 @@ from gem_kernels import _triton_host as host
 from gem_kernels.triton_loader import load_kernel_module
 
 __all__ = [
+    "BLOCK_ATTENTION_CONFIGS",
     "MAX_TRITON_BLOCK_SIZE",
     "MAX_TRITON_HEAD_DIM",
     "BlockAttentionFunction",
@@ -71,26 +72,44 @@ class BlockAttentionTritonConfig:
     """Warps per backward program."""
     bwd_stages: int = 2
     """Software-pipelining depth of the backward's head loop."""
-    fwd_programs_per_sm: int = 0
-    """Forward: persistent programs per SM, each looping over (block, head group) items; 0:
-    one program per item (measured faster or equal, see docs/kernel-tuning.md)."""
-    fwd_block_table: bool = True
-    """Forward: read each block's first row, row count and first position from a per-block
-    host table (independent loads) instead of deriving them from the offsets (three dependent
-    loads, the backward's way)."""
-    fast_trig: bool = True
-    """RoPE sines/cosines by the hardware approximations (error < 2^-20.5 on the [-pi, pi)
-    angles the kernels reduce to) instead of libdevice ``sin``/``cos``; compiled kernels only
-    (the interpreter always takes libdevice's)."""
+
+
+#: The configurations :func:`default_config` chooses from, each with the reason it is the one.
+BLOCK_ATTENTION_CONFIGS: dict[str, host.TunedConfig] = {
+    "interpret": host.TunedConfig(
+        BlockAttentionTritonConfig(
+            fwd_heads_per_program=2,
+            fwd_warps=1,
+            fwd_stages=1,
+            bwd_heads_per_program=2,
+            bwd_warps=1,
+            bwd_stages=1,
+        ),
+        "the Triton interpreter on the CPU: one warp, 2 heads per program (the head loop runs)",
+    ),
+    "d128": host.TunedConfig(
+        BlockAttentionTritonConfig(),
+        "head_dim <= 128: the H200 sweep's fastest (docs/kernel-tuning.md)",
+    ),
+    "d256": host.TunedConfig(
+        BlockAttentionTritonConfig(
+            fwd_heads_per_program=1,
+            fwd_warps=8,
+            fwd_stages=1,
+            bwd_heads_per_program=1,
+            bwd_warps=8,
+            bwd_stages=1,
+        ),
+        "head_dim 129..256: one head per program in 8 warps, so a block's rows fit registers",
+    ),
+}
 
 
 def default_config(head_dim: int, *, interpret: bool = False) -> BlockAttentionTritonConfig:
-    """Launch configuration for a head dimension (one warp under the interpreter)."""
-    if interpret:
-        return BlockAttentionTritonConfig(2, 1, 1, 2, 1, 1)
-    if head_dim > 128:
-        return BlockAttentionTritonConfig(1, 8, 1, 1, 8, 1)
-    return BlockAttentionTritonConfig()
+    """The ``BLOCK_ATTENTION_CONFIGS`` entry of a call: ``"interpret"`` under the interpreter,
+    else ``"d128"`` up to head_dim 128 and ``"d256"`` above."""
+    name = "interpret" if interpret else "d256" if head_dim > 128 else "d128"
+    return BLOCK_ATTENTION_CONFIGS[name].config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,7 +242,9 @@ def _common(q: torch.Tensor, launch: _Launch, positions: torch.Tensor | None, pe
         "BLOCK_HALF": host.padded_block(half),
         "BLOCK_D": host.padded_block(head_dim),
         "HAS_POS": positions is not None,
-        "FAST_TRIG": launch.config.fast_trig and not launch.interpret,
+        # RoPE sines/cosines by the hardware approximations (error < 2^-20.5 on the [-pi, pi)
+        # angles the kernels reduce to; inline PTX, so compiled kernels only).
+        "FAST_TRIG": not launch.interpret,
         **host.dot_flags(q, launch.interpret),
     }
     return grid, args, sizes, flags
@@ -239,17 +260,11 @@ def _forward(q, k, v, positions, launch: _Launch) -> torch.Tensor:
     )
     blocks = launch.meta[2 * (launch.num_samples + 1) + num_blocks + q.shape[2] // 2 :]
     items = num_blocks * groups
-    programs = items
-    if cfg.fwd_programs_per_sm > 0:
-        programs = min(
-            items, host.num_programs(q.device, cfg.fwd_programs_per_sm, launch.interpret)
-        )
-    _kernels(launch.interpret).block_attn_fwd_kernel[(programs,)](
+    _kernels(launch.interpret).block_attn_fwd_kernel[(items,)](
         q, k, v, out, *args, blocks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), *sizes, items, groups,
-        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
-        BLOCK_TABLE=cfg.fwd_block_table, **flags,
+        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **flags,
     )  # fmt: skip
     return out
 
