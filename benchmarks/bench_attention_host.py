@@ -1,56 +1,41 @@
-"""Host time of one public attention call with the GPU work taken out: validation, planning,
-autograd and dispatch, i.e. what an eager call costs the CPU besides its kernel launches.
+"""Host time of one eager public attention call on a GPU, beside its kernel time.
+
+The host time is validation, planning, autograd, dispatch and the Triton launches: what the
+call costs the CPU.
 
 Short attention calls (PMA over B=512 histories: ~0.15 ms on an H200) are bound by this host
 time, not by the GPU. Each case calls the public function (``gdpa``, ``jagged_flash_attention``,
-``block_attention``) on CPU bfloat16 tensors under ``TRITON_INTERPRET=1`` (so the Triton path is
-taken) with the module's ``_forward`` (the launches) replaced by a stub that returns an empty
-output (after the kernel-module lookup each real forward makes), and reports the median over
-rounds of the mean microseconds per call, without and with autograd. The Triton launch cost
-itself is not included (it needs a GPU).
+``block_attention``, ``backend="triton"``) on CUDA bfloat16 tensors with host offsets (as the
+loader has them). ``host_us``: the median over ``--rounds`` of the mean wall time per call of
+``--calls`` back-to-back calls issued while a queue of large matmuls keeps the GPU busy: the
+calls' kernels cannot start, so the loop times only the host's work (a call that synchronised
+would wait for the whole queue and show as a large time). Rounds in which the queue ran dry
+before the last call was issued are counted in ``meta.rounds_gpu_caught_up``. ``device_us``: the kernel time per
+call from ``torch.profiler``. Both without and with autograd (modes ``no_grad`` / ``grad``).
 
-Usage (from the workspace root):
-    python benchmarks/bench_attention_host.py           # writes benchmarks/results/cpu/attention_host.json
+Usage (from the workspace root, on a GPU machine):
+    python benchmarks/bench_attention_host.py           # writes benchmarks/results/h200/attention_host.json
     PYTHONPATH=<old checkout>/packages/gem-kernels/src python benchmarks/bench_attention_host.py \
         --provider before --out /tmp/before.json        # the same cases on another version
+
+``benchmarks/results/cpu/attention_host.json`` came from an earlier version that replaced the
+kernel modules' launch functions by stubs and ran on the CPU: it left the launches out.
 """
 
 from __future__ import annotations
 
-import os
+import math
+import statistics
+import sys
+import time
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: CPU tensors take the Triton path
+import torch
+from harness import ROOT, Run, require_cuda, results_parser
 
-import statistics  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-from _results import meta, results_parser, user_args, write_results  # noqa: E402
+sys.path.insert(0, str(ROOT / "packages" / "gem-kernels" / "src"))
 
 B, H, D, NUM_QUERIES, MAX_LEN = 512, 4, 128, 32, 1024
-
-
-def _stub_launches():
-    """Replaces each Triton module's ``_forward`` by an empty-output stub (no kernels run) that
-    still asks for the kernel module once, as every real forward does before it launches."""
-    from gem_kernels import block_attention_triton, gdpa_triton, jfa_triton
-
-    def gdpa_forward(q, k, v, plan, launch, out_rows):
-        gdpa_triton._kernels(False)
-        return torch.empty((out_rows, q.shape[1], q.shape[2]), dtype=q.dtype)
-
-    def jfa_forward(q, k, v, rel_pos_bias, jagged_bias, plan, launch):
-        jfa_triton._kernels(False)
-        return torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32)
-
-    def block_forward(q, k, v, positions, launch):
-        block_attention_triton._kernels(False)
-        return torch.empty_like(q)
-
-    gdpa_triton._forward = gdpa_forward
-    jfa_triton._forward = jfa_forward
-    block_attention_triton._forward = block_forward
+BUSY_N = 8192  # side of the bf16 matmuls that keep the GPU busy (~1.4 ms each on an H200)
 
 
 def _cases():
@@ -58,11 +43,11 @@ def _cases():
 
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, MAX_LEN + 1, (B,), generator=gen)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])  # host
     tokens = int(offsets[-1])
-    q = torch.randn(tokens, H, D, generator=gen).bfloat16()
+    q = torch.randn(tokens, H, D, generator=gen).to("cuda", torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)
-    queries = torch.randn(NUM_QUERIES, H, D, generator=gen).bfloat16()
+    queries = torch.randn(NUM_QUERIES, H, D, generator=gen).to("cuda", torch.bfloat16)
     return {
         "pma": (
             gdpa,
@@ -84,26 +69,76 @@ def _is_data(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
-def _time_us(call, calls: int, rounds: int) -> float:
+class Busy:
+    """Large matmuls queued ahead of the timed calls, so that the GPU stays busy."""
+
+    def __init__(self) -> None:
+        self.a = torch.randn(BUSY_N, BUSY_N, device="cuda", dtype=torch.bfloat16)
+        self.out = torch.empty_like(self.a)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.mm(self.a, self.a, out=self.out)
+        start.record()
+        for _ in range(5):
+            torch.mm(self.a, self.a, out=self.out)
+        end.record()
+        end.synchronize()
+        self.matmul_ms = start.elapsed_time(end) / 5
+
+    def queue(self, ms: float) -> torch.cuda.Event:
+        """Queues about ``ms`` of GPU work; the returned event completes when it has run."""
+        for _ in range(max(1, math.ceil(ms / self.matmul_ms))):
+            torch.mm(self.a, self.a, out=self.out)
+        done = torch.cuda.Event()
+        done.record()
+        return done
+
+
+def host_us(call, busy: Busy, calls: int, rounds: int) -> tuple[float, int]:
+    """Median over ``rounds`` of the mean µs per call with the GPU busy, and how many rounds
+    the GPU caught up with the host before the calls were issued (those waited on it)."""
     for _ in range(20):
         call()
-    means = []
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    estimate_ms = (time.perf_counter() - start) * 1e3  # an upper bound: it may have waited
+    torch.cuda.synchronize()
+    means, caught_up = [], 0
     for _ in range(rounds):
-        started = time.perf_counter()
+        done = busy.queue(2 * estimate_ms + 5)
+        start = time.perf_counter()
         for _ in range(calls):
             call()
-        means.append((time.perf_counter() - started) / calls * 1e6)
-    return statistics.median(means)
+        means.append((time.perf_counter() - start) / calls * 1e6)
+        caught_up += bool(done.query())
+        torch.cuda.synchronize()
+    return statistics.median(means), caught_up
+
+
+def device_us(call, calls: int = 20) -> float:
+    """Kernel time per call (µs), summed over the kernels ``torch.profiler`` records."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    total = sum(getattr(e, "self_device_time_total", 0.0) for e in prof.key_averages())
+    return total / calls
 
 
 def main() -> None:
-    parser = results_parser(__doc__, "cpu/attention_host.json")
+    parser = results_parser(__doc__, "h200/attention_host.json")
     parser.add_argument("--provider", default="gem", help="row provider name (e.g. 'before')")
-    parser.add_argument("--calls", type=int, default=500, help="calls per round")
+    parser.add_argument("--calls", type=int, default=50, help="calls per round")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    _stub_launches()
-    rows = []
+    require_cuda()
+    run = Run("attention_host", args.out, script="benchmarks/bench_attention_host.py",
+              extra=dict(batch=B, heads=H, head_dim=D, max_len=MAX_LEN, rounds_gpu_caught_up={}))  # fmt: skip
+    busy = Busy()
     for case, (fn, tensors, kwargs) in _cases().items():
         kwargs = {**kwargs, "backend": "triton"}
         for mode in ("no_grad", "grad"):
@@ -115,18 +150,20 @@ def main() -> None:
                 with torch.set_grad_enabled(mode == "grad"):
                     return fn(*leaves, **kwargs)
 
-            us = _time_us(call, args.calls, args.rounds)
-            rows.append(
-                {"case": case, "provider": args.provider, "mode": mode, "metric": "host_us",
-                 "value": us}
-            )  # fmt: skip
-            print(f"{case:>16} {mode:>8}: {us:7.1f} us per call", flush=True)
-    command = "python benchmarks/bench_attention_host.py " + " ".join(user_args())
-    write_results(
-        Path(args.out),
-        meta("attention_host", command.strip(), batch=B, heads=H, head_dim=D, max_len=MAX_LEN),
-        rows,
-    )
+            try:
+                us, caught_up = host_us(call, busy, args.calls, args.rounds)
+                kernel_us = device_us(call)
+            except Exception as error:  # noqa: BLE001 - report and keep measuring
+                run.error(f"{case} {mode}: {error!r}")
+                continue
+            run.add(case, args.provider, mode, "host_us", us)
+            run.add(case, args.provider, mode, "device_us", kernel_us)
+            run.extra["rounds_gpu_caught_up"][f"{case}/{mode}"] = caught_up
+            print(f"{case:>16} {mode:>8}: host {us:7.1f} us, kernels {kernel_us:7.1f} us per call"
+                  f"{f' (GPU caught up in {caught_up} rounds)' if caught_up else ''}", flush=True)  # fmt: skip
+            run.write()
+    run.write()
+    run.table(("host_us", "device_us"), title="attention host time per call (us)")
     print(f"-> {args.out}")
 
 

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _results import ROOT, meta, write_results
 from gem_data import (
     ShardedBatchLoader,
     SyntheticConfig,
@@ -36,6 +35,7 @@ from gem_data import (
     simulate_balance,
     write_synthetic_dataset,
 )
+from harness import ROOT, meta, write_results
 
 
 def simulate(config: SyntheticConfig, ranks: int, seeds: int, **kwargs) -> dict[str, float]:

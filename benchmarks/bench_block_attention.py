@@ -11,6 +11,9 @@ and of q, k, v, out, dout, dq, dk, dv once for forward+backward, over the measur
 device-to-device copy ceiling is 4.27 TB/s). gem also gets ``hbm_fraction`` (gbps / 4270),
 ``speedup_vs_sdpa_blocks_rope`` (peer ms / gem ms) and, for the forward, ``graph_ms`` /
 ``graph_gbps`` (the call replayed from a CUDA graph: kernel time without host overhead).
+Every provider's output and gradients are checked against flash varlen over blocks (rows
+``rel_error`` / ``max_abs_error``; ``sdpa_blocks_rope`` attends the zero padding of partial
+blocks, so its errors are large by construction).
 
 Peers (RoPE as separate eager PyTorch ops with precomputed cos/sin tables, the way a user would
 write it, and its backward through autograd):
@@ -18,7 +21,7 @@ write it, and its backward through autograd):
 * ``sdpa_blocks_rope``: each sample padded to a multiple of 64 tokens, SDPA over
   ``(blocks, H, 64, D)`` (no mask, so padded keys are attended: a lower bound on its cost).
 * ``flash_varlen_blocks_rope``: ``aten._flash_attention_forward`` with one "sequence" per block
-  (exact, no padding); also the correctness reference for gem's output and gradients.
+  (exact, no padding); also the correctness reference for the other providers.
 * ``flex_block_rope``: FlexAttention over the packed tokens with a same-block mask
   (``torch.compile``; only at the shapes in ``--flex-shapes``: compiling is slow).
 
@@ -26,19 +29,19 @@ write it, and its backward through autograd):
         --out benchmarks/results/h200/block_attention.json
 
 ``--sweep`` first times a few launch configurations of gem's kernels at B128xL4096 and uses
-the fastest forward and backward.
+the fastest forward and backward. A CPU smoke run (gem's reference path, tiny shapes):
+``python benchmarks/bench_block_attention.py --device cpu --shapes 3x200 --flex-shapes ''
+--out /tmp/block.json``.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-import traceback
 
 import torch
 import torch.nn.functional as F
-from _results import ROOT, meta, require_cuda, results_parser, write_results
-from _timing import autograd_provider, fastest, grad_leaves, median_ms, record_check, rel_error
+from harness import ROOT, Run, Timed, autograd_provider, fastest, median_ms, results_parser
 
 sys.path.insert(0, str(ROOT / "packages" / "gem-kernels" / "src"))
 
@@ -54,10 +57,7 @@ SHAPES = [(512, 1024), (128, 4096), (32, 16384)]
 DTYPE = torch.bfloat16
 HBM_GBPS = 4270.0
 THETA = 10000.0
-
-
-def _bench(fn, grad_to_none=None) -> float:
-    return median_ms(fn, warmup=25, rep=100, grad_to_none=grad_to_none)
+TIMING = {"warmup": 25.0, "rep": 100.0}
 
 
 def _graph_ms(fn) -> float:
@@ -91,8 +91,11 @@ class Case:
         self.cu_blocks = torch.zeros(self.num_blocks + 1, dtype=torch.int32)
         self.cu_blocks[1:] = torch.cumsum(block_len, 0)
         self.cu_blocks = self.cu_blocks.to(device)
-        self.fwd_flops = 4.0 * H * D * float((block_len.double() ** 2).sum())
-        self.tensor_bytes = self.total * H * D * torch.finfo(DTYPE).bits // 8
+        fwd_flops = 4.0 * H * D * float((block_len.double() ** 2).sum())
+        self.flops = {"fwd": fwd_flops, "fwd_bwd": 3.5 * fwd_flops}
+        tensor_bytes = self.total * H * D * torch.finfo(DTYPE).bits // 8
+        # q, k, v, out forward; q, k, v, out, dout, dq, dk, dv forward+backward.
+        self.bytes_moved = {"fwd": 4 * tensor_bytes, "fwd_bwd": 8 * tensor_bytes}
         # cos/sin tables of the rotate-half convention, (T, 1, D), in the data dtype.
         inv_freq = THETA ** (-2.0 * torch.arange(D // 2, dtype=torch.float64) / D)
         angles = position.double()[:, None] * inv_freq[None, :]
@@ -104,21 +107,18 @@ class Case:
             torch.randn(shape, generator=dgen, device=device, dtype=DTYPE) for _ in range(4)
         )
 
-    def leaves(self):
-        return grad_leaves((self.q, self.k, self.v))
-
     def rope(self, x):
         half = D // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * self.cos + rotated * self.sin
 
 
-def _provider(case, run):
-    """(fwd, fwd_bwd, leaves) from ``run(q, k, v) -> out``."""
-    return autograd_provider(run, (case.q, case.k, case.v), case.grad)
+def _provider(case, run) -> Timed:
+    """A provider from ``run(q, k, v) -> out``."""
+    return Timed(*autograd_provider(run, (case.q, case.k, case.v), case.grad))
 
 
-def provider_gem(case: Case, config=None):
+def provider_gem(case: Case, config=None) -> Timed:
     if config is None:
         return _provider(case, lambda q, k, v: block_attention(q, k, v, case.offsets))
     return _provider(
@@ -126,7 +126,7 @@ def provider_gem(case: Case, config=None):
     )
 
 
-def provider_sdpa_blocks(case: Case):
+def provider_sdpa_blocks(case: Case) -> Timed:
     rows = case.num_blocks * BLOCK
 
     def pad(x):
@@ -140,21 +140,22 @@ def provider_sdpa_blocks(case: Case):
     return _provider(case, run)
 
 
-def _flash_blocks(case: Case, q, k, v):
+def provider_flash_blocks(case: Case) -> Timed:
     cu = case.cu_blocks
-    return torch.ops.aten._flash_attention_forward(
-        q, k, v, cu, cu, BLOCK, BLOCK, 0.0, False, False
-    )[0]
 
+    def run(q, k, v):
+        q, k = case.rope(q), case.rope(k)
+        return torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, BLOCK, BLOCK, 0.0, False, False
+        )[0]
 
-def provider_flash_blocks(case: Case):
-    return _provider(case, lambda q, k, v: _flash_blocks(case, case.rope(q), case.rope(k), v))
+    return _provider(case, run)
 
 
 _FLEX = {}
 
 
-def provider_flex(case: Case):
+def provider_flex(case: Case) -> Timed:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if "fn" not in _FLEX:
@@ -181,85 +182,21 @@ PEERS = {
     "flash_varlen_blocks_rope": provider_flash_blocks,
     "flex_block_rope": provider_flex,
 }
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-def _check(case: Case, checks: dict) -> None:
-    """gem's output and gradients against flash varlen over blocks (+ separate RoPE)."""
-    record_check(checks, case.name, lambda: _errors_against_flash(case))
-
-
-def _errors_against_flash(case: Case) -> dict[str, float]:
-    """Relative errors of gem's out, dq, dk, dv against flash varlen over blocks."""
-    results = {}
-    for name, make in (("gem", provider_gem), ("ref", provider_flash_blocks)):
-        _, _, leaves = make(case)
-        out = (
-            block_attention(*leaves, case.offsets)
-            if name == "gem"
-            else _flash_blocks(case, case.rope(leaves[0]), case.rope(leaves[1]), leaves[2])
-        )
-        out.backward(case.grad)
-        results[name] = [out.detach()] + [leaf.grad for leaf in leaves]
-    return {
-        label: rel_error(a, b)
-        for label, a, b in zip(
-            ("out", "dq", "dk", "dv"), results["gem"], results["ref"], strict=True
-        )  # fmt: skip
-    }
-
-
-def _measure(rows, errors, case, provider, make) -> dict:
-    try:
-        fwd, fwd_bwd, leaves = make()
-    except Exception as error:  # noqa: BLE001
-        errors.append(f"{case.name} {provider} setup: {error!r}"[:400])
-        print(errors[-1])
-        traceback.print_exc(limit=2)
-        return {}
-    times = {}
-    for mode, fn, tensors in (("fwd", fwd, 4), ("fwd_bwd", fwd_bwd, 8)):
-        try:
-            ms = _bench(fn, grad_to_none=leaves if mode == "fwd_bwd" else None)
-        except Exception as error:  # noqa: BLE001
-            errors.append(f"{case.name} {provider} {mode}: {error!r}"[:400])
-            print(errors[-1])
-            continue
-        flops = case.fwd_flops * (3.5 if mode == "fwd_bwd" else 1.0)
-        tflops = flops / (ms * 1e-3) / 1e12
-        gbps = tensors * case.tensor_bytes / (ms * 1e-3) / 1e9
-        times[mode] = ms
-        for metric, value in (("ms", ms), ("tflops", tflops), ("gbps", gbps)):
-            rows.append({"case": case.name, "provider": provider, "mode": mode,
-                         "metric": metric, "value": round(value, 4)})  # fmt: skip
-        if provider == "gem":
-            rows.append({"case": case.name, "provider": provider, "mode": mode,
-                         "metric": "hbm_fraction", "value": round(gbps / HBM_GBPS, 4)})  # fmt: skip
-        if provider == "gem" and mode == "fwd":  # kernel time without host overhead
-            try:
-                graph = _graph_ms(fn)
-            except Exception as error:  # noqa: BLE001 - report and keep benchmarking
-                errors.append(f"{case.name} {provider} graph: {error!r}"[:300])
-                graph = float("nan")
-            graph_gbps = tensors * case.tensor_bytes / (graph * 1e-3) / 1e9
-            for metric, value in (("graph_ms", graph), ("graph_gbps", graph_gbps)):
-                rows.append({"case": case.name, "provider": provider, "mode": mode,
-                             "metric": metric, "value": round(value, 4)})  # fmt: skip
-            print(f"{case.name:14s} {provider:26s} graph    {graph:8.3f} ms {graph_gbps:7.0f} GB/s")
-        print(f"{case.name:14s} {provider:26s} {mode:8s} {ms:8.3f} ms {tflops:7.1f} TFLOP/s "
-              f"{gbps:7.0f} GB/s")  # fmt: skip
-    return times
+REFERENCE = provider_flash_blocks
 
 
 def _sweep(device, deadline) -> BlockAttentionTritonConfig:
     """Time a few launch configurations at B128xL4096; return the fastest fwd and bwd mix."""
     case = Case(128, 4096, device)
     base = default_config(D)
+
+    def time_fwd(fields) -> float:
+        timed = provider_gem(case, BlockAttentionTritonConfig(*fields, 4, 8, 1))
+        return median_ms(timed.fwd, **TIMING)
+
     best_fwd = fastest(
         [(4, 4, 2), (4, 4, 3), (2, 4, 3), (4, 4, 4)],
-        lambda fields: _bench(provider_gem(case, BlockAttentionTritonConfig(*fields, 4, 8, 1))[0]),
+        time_fwd,
         default=(base.fwd_heads_per_program, base.fwd_warps, base.fwd_stages),
         deadline=deadline,
         label="fwd",
@@ -267,8 +204,8 @@ def _sweep(device, deadline) -> BlockAttentionTritonConfig:
     )
 
     def time_bwd(fields) -> float:
-        _, fwd_bwd, leaves = provider_gem(case, BlockAttentionTritonConfig(*best_fwd, *fields))
-        return _bench(fwd_bwd, grad_to_none=leaves)
+        timed = provider_gem(case, BlockAttentionTritonConfig(*best_fwd, *fields))
+        return median_ms(timed.fwd_bwd, grad_to_none=timed.leaves, **TIMING)
 
     best_bwd = fastest(
         [(4, 8, 1), (4, 8, 2), (2, 8, 2)],
@@ -283,6 +220,27 @@ def _sweep(device, deadline) -> BlockAttentionTritonConfig:
     return chosen
 
 
+def _gem_extras(run: Run, case: Case, times: dict, gem: Timed | None) -> None:
+    """gem's ``hbm_fraction``, ``speedup_vs_sdpa_blocks_rope`` and CUDA-graph forward rows."""
+    ours, sdpa = times.get("gem", {}), times.get("sdpa_blocks_rope", {})
+    for mode, ms in ours.items():
+        gbps = case.bytes_moved[mode] / (ms * 1e-3) / 1e9
+        run.add(case.name, "gem", mode, "hbm_fraction", gbps / HBM_GBPS)
+        if mode in sdpa:
+            run.add(case.name, "gem", mode, "speedup_vs_sdpa_blocks_rope", sdpa[mode] / ms, 3)
+    if gem is None or not torch.cuda.is_available():
+        return
+    try:  # kernel time without host overhead
+        graph = _graph_ms(gem.fwd)
+    except Exception as error:  # noqa: BLE001 - report and keep benchmarking
+        run.error(f"{case.name} gem graph: {error!r}")
+        graph = float("nan")
+    graph_gbps = case.bytes_moved["fwd"] / (graph * 1e-3) / 1e9
+    run.add(case.name, "gem", "fwd", "graph_ms", graph)
+    run.add(case.name, "gem", "fwd", "graph_gbps", graph_gbps)
+    print(f"{case.name:28s} {'gem':26s} graph    {graph:9.3f} ms {graph_gbps:9.0f} GB/s")
+
+
 def main() -> None:
     parser = results_parser(__doc__, "h200/block_attention.json")
     parser.add_argument("--sweep", action="store_true", help="pick gem's launch config by a sweep")
@@ -291,60 +249,50 @@ def main() -> None:
     parser.add_argument("--shapes", default="all", help="'all' or e.g. 128x4096,512x1024")
     parser.add_argument("--flex-shapes", default="128x4096", help="shapes that run flex")
     parser.add_argument("--budget-s", type=float, default=150.0, help="stop starting new work")
+    parser.add_argument("--device", default="cuda", help="'cpu' for a smoke run")
     args = parser.parse_args()
-    require_cuda()
-    import triton
-
-    device = torch.device("cuda")
-    start = time.time()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device (or --device cpu)")
+    run = Run("block_attention", args.out, script="benchmarks/bench_block_attention.py",
+              timing=TIMING, checks_key="checks_vs_flash_varlen_blocks_rel_error",
+              budget_s=args.budget_s)  # fmt: skip
     config = None
     if args.config:
         config = BlockAttentionTritonConfig(*(int(x) for x in args.config.split(",")))
     if args.sweep:
-        config = _sweep(device, start + 0.35 * args.budget_s)
+        config = _sweep(device, run.start + 0.35 * args.budget_s)
+    run.extra.update(
+        shape={"heads": H, "head_dim": D, "block": BLOCK, "dtype": "bfloat16", "rope_theta": THETA},
+        gem_config=str(config or default_config(D)),
+    )
     shapes = SHAPES
     if args.shapes != "all":
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     flex_shapes = {tuple(int(x) for x in s.split("x")) for s in args.flex_shapes.split(",") if s}
     peers = [p for p in args.peers.split(",") if p]
-    rows, errors, checks = [], [], {}
 
-    def write():
-        command = " ".join(["python benchmarks/bench_block_attention.py", *sys.argv[1:]])
-        meta_block = meta(
-            "block_attention", command, device=torch.cuda.get_device_name(),
-            triton=triton.__version__,
-            shape={"heads": H, "head_dim": D, "block": BLOCK, "dtype": "bfloat16",
-                   "rope_theta": THETA},
-            gem_config=str(config or default_config(D)),
-            checks_vs_flash_varlen_blocks_rel_error=checks, errors=errors,
-            wall_s=round(time.time() - start, 1),
-        )  # fmt: skip
-        write_results(__import__("pathlib").Path(args.out), meta_block, rows)
+    def gem(case: Case) -> Timed:
+        return provider_gem(case, config)
 
     for batch, max_len in shapes:
-        if time.time() - start > args.budget_s:
-            errors.append(f"budget reached before B{batch}xL{max_len}")
+        if run.over_budget(f"B{batch}xL{max_len}"):
             break
         case = Case(batch, max_len, device)
         print(f"{case.name}: {case.total} tokens, {case.num_blocks} blocks")
-        _check(case, checks)
-        gem = _measure(rows, errors, case, "gem", lambda c=case: provider_gem(c, config))
-        for peer in peers:
-            if peer == "flex_block_rope" and (batch, max_len) not in flex_shapes:
-                continue
-            times = _measure(rows, errors, case, peer, lambda c=case, p=peer: PEERS[p](c))
-            if peer == "sdpa_blocks_rope":
-                for mode, ms in times.items():
-                    if mode in gem:
-                        rows.append({"case": case.name, "provider": "gem", "mode": mode,
-                                     "metric": "speedup_vs_sdpa_blocks_rope",
-                                     "value": round(ms / gem[mode], 3)})  # fmt: skip
-        write()
+        providers = {"gem": gem}
+        providers |= {
+            p: PEERS[p] for p in peers if p != "flex_block_rope" or (batch, max_len) in flex_shapes
+        }
+        times = run.measure(case, providers, flops=case.flops, bytes_moved=case.bytes_moved,
+                            reference=REFERENCE)  # fmt: skip
+        _gem_extras(run, case, times, run.build(case, "gem", gem) if "gem" in times else None)
+        run.write()
         del case
         torch.cuda.empty_cache()
-    write()
-    print(f"wrote {args.out} ({len(rows)} rows) in {time.time() - start:.0f} s")
+    run.write()
+    run.table(("ms", "tflops", "gbps"), title="block attention")
+    print(f"wrote {args.out} ({len(run.rows)} rows) in {time.time() - run.start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from _results import ROOT, meta, results_parser, write_results  # noqa: E402
+from harness import ROOT, meta, results_parser, write_results  # noqa: E402
 
 _SRC = ROOT / "packages" / "gem-parallel" / "src"
 sys.path.insert(0, str(_SRC))

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _results import meta, results_parser, user_args, write_results
 from gem_data import SyntheticConfig, generate_table, hidden_parameters, write_synthetic_dataset
+from harness import meta, results_parser, user_args, write_results
 
 TARGET_PER_MIN_PER_CORE = 1_000_000 / 16
 ROW_GROUP = 4096

@@ -82,7 +82,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _results import ROOT, meta, user_args, write_results
+from harness import ROOT, meta, user_args, write_results
 
 STEPS, EVERY = 11, 3
 """Steps of every run and the checkpoint interval (saves at 3, 6, 9 and the final 11)."""

@@ -52,8 +52,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from _results import ROOT, meta, require_cuda, results_parser, write_results  # noqa: E402
-from _timing import median_ms
+from harness import ROOT, median_ms, meta, require_cuda, results_parser, write_results  # noqa: E402
 from torch import nn
 
 sys.path.insert(0, str(ROOT / "packages" / "gem-precision" / "src"))

@@ -54,10 +54,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from _results import ROOT, meta, write_results
 from gem_train import apply_overrides, tiny
 from gem_train.cli import prepare_data
 from gem_train.trainer import Trainer
+from harness import ROOT, meta, write_results
 
 _ALL_FP8 = ["precision.mode=fp8", "precision.bf16_layers="]
 PROVIDERS: dict[str, list[str]] = {

@@ -45,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _results import ROOT, meta, results_parser, user_args, write_results
+from harness import ROOT, meta, results_parser, user_args, write_results
 
 SUITES = {
     "gem-kernels": "packages/gem-kernels/tests/test_kernels_fuzz.py",

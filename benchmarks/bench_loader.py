@@ -25,13 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from _results import ROOT, meta, write_results
 from gem_data import (
     ParquetBatchLoader,
     ShardedBatchLoader,
     SyntheticConfig,
     write_synthetic_dataset,
 )
+from harness import ROOT, meta, write_results
 
 
 def timed_epochs(loader, repeats: int) -> tuple[float, int]:

@@ -27,7 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from _results import ROOT, meta, results_parser, user_args, write_results
+from harness import ROOT, meta, results_parser, user_args, write_results
 
 V0 = {
     "model.attention_window": "0",

@@ -33,13 +33,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _results import meta, require_cuda, results_parser, user_args, write_results  # noqa: E402
 from baseline_gem import BaselineGem  # noqa: E402
 from gem_data import ShardedBatchLoader  # noqa: E402
 from gem_model import model_flops  # noqa: E402
 from gem_train.cli import configure, prepare_data  # noqa: E402
 from gem_train.throughput import BF16_DENSE_PEAK_TFLOPS  # noqa: E402
 from gem_train.trainer import Trainer, model_config  # noqa: E402
+from harness import meta, require_cuda, results_parser, user_args, write_results  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 from torchrec import EmbeddingBagCollection, EmbeddingCollection  # noqa: E402
 from torchrec.distributed import DistributedModelParallel  # noqa: E402

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from _results import ROOT, meta, write_results
+from harness import ROOT, meta, write_results
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "h200" / "kernel_profiles.json"
 

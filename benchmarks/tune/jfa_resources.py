@@ -1,4 +1,4 @@
-"""Registers, spills and shared memory of the JFA kernels, compiled for sm_90 without a GPU.
+"""Exploration: registers, spills and shared memory of the JFA kernels (sm_90, no GPU needed).
 
 Each kernel of ``default_config``'s tile regimes (short / medium / long, D=128, bf16, causal
 and not) goes through :func:`compile_offline.compile_sm90`, which marks pointers and strides
@@ -7,8 +7,8 @@ runs the script: with Triton 3.6 first on the path (a spare ``pip install triton
 target, as on the H200 machine) they match the H200's binaries, for example the long causal
 dQ kernel's 178 registers.
 
-    PYTHONPATH=<triton 3.6 site-packages> python benchmarks/probe_jfa_resources.py \
-        --out benchmarks/results/cpu/jfa_kernel_resources.json
+    PYTHONPATH=<triton 3.6 site-packages> python benchmarks/tune/jfa_resources.py
+    # writes benchmarks/results/cpu/tuning/jfa_kernel_resources.json
 
 Rows: case ``<kernel>/<regime>/<causal|noncausal>`` (``dkdv_fused``: the fused backward),
 provider ``gem``, metrics ``registers``, ``stack_bytes`` (spills: Triton inlines every call),
@@ -19,8 +19,10 @@ loop, which cost every iteration).
 import sys
 from pathlib import Path
 
-from _results import ROOT, meta, results_parser, write_results
-from compile_offline import compile_sm90
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness
+
+from compile_offline import compile_sm90  # noqa: E402
+from harness import ROOT, command_line, meta, results_parser, write_results  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "packages" / "gem-kernels" / "src"))
 
@@ -58,7 +60,7 @@ def _probe_rows(kernel, regime, causal, name, block_m, block_n, extra, warps, st
 
 
 def main() -> None:
-    parser = results_parser(__doc__, "cpu/jfa_kernel_resources.json")
+    parser = results_parser(__doc__, "cpu/tuning/jfa_kernel_resources.json")
     args = parser.parse_args()
     rows = []
     for regime, max_len in REGIMES.items():
@@ -83,7 +85,7 @@ def main() -> None:
         Path(args.out),
         meta(
             "jfa_kernel_resources",
-            "python benchmarks/probe_jfa_resources.py",
+            command_line("benchmarks/tune/jfa_resources.py"),
             target="sm_90 (offline compile, the launches' divisibility hints)",
             triton=triton.__version__,
         ),  # fmt: skip
