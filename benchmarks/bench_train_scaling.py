@@ -21,13 +21,21 @@ trainers in a process ran slower, 207 -> 220 -> 263 ms). Each variant is
 * ``ep``: ``uniform`` (the trainer's default, ``ExpertParallelDHENLayer.uniform_train_batch``:
   equal per-rank training batches, no exchange) or ``exchange`` (per-rank batch sizes
   all-gathered, with a host sync, in every DHEN layer call);
-* ``plan``: ``auto`` (torchrec's planner via ``DenseParallel.sharding_plan``) or ``rw``
-  (:func:`balanced_plan`: sequence tables and tables of >= 100k rows row-wise over all ranks,
-  the other tables table-wise round-robin). Measured on 2 H200s in fresh processes, ``rw``
-  is slower (255 ms per step against 168 ms on 1 GPU, ratio 0.66): kept as an option only;
-* ``ag``: FSDP all-gather provider, ``auto`` (copy engine where it works) or ``nccl``;
-* ``reshard``: FSDP ``reshard_after_forward`` (``0``, the trainer's default, or ``1``: one
+* ``plan``: ``parallel.sparse_plan``, ``auto`` (torchrec's planner) or ``row_wise``
+  (``gem_train.parallel.row_wise_plan``: sequence tables and tables of >= 100k rows row-wise
+  over all ranks, the other tables table-wise round-robin). Measured on 2 H200s in fresh
+  processes, ``row_wise`` is slower (255 ms per step against 168 ms on 1 GPU, ratio 0.66);
+* ``ag``: ``parallel.fsdp_all_gather_collective``, ``auto`` (copy engine where it works) or
+  ``nccl``;
+* ``reshard``: ``parallel.reshard_after_forward`` (``0``, the trainer's default, or ``1``: one
   more all-gather per block in backward; 94.8 against 86.7 ms per step on 2 H200s).
+
+Only the trainer's public config and attributes are used. The phase split of a step comes from
+the trainer's ``StepClock`` (``trainer.clock``): ``host_phase_ms`` is the host time spent
+issuing forward, backward and optimizer (clip, gradient reductions, AdamW), ``wait`` the final
+``loss.item()`` waiting for the GPU (near 0: the step is bound by the host) and ``rest`` what
+the timed step spent outside them; ``device_phase_ms`` is the same split on the GPU stream
+(CUDA events; host time on a CPU).
 
 Rows of the variant named ``gem`` (the trainer's defaults) have provider ``gem``; the others
 ``gem-<name>``.
@@ -56,7 +64,8 @@ import time
 from pathlib import Path
 
 import torch
-from _results import ROOT, meta, write_results
+from gem_train.config import FSDP_ALL_GATHER_COLLECTIVES, SPARSE_PLANS
+from harness import ROOT, meta, write_results
 
 
 def _free_port() -> int:
@@ -71,8 +80,8 @@ DEFAULT_VARIANTS = (
 )
 _VARIANT_KEYS = {
     "ep": ("uniform", "exchange"),
-    "plan": ("auto", "rw"),
-    "ag": ("auto", "nccl"),
+    "plan": SPARSE_PLANS,
+    "ag": FSDP_ALL_GATHER_COLLECTIVES,
     "reshard": ("1", "0"),
 }
 _VARIANT_DEFAULTS = {"ep": "uniform", "plan": "auto", "ag": "auto", "reshard": "0"}
@@ -95,72 +104,11 @@ def parse_variants(text: str) -> list[tuple[str, dict[str, str]]]:
     return variants
 
 
-def balanced_plan(model: torch.nn.Module, world: int, device_type: str):
-    """A table plan that balances lookups and all-to-all volume over ``world`` ranks.
-
-    Sequence tables (``EmbeddingCollection``: one output row per history token, the bulk of
-    the all-to-all) and pooled tables of >= 100k rows are row-wise over all ranks, so every
-    rank serves about ``1/world`` of every token's lookups (row-wise keeps the row-wise Adagrad
-    state of a row on one rank: the same update as unsharded). Small pooled tables stay
-    table-wise, dealt round-robin.
-    """
-    import inspect
-
-    from torchrec import EmbeddingBagCollection, EmbeddingCollection
-    from torchrec.distributed.sharding_plan import (
-        construct_module_sharding_plan,
-        row_wise,
-        table_wise,
-    )
-    from torchrec.distributed.types import ShardingPlan
-
-    fused = {"compute_kernel": "fused"}
-    rw_kwargs = fused if "compute_kernel" in inspect.signature(row_wise).parameters else {}
-    tw_kwargs = fused if "compute_kernel" in inspect.signature(table_wise).parameters else {}
-    plans = {}
-    next_rank = 0
-    for path, module in model.named_modules():
-        if isinstance(module, EmbeddingCollection):
-            configs, sequence = module.embedding_configs(), True
-        elif isinstance(module, EmbeddingBagCollection):
-            configs, sequence = module.embedding_bag_configs(), False
-        else:
-            continue
-        spec = {}
-        for config in configs:
-            if sequence or config.num_embeddings >= 100_000:
-                spec[config.name] = row_wise(**rw_kwargs)
-            else:
-                spec[config.name] = table_wise(rank=next_rank % world, **tw_kwargs)
-                next_rank += 1
-        plans[path] = construct_module_sharding_plan(
-            module, spec, local_size=world, world_size=world, device_type=device_type
-        )
-    return ShardingPlan(plans)
-
-
-def _build_trainer(args, config, info, rank, world, device, name, options):
-    """A Trainer for one variant; patches gem_train.parallel only while building."""
-    import gem_train.parallel as parallel_module
+def _build_trainer(args, config, info, rank, name, options):
+    """A Trainer for one variant (its layout is all in ``config``)."""
     from gem_train import Trainer
 
-    original_plan = parallel_module.DenseParallel.sharding_plan
-    original_fsdp = parallel_module.apply_fsdp
-    if options["plan"] == "rw" and world > 1:
-        parallel_module.DenseParallel.sharding_plan = lambda self, model: balanced_plan(
-            model, world, device.type
-        )
-    if options["ag"] == "nccl":
-
-        def apply_fsdp_nccl(*a, **kw):
-            return original_fsdp(*a, **{**kw, "all_gather": "nccl"})
-
-        parallel_module.apply_fsdp = apply_fsdp_nccl
-    try:
-        trainer = Trainer(config, info, output_dir=f"{args.workdir}/{name}/rank{rank}")
-    finally:
-        parallel_module.DenseParallel.sharding_plan = original_plan
-        parallel_module.apply_fsdp = original_fsdp
+    trainer = Trainer(config, info, output_dir=f"{args.workdir}/{name}/rank{rank}")
     for layer in trainer.parallel.expert_layers:
         layer.uniform_train_batch = options["ep"] == "uniform"
     return trainer
@@ -300,43 +248,6 @@ def _profile(trainer, batches, steps: int, out_dir: Path, tag: str, rank: int, d
     return stats
 
 
-def _time_phases(trainer):
-    """Host seconds spent launching each phase of ``train_step``, accumulated in the returned
-    dict (no syncs are added), and a function that undoes the instrumentation. ``wait`` is what is left of the step: the final ``loss.item()``
-    waiting for the GPU, so a step with ``wait`` near 0 is bound by the host."""
-    seconds = {"forward": 0.0, "backward": 0.0, "grads": 0.0, "optimizer": 0.0}
-
-    def timed(owner, attribute: str, phase: str) -> None:
-        original = getattr(owner, attribute)
-
-        def wrapper(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                seconds[phase] += time.perf_counter() - started
-
-        setattr(owner, attribute, wrapper)
-
-    timed(trainer, "_forward", "forward")
-    timed(trainer.parallel, "finish_gradients", "grads")
-    timed(trainer.dense_optimizer, "step", "optimizer")
-    original_backward = torch.Tensor.backward
-
-    def backward(tensor, *args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return original_backward(tensor, *args, **kwargs)
-        finally:
-            seconds["backward"] += time.perf_counter() - started
-
-    def restore() -> None:
-        torch.Tensor.backward = original_backward
-
-    torch.Tensor.backward = backward
-    return seconds, restore
-
-
 def _worker(args: argparse.Namespace) -> None:
     """One rank: build the trainer per variant, preload batches, time ``--steps`` steps."""
     import torch.distributed as dist
@@ -366,6 +277,8 @@ def _worker(args: argparse.Namespace) -> None:
                 dense="fsdp",
                 expert_parallel=world,
                 reshard_after_forward=options["reshard"] == "1",
+                fsdp_all_gather_collective=options["ag"],
+                sparse_plan=options["plan"],
             )
             if world > 1
             else ParallelConfig()
@@ -388,7 +301,7 @@ def _worker(args: argparse.Namespace) -> None:
             parallel=parallel,
             compare_no_sequence=False,
         )
-        trainer = _build_trainer(args, config, info, rank, world, device, name, options)
+        trainer = _build_trainer(args, config, info, rank, name, options)
         if not batches:  # the same batches for every variant
             for batch in trainer.loader:
                 batches.append(batch.to(device))
@@ -400,18 +313,24 @@ def _worker(args: argparse.Namespace) -> None:
             trainer.train_step(batches[step % len(batches)])
         sync()
         step_seconds = []
-        phases, restore = _time_phases(trainer)
-        try:
-            for step in range(args.steps):
-                started = time.perf_counter()
-                trainer.train_step(batches[step % len(batches)])  # ends with loss.item(): synced
-                step_seconds.append(time.perf_counter() - started)
-        finally:
-            restore()
-        phase_ms = {k: 1e3 * v / args.steps for k, v in phases.items()}
-        phase_ms["wait_and_rest"] = 1e3 * sum(step_seconds) / args.steps - sum(phase_ms.values())
+        trainer.clock.take()  # drop the warm-up steps' phase times
+        trainer.clock.take_host()
+        for step in range(args.steps):
+            started = time.perf_counter()
+            trainer.train_step(batches[step % len(batches)])  # ends with loss.item(): synced
+            step_seconds.append(time.perf_counter() - started)
+        # The loop feeds preloaded batches, so the clock's data phase is 0: left out.
+        phase_ms = {
+            k: 1e3 * v / args.steps for k, v in trainer.clock.take_host().items() if k != "data"
+        }
+        phase_ms["rest"] = 1e3 * sum(step_seconds) / args.steps - sum(phase_ms.values())
+        device_ms = {
+            k: 1e3 * v / args.steps for k, v in trainer.clock.take().items() if k != "data"
+        }
         all_phase_ms = [None] * world
         dist.all_gather_object(all_phase_ms, phase_ms)
+        all_device_ms = [None] * world
+        dist.all_gather_object(all_device_ms, device_ms)
         sync()
         mine = torch.tensor([sum(step_seconds)], dtype=torch.float64, device=device)
         per_rank = [torch.zeros_like(mine) for _ in range(world)]
@@ -444,6 +363,7 @@ def _worker(args: argparse.Namespace) -> None:
             "rank_tokens": all_tokens,
             "peak_gib_rank0": peak,
             "host_phase_ms": all_phase_ms,
+            "device_phase_ms": all_device_ms,
             "layout": trainer.parallel.describe(),
             "plan": str(trainer.model.plan),
             "profile": stats,
@@ -455,8 +375,11 @@ def _worker(args: argparse.Namespace) -> None:
                 f" (ranks {', '.join(f'{t:.1f}' for t in rank_ms)})",
                 flush=True,
             )
-            for r, ms in enumerate(all_phase_ms):
+            for r, (ms, dev) in enumerate(zip(all_phase_ms, all_device_ms, strict=True)):
                 print(f"    rank {r} host ms: " + ", ".join(f"{k} {v:.1f}" for k, v in ms.items()))
+                print(
+                    f"    rank {r} device ms: " + ", ".join(f"{k} {v:.1f}" for k, v in dev.items())
+                )
         del trainer
         gc.collect()
         if device.type == "cuda":
@@ -667,6 +590,8 @@ def main() -> None:
         rank_ms_2gpu={name: r["rank_ms_per_step"] for name, r in results[2].items()},
         host_phase_ms={"1": single["host_phase_ms"]}
         | {f"2/{name}": r["host_phase_ms"] for name, r in results[2].items()},
+        device_phase_ms={"1": single["device_phase_ms"]}
+        | {f"2/{name}": r["device_phase_ms"] for name, r in results[2].items()},
         peak_gib_rank0={"1": single["peak_gib_rank0"]}
         | {f"2/{name}": r["peak_gib_rank0"] for name, r in results[2].items()},
         profile={"1": single["profile"]}

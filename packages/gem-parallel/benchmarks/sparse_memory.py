@@ -10,13 +10,9 @@ mode and measures what every rank keeps between steps (``ShardedSparse.memory``)
 and writes ``benchmarks/results/cpu/sparse_memory.json`` (schema: BENCHMARKS.md): per mode, the
 largest rank's bytes (``max_rank_mib``), the sum over ranks (``all_ranks_mib``) and the largest
 rank's bytes relative to 2D (``vs_2d``) and, for fully sharded 2D, what a step allocates on
-top (``max_rank_step_transient_mib``: the gathered shard, its dense gradient, a padded buffer). Expected: 2D holds ``R = world / model_parallel``
-times 1D's bytes per rank, fully sharded 2D gets back to about 1D's.
-
-Mode ``fully_sharded_2d_rows`` is fully sharded 2D with ``gather="rows"``: it trains one step on
-a batch of ``BATCH`` samples per rank (1-3 ids per table and sample, uniform over the rows) and
-reports the largest rank's measured in-step bytes: the union of the replica group's looked-up
-rows, their gradient and their element positions, plus the owned slices' dense gradient.
+top (``max_rank_step_transient_mib``: the gathered shard, its dense gradient, a padded
+buffer). Expected: 2D holds ``R = world / model_parallel`` times 1D's bytes per rank, fully
+sharded 2D gets back to about 1D's.
 """
 
 from __future__ import annotations
@@ -28,22 +24,15 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from gem_parallel import ParallelLayout, build_gem_mesh, run_in_processes
-from gem_parallel.sparse import (
-    SparseMemory,
-    format_memory_table,
-    shard_sparse,
-    sparse_memory_report,
-)
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from gem_parallel.sparse import SparseMemory, format_memory_table, sparse_memory_report
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from _results import meta, write_results  # noqa: E402
+from harness import meta, write_results  # noqa: E402
 
 ROWS, DIM = 20_000, 64
-BATCH = 256  # samples per rank for the row-sparse gather step
 SHARDING = {
     "t0": "table_wise",
     "t1": "table_wise",
@@ -75,36 +64,6 @@ def _worker(rank: int, world: int, model_parallel: int, out: str) -> None:
         optimizer_kwargs={"lr": 0.01},
         sharding_types=SHARDING,
     )
-    # Fully sharded 2D gathering only the looked-up rows: one training step, then measure.
-    sharded = shard_sparse(
-        make_ebc(),
-        mesh,
-        "fully_sharded_2d",
-        optimizer=torch.optim.Adagrad,
-        optimizer_kwargs={"lr": 0.01},
-        sharding_types=SHARDING,
-        gather="rows",
-    )
-    gen = torch.Generator().manual_seed(rank)
-    lengths = torch.randint(1, 4, (len(SHARDING) * BATCH,), generator=gen)
-    kjt = KeyedJaggedTensor.from_lengths_sync(
-        keys=list(SHARDING),
-        values=torch.randint(0, ROWS, (int(lengths.sum()),), generator=gen),
-        lengths=lengths,
-    )
-    sharded(kjt).values().square().sum().backward()
-    sharded.step()
-    measured = sharded.memory()
-    row = SparseMemory(
-        "fully_sharded_2d_rows",
-        measured.rank,
-        measured.weight_bytes,
-        measured.optimizer_bytes,
-        measured.transient_bytes,
-    )
-    gathered: list[SparseMemory | None] = [None] * world
-    dist.all_gather_object(gathered, row)
-    rows += [r for r in gathered if r is not None]
     if rank == 0:
         torch.save([r.__dict__ for r in rows], out)
 
@@ -130,9 +89,8 @@ def main() -> None:
         case = f"world={world} model_parallel={model_parallel} R={replicas}"
         print(f"\n{case}: 8 tables x {ROWS} x {DIM} fp32, Adagrad")
         print(format_memory_table(rows))
-        for mode in ("fully_sharded_2d", "fully_sharded_2d_rows"):
-            transient = max(r.transient_bytes for r in rows if r.mode == mode) / mib
-            print(f"{mode}, extra bytes inside a step (largest rank): {transient:.2f} MiB")
+        transient = max(r.transient_bytes for r in rows if r.mode == "fully_sharded_2d") / mib
+        print(f"fully_sharded_2d, extra bytes inside a step (largest rank): {transient:.2f} MiB")
         max_2d = max(r.total_bytes for r in rows if r.mode == "2d")
         for mode in dict.fromkeys(r.mode for r in rows):
             mode_rows = [r for r in rows if r.mode == mode]
@@ -164,7 +122,6 @@ def main() -> None:
             command,
             device="cpu (2 cores), gloo",
             optimizer="Adagrad",
-            rows_gather_batch_per_rank=BATCH,
         ),
         results,
     )

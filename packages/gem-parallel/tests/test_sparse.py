@@ -393,9 +393,5 @@ def test_bad_arguments_raise_clear_errors():
         shard_sparse(ebc, None, "1d", optimizer="sgd")
     with pytest.raises(ValueError, match="collectives"):
         shard_sparse(ebc, None, "1d", collectives="carrier pigeon")
-    with pytest.raises(ValueError, match="gather must be one of"):
-        shard_sparse(ebc, None, "1d", gather="everything")
-    with pytest.raises(ValueError, match="only applies to mode='fully_sharded_2d'"):
-        shard_sparse(ebc, None, "1d", gather="rows")
     with pytest.raises(ValueError, match="element-wise"):
         shard_sparse(ebc, object(), "fully_sharded_2d", optimizer=torch.optim.LBFGS)

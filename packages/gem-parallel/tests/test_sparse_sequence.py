@@ -221,7 +221,6 @@ def _optimizer(name: str) -> dict:
 
 def _train_and_compare(rank: int, world: int, model_parallel: int, case, out_dir: str) -> None:
     mode, optimizer, sync_every = case
-    mode, _, gather = mode.partition("+")
     mesh = _mesh(world, model_parallel)
     group = dist.group.WORLD if mode == "1d" else mesh.model_parallel_group
     sharding = SHARDING_ROWWISE if optimizer == "rowwise" else SHARDING
@@ -231,7 +230,6 @@ def _train_and_compare(rank: int, world: int, model_parallel: int, case, out_dir
         mode,
         sharding_types=sharding,
         sync_every=max(sync_every, 1),
-        gather=gather or "shard",
         **_optimizer(optimizer),
     )
     local = mode == "2d"
@@ -259,10 +257,7 @@ def _train_and_compare(rank: int, world: int, model_parallel: int, case, out_dir
                 atol=1e-5,
                 msg=lambda m, k=key, st=step: f"{case} step {st} {k}: {m}",
             )
-    if gather == "rows":  # only the used rows were gathered: less than the local shards
-        peak = sharded.memory().transient_bytes
-        assert peak > 0 and sharded.collective_choices
-    if mode != "fully_sharded_2d" or optimizer != "rowwise" or gather:
+    if mode != "fully_sharded_2d" or optimizer != "rowwise":
         return
     # DCP round trip of weights and Adagrad state into a fresh fully sharded module: the next
     # step must repeat exactly what the trained module does.
@@ -291,8 +286,6 @@ CASES = (  # (mode, optimizer, sync_every); 1D checks the row-wise reference aga
     ("2d", "adagrad", 2),
     ("fully_sharded_2d", "adagrad", 1),
     ("fully_sharded_2d", "rowwise", 1),
-    # Row-sparse gather: only the rows some replica's batch uses are rebuilt.
-    ("fully_sharded_2d+rows", "rowwise", 1),
 )
 
 

@@ -32,9 +32,6 @@ MODES = {
     "2d_one_replica": ParallelConfig(sparse="2d", sparse_replicas=1),
     "2d": ParallelConfig(sparse="2d", sparse_replicas=2, sparse_sync_every=2),
     "fully_sharded_2d": ParallelConfig(sparse="fully_sharded_2d", sparse_replicas=2),
-    "fully_sharded_2d_rows": ParallelConfig(
-        sparse="fully_sharded_2d", sparse_replicas=2, sparse_gather="rows"
-    ),
 }
 
 
@@ -157,8 +154,8 @@ def test_2d_and_fully_sharded_2d_train_like_1d_and_resume_exactly(tmp_path):
     assert len(reference) == STEPS
     # Tolerance as tests/test_parallel_training.py: the same updates summed in another order.
     # Fully sharded 2D averages the replicas' gradients before its row-wise Adagrad step, so it
-    # trains exactly like 1D, whether it gathers whole shards or only the looked-up rows.
-    for mode in ("2d_one_replica", "fully_sharded_2d", "fully_sharded_2d_rows"):
+    # trains exactly like 1D.
+    for mode in ("2d_one_replica", "fully_sharded_2d"):
         for got, want in zip(result[mode], reference, strict=True):
             assert got == pytest.approx(want, rel=1e-4, abs=1e-5), (mode, result[mode], reference)
     # 2D averages the replicas' weights and Adagrad state after each replica's own update
@@ -167,7 +164,7 @@ def test_2d_and_fully_sharded_2d_train_like_1d_and_resume_exactly(tmp_path):
     assert result["2d"][0] == pytest.approx(reference[0], rel=1e-4, abs=1e-5)  # before any update
     for got, want in zip(result["2d"], reference, strict=True):
         assert got == pytest.approx(want, rel=0.1)
-    for mode in ("1d", "2d", "fully_sharded_2d", "fully_sharded_2d_rows"):
+    for mode in ("1d", "2d", "fully_sharded_2d"):
         assert len(result[mode + "_continued"]) == MORE
         assert result[mode + "_resumed"] == result[mode + "_continued"], mode
         for rank, (continued, resumed) in enumerate(result[mode + "_state"]):
@@ -188,8 +185,6 @@ def test_sparse_overrides_parse_and_bad_values_are_clear_errors():
         apply_overrides(tiny(), ["parallel.sparse_replicas=0"])
     with pytest.raises(ValueError, match="parallel.sparse_sync_every must be an int >= 1"):
         apply_overrides(tiny(), ["parallel.sparse_sync_every=0"])
-    with pytest.raises(ValueError, match="parallel.sparse_gather must be 'shard' or 'rows'"):
-        apply_overrides(tiny(), ["parallel.sparse_gather=some"])
 
 
 def test_world_dependent_sparse_values_are_checked_when_the_trainer_starts(small_config, tmp_path):
@@ -199,10 +194,6 @@ def test_world_dependent_sparse_values_are_checked_when_the_trainer_starts(small
         (
             ParallelConfig(sparse="fully_sharded_2d", sparse_replicas=1, sparse_sync_every=2),
             "only applies to parallel.sparse='2d'",
-        ),
-        (
-            ParallelConfig(sparse="2d", sparse_replicas=1, sparse_gather="rows"),
-            "only applies to parallel.sparse='fully_sharded_2d'",
         ),
     ):
         with pytest.raises(ValueError, match=message):

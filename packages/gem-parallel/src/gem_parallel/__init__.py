@@ -91,7 +91,6 @@ __all__ = [
     "run_in_processes",
     "validate_layout",
     # gem_parallel.sparse, loaded on first use (see __getattr__)
-    "GATHER_CHOICES",
     "SHARDING_TYPES",
     "ShardedSparse",
     "SparseMemory",
@@ -102,7 +101,6 @@ __all__ = [
 
 _SPARSE_NAMES = frozenset(
     (
-        "GATHER_CHOICES",
         "SHARDING_TYPES",
         "ShardedSparse",
         "SparseMemory",

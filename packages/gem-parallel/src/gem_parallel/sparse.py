@@ -22,14 +22,10 @@ GEM model's history) are handled, alone or inside a larger model. The group come
   group, each rank updates its own slice with a regular ``torch.optim`` optimizer (or
   torchrec's ``RowWiseAdagrad``, implemented here on flat slices) and the rebuilt shard is freed.
   Persistent memory per rank (weights and optimizer state) drops by ``R`` against ``"2d"``; the
-  update equals single-process training with the same optimizer. The gather / scatter move the whole local shard every step and the gathered shard
-  and its dense gradient live from forward to ``step()`` (:attr:`SparseMemory.transient_bytes`):
-  this lowers what a rank keeps, not its peak. With ``gather="rows"`` each kernel's lookup runs in
-  PyTorch and rebuilds only the rows the replica group's batches use (their union, filled by
-  the owning ranks and all-reduced), and ``step()`` all-reduces those rows' gradient and keeps
-  each rank's owned elements: the peak then follows the batch, not the table (CPU-verified; the
-  exchange is an all-reduce, not yet a copy-engine collective). The whole-shard
-  collectives come from :func:`~gem_parallel.select_all_gather` /
+  update equals single-process training with the same optimizer. The gather / scatter move the
+  whole local shard every step and the gathered shard and its dense gradient live from forward
+  to ``step()`` (:attr:`SparseMemory.transient_bytes`): this lowers what a rank keeps, not its
+  peak. The collectives come from :func:`~gem_parallel.select_all_gather` /
   :func:`~gem_parallel.select_reduce_scatter` (copy engine on one CUDA host, else NCCL / gloo).
 
 Gradient convention: torchrec divides a table's gradient by the model-parallel group size
@@ -49,7 +45,6 @@ lookups, so fully sharded 2D looks sequence rows up in PyTorch (:func:`_sequence
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
 import logging
 import types
@@ -61,7 +56,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
 from torch.distributed import _remote_device
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
@@ -91,7 +85,6 @@ from gem_parallel.cost_model import SPARSE_MODES
 from gem_parallel.mesh import GemMesh
 
 __all__ = [
-    "GATHER_CHOICES",
     "SHARDING_TYPES",
     "ShardedSparse",
     "SparseMemory",
@@ -103,8 +96,6 @@ __all__ = [
 CollectiveFn = Callable[[torch.Tensor, torch.Tensor, dist.ProcessGroup], torch.Tensor]
 
 SHARDING_TYPES = ("table_wise", "row_wise", "column_wise")
-GATHER_CHOICES = ("shard", "rows")
-"""Values of ``shard_sparse(..., gather=...)`` (fully sharded 2D)."""
 _OPTIMIZER_KEY = "optimizer"
 """Per-table sharding types accepted in ``shard_sparse(..., sharding_types=...)``."""
 
@@ -339,55 +330,6 @@ def _sequence_lookup(
     return emb_module.weights[flat]
 
 
-def _row_sparse_lookup(
-    emb_module: nn.Module,
-    flat: _FlatSlice,
-    indices: torch.Tensor,
-    offsets: torch.Tensor,
-    per_sample_weights: torch.Tensor | None = None,
-    batch_size_per_feature_per_rank: Any = None,
-    **unused: Any,
-) -> torch.Tensor:
-    """A dense table-batched kernel's lookup (pooled SUM / MEAN or unpooled) that gathers only
-    the rows the replica group's batches use (``gather="rows"``), never the whole shard."""
-    if batch_size_per_feature_per_rank is not None:
-        raise NotImplementedError("gather='rows' does not support variable batch sizes")
-    dims = emb_module.D_offsets.diff().long()
-    features = dims.numel()
-    batch = (offsets.numel() - 1) // max(features, 1)
-    if batch:
-        ids_per_feature = offsets[::batch][: features + 1].diff().long()
-    else:
-        ids_per_feature = torch.zeros(features, dtype=torch.long, device=offsets.device)
-    feature = torch.repeat_interleave(
-        torch.arange(features, device=indices.device), ids_per_feature
-    )
-    lengths = dims[feature]
-    starts = emb_module.weights_offsets[feature] + indices.long() * lengths
-    rows, row_offsets = flat.gather_rows(starts, lengths)
-    unpooled = int(emb_module.pooling_mode) == int(PoolingMode.NONE)
-    if unpooled:
-        dim = int(dims[0]) if features else 0
-        return rows[row_offsets.unsqueeze(1) + torch.arange(dim, device=rows.device)]
-    outputs = []
-    bounds = offsets.long()
-    for f in range(features):
-        dim = int(dims[f])
-        first, last = int(bounds[f * batch]), int(bounds[(f + 1) * batch])
-        vectors = rows[row_offsets[first:last].unsqueeze(1) + torch.arange(dim, device=rows.device)]
-        if per_sample_weights is not None:
-            vectors = vectors * per_sample_weights[first:last].unsqueeze(1)
-        bag_lengths = (
-            bounds[f * batch + 1 : (f + 1) * batch + 1] - bounds[f * batch : (f + 1) * batch]
-        )
-        bag = torch.repeat_interleave(torch.arange(batch, device=rows.device), bag_lengths)
-        pooled = vectors.new_zeros(batch, dim).index_add(0, bag, vectors)
-        if int(emb_module.pooling_mode) == int(PoolingMode.MEAN):
-            pooled = pooled / bag_lengths.clamp(min=1).unsqueeze(1).to(pooled.dtype)
-        outputs.append(pooled)
-    return torch.cat(outputs, dim=1) if outputs else rows.new_zeros(batch, 0)
-
-
 def _float_tensors(states: Any) -> list[torch.Tensor]:
     flat: list[torch.Tensor] = []
     if isinstance(states, torch.Tensor):
@@ -428,9 +370,6 @@ class _FlatSlice:
         owned[: stop - start] = weights.detach().view(-1)[start:stop]
         self.owned = nn.Parameter(owned)
         self.materialized = True
-        # gather="rows": (buffer, row starts, row lengths) of each forward since the last step
-        self.row_gathers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self.peak_row_bytes = 0
 
     def refresh_owned(self) -> None:
         """Copy this rank's slice out of the materialized full weights (after a load)."""
@@ -458,78 +397,6 @@ class _FlatSlice:
         self.weights.grad = None
         self.weights.untyped_storage().resize_(0)
         self.materialized = False
-
-    # ---- gather="rows": only the rows some replica's batch looks up --------------------------
-    def _owned_range(self) -> tuple[int, int]:
-        low = min(self.index * self.chunk, self.numel)
-        return low, min(low + self.chunk, self.numel)
-
-    def _union_elements(self, union: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Flat weight positions of every element of the rows starting at ``union``."""
-        ends = lengths.cumsum(0)
-        within = torch.arange(int(ends[-1]) if ends.numel() else 0, device=union.device)
-        within = within - torch.repeat_interleave(ends - lengths, lengths)
-        return torch.repeat_interleave(union, lengths) + within
-
-    def gather_rows(
-        self, starts: torch.Tensor, lengths: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rebuild the rows starting at flat positions ``starts`` (``lengths`` elements each)
-        from the owned slices of the replica group. Collective over it.
-
-        The union of every replica's rows is filled from the owned slices and all-reduced, so
-        all replicas hold the same buffer (and later reduce the same gradient layout). Returns
-        the buffer (a leaf that requires grad; :meth:`reduce_scatter_row_grads` reads its
-        gradient) and, per requested row, its offset in the buffer."""
-        unique, inverse = torch.unique(starts, return_inverse=True)
-        unique_lengths = torch.zeros_like(unique)
-        unique_lengths[inverse] = lengths
-        device = starts.device  # NCCL needs the counts on the GPU too
-        counts = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(self.replicas)]
-        dist.all_gather(counts, torch.tensor([unique.numel()], device=device), group=self.group)
-        widest = max(int(c) for c in counts)
-        padded = torch.full((2, widest), -1, dtype=torch.long, device=starts.device)
-        padded[0, : unique.numel()] = unique
-        padded[1, : unique.numel()] = unique_lengths
-        everyone = [torch.empty_like(padded) for _ in range(self.replicas)]
-        dist.all_gather(everyone, padded, group=self.group)
-        pairs = torch.cat(everyone, dim=1)
-        pairs = pairs[:, pairs[0] >= 0]
-        union, first = torch.unique(pairs[0], return_inverse=True)
-        union_lengths = torch.zeros_like(union)
-        union_lengths[first] = pairs[1]
-        row_offsets = union_lengths.cumsum(0) - union_lengths
-        positions = self._union_elements(union, union_lengths)
-        low, high = self._owned_range()
-        mine = (positions >= low) & (positions < high)
-        rows = torch.zeros(positions.numel(), dtype=self.owned.dtype, device=self.owned.device)
-        rows[mine] = self.owned.detach()[positions[mine] - self.index * self.chunk]
-        dist.all_reduce(rows, group=self.group)  # each element is owned by exactly one rank
-        rows.requires_grad_(torch.is_grad_enabled())
-        if rows.requires_grad:
-            self.row_gathers.append((rows, union, union_lengths))
-        self.peak_row_bytes = max(
-            self.peak_row_bytes,
-            # buffer + its gradient + the element positions (int64) alive in each collective
-            positions.numel() * (2 * rows.element_size() + positions.element_size()),
-        )
-        return rows, row_offsets[torch.searchsorted(union, starts)]
-
-    def reduce_scatter_row_grads(self) -> None:
-        """Average the gathered rows' gradients over the replica group and add this rank's
-        elements into ``owned.grad`` (zero elsewhere). Collective over it."""
-        owned_grad = torch.zeros_like(self.owned)
-        low, high = self._owned_range()
-        for rows, union, union_lengths in self.row_gathers:
-            grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
-            grad = grad.detach()  # the buffer is ours alone: reduce its gradient in place
-            dist.all_reduce(grad, group=self.group)
-            grad /= self.replicas
-            positions = self._union_elements(union, union_lengths)
-            mine = (positions >= low) & (positions < high)
-            owned_grad.index_add_(0, positions[mine] - self.index * self.chunk, grad[mine])
-        self.row_gathers = []
-        self.owned.grad = owned_grad
 
     def reduce_scatter_grad(self) -> None:
         """Average the full-shard gradient over the replica group into ``owned.grad``."""
@@ -562,13 +429,10 @@ class ShardedSparse(nn.Module):
         optimizer_class: type[torch.optim.Optimizer],
         optimizer_kwargs: dict[str, Any],
         collectives: str = "auto",
-        gather: str = "shard",
     ) -> None:
         super().__init__()
         self.module = module
         self.mode = mode
-        self.gather = gather
-        """Fully sharded 2D: ``"shard"`` (all-gather whole local shards) or ``"rows"``."""
         self.replica_group = replica_group
         self.sync_every = sync_every
         self.steps = 0
@@ -591,12 +455,11 @@ class ShardedSparse(nn.Module):
                 _FlatSlice(k.emb_module.weights, replica_group, all_gather, scatter)
                 for k in self._kernels
             ]
-            for kernel, flat in zip(self._kernels, self._slices, strict=True):
-                emb = kernel.emb_module
-                if gather == "rows":
-                    emb.forward = functools.partial(_row_sparse_lookup, emb, flat)
-                elif isinstance(kernel, BaseBatchedEmbedding):
-                    emb.forward = types.MethodType(_sequence_lookup, emb)
+            for kernel in self._kernels:
+                if isinstance(kernel, BaseBatchedEmbedding):
+                    kernel.emb_module.forward = types.MethodType(
+                        _sequence_lookup, kernel.emb_module
+                    )
             if issubclass(optimizer_class, RowWiseAdagrad):
                 layouts = [_table_layout(k) for k in self._kernels]
                 self.slice_optimizer = _FlatRowWiseAdagrad(
@@ -615,17 +478,15 @@ class ShardedSparse(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Look up this rank's batch. Fully sharded 2D gathers its shards first and keeps them
-        until :meth:`step` (or :meth:`reshard`, e.g. after evaluation); with ``gather="rows"``
-        each kernel gathers the rows the replica group's batches use inside its lookup."""
+        until :meth:`step` (or :meth:`reshard`, e.g. after evaluation)."""
         self.before_forward()
         out = self.module(*args, **kwargs)
         return out.wait() if hasattr(out, "wait") else out
 
     def before_forward(self) -> None:
         """What :meth:`forward` does before calling the module (for callers that call
-        ``.module`` directly): fully sharded 2D with ``gather="shard"`` unshards."""
-        if self.gather == "shard":
-            self.unshard()
+        ``.module`` directly): fully sharded 2D unshards."""
+        self.unshard()
 
     def unshard(self) -> None:
         """Fully sharded 2D: all-gather each local shard over the replica group (no-op
@@ -651,10 +512,7 @@ class ShardedSparse(nn.Module):
         elif self.mode == "fully_sharded_2d":
             assert self.slice_optimizer is not None
             for flat in self._slices:
-                if self.gather == "rows":
-                    flat.reduce_scatter_row_grads()
-                else:
-                    flat.reduce_scatter_grad()
+                flat.reduce_scatter_grad()
                 flat.reshard()  # free this kernel's shard and gradient before the next one's
             self.slice_optimizer.step()
             self.slice_optimizer.zero_grad(set_to_none=True)
@@ -692,17 +550,12 @@ class ShardedSparse(nn.Module):
         if self.mode == "fully_sharded_2d":
             assert self.slice_optimizer is not None
             weight_bytes = _nbytes([s.owned for s in self._slices])
-            if self.gather == "rows":
-                # Largest gathered rows so far (buffer, gradient, positions), plus the owned
-                # slices' dense gradients built in step().
-                transient = sum(s.peak_row_bytes + _nbytes([s.owned]) for s in self._slices)
-            else:
-                # Peak at the end of backward: every gathered shard and its dense gradient,
-                # plus one kernel's padded reduce-scatter buffer (reduced and freed in turn).
-                transient = sum(2 * s.numel * s.owned.element_size() for s in self._slices) + max(
-                    (s.chunk * s.replicas * s.owned.element_size() for s in self._slices),
-                    default=0,
-                )
+            # Peak at the end of backward: every gathered shard and its dense gradient, plus
+            # one kernel's padded reduce-scatter buffer (reduced and freed in turn).
+            transient = sum(2 * s.numel * s.owned.element_size() for s in self._slices) + max(
+                (s.chunk * s.replicas * s.owned.element_size() for s in self._slices),
+                default=0,
+            )
             optimizer_bytes = 0
             for state in self.slice_optimizer.state.values():
                 optimizer_bytes += _nbytes([t for t in state.values() if torch.is_tensor(t)])
@@ -1004,7 +857,6 @@ def shard_sparse(
     device: torch.device | str | None = None,
     collectives: str = "auto",
     data_parallel_wrapper: DataParallelWrapper | None = None,
-    gather: str = "shard",
 ) -> ShardedSparse:
     """Shard the torchrec embedding tables of ``module`` as ``mode`` over ``mesh``.
 
@@ -1037,20 +889,8 @@ def shard_sparse(
             tables. DMP hands it the *model-parallel* group's ``ShardingEnv``; a wrapper that
             must span all ranks (DDP) has to bring its own group. None: dense layers are left
             as they are.
-        gather: fully sharded 2D only. ``"shard"`` (default): all-gather each whole local shard
-            before the lookup and reduce-scatter its dense gradient. ``"rows"``: each kernel's
-            lookup (in PyTorch) exchanges the replica group's unique row ids, rebuilds only
-            those rows from the owned slices (filled by their owners, all-reduced) and
-            all-reduces their gradient in :meth:`ShardedSparse.step`; peak memory follows the
-            batch's rows instead of the table. Same updates (up to summation order).
-            CPU-verified only; one forward per step (or accumulate: every training forward
-            since the last step is reduced).
     """
     _check_args(module, mesh, mode, sync_every, optimizer, sharding_types)
-    if gather not in GATHER_CHOICES:
-        raise ValueError(f"gather must be one of {GATHER_CHOICES}, got {gather!r}")
-    if gather != "shard" and mode != "fully_sharded_2d":
-        raise ValueError(f"gather={gather!r} only applies to mode='fully_sharded_2d', got {mode!r}")
     if collectives not in COLLECTIVE_CHOICES:
         raise ValueError(f"collectives must be one of {COLLECTIVE_CHOICES}, got {collectives!r}")
     kwargs = dict(optimizer_kwargs or {})
@@ -1116,7 +956,6 @@ def shard_sparse(
         optimizer_class=optimizer,
         optimizer_kwargs=kwargs,
         collectives=collectives,
-        gather=gather,
     )
 
 

@@ -10,11 +10,13 @@ from dataclasses import dataclass, field
 from gem_model import GemArchitecture
 
 __all__ = [
+    "FSDP_ALL_GATHER_COLLECTIVES",
     "FSDP_ALL_GATHER_MODES",
     "LR_SCHEDULES",
     "PARALLEL_DENSE_MODES",
     "PARALLEL_SPARSE_MODES",
     "SAVED_ACTIVATION_MODES",
+    "SPARSE_PLANS",
     "DATA_PROFILES",
     "DataConfig",
     "OptimConfig",
@@ -229,8 +231,14 @@ PARALLEL_DENSE_MODES = ("ddp", "fsdp")
 FSDP_ALL_GATHER_MODES = ("bf16", "mx")
 """Values of ``ParallelConfig.fsdp_all_gather``."""
 
+FSDP_ALL_GATHER_COLLECTIVES = ("auto", "nccl")
+"""Values of ``ParallelConfig.fsdp_all_gather_collective``."""
+
 PARALLEL_SPARSE_MODES = ("1d", "2d", "fully_sharded_2d")
 """Values of ``ParallelConfig.sparse``."""
+
+SPARSE_PLANS = ("auto", "row_wise")
+"""Values of ``ParallelConfig.sparse_plan``."""
 
 
 @dataclass
@@ -268,6 +276,12 @@ class ParallelConfig:
     in_features by 32) are all-gathered as MXFP8 bytes plus E8M0 scales
     (``gem_precision.enable_mx_all_gather``) and the forward uses the dequantized weight;
     other layers are logged and gather as usual."""
+    fsdp_all_gather_collective: str = "auto"
+    """FSDP only: which collective moves the weights (``fsdp_all_gather`` is their dtype),
+    ``gem_parallel.apply_fsdp(all_gather=...)``. 'auto': the SM-free copy-engine all-gather
+    where ``gem_parallel.copy_engine_status`` allows it (NCCL on one CUDA host), else the
+    process group's own, with the choice logged; 'nccl': always FSDP's own all-gather on the
+    process group's backend (NCCL kernels on GPUs, gloo on the CPU)."""
     sparse: str = "1d"
     """Embedding-table parallelism (``gem_parallel.shard_sparse``). '1d': torchrec shards the
     tables over all ranks; '2d': over model-parallel groups of world // ``sparse_replicas``
@@ -280,19 +294,19 @@ class ParallelConfig:
     world size (checked when the trainer starts). Ignored by '1d'."""
     sparse_sync_every: int = 1
     """'2d' only: steps between replica syncs of the tables and their optimizer state."""
-    sparse_gather: str = "shard"
-    """'fully_sharded_2d' only: 'shard' gathers each rank's whole local shard before the lookup;
-    'rows' gathers only the rows the replica group's batches look up (peak memory follows the
-    batch, not the table; CPU-verified, not yet measured on GPU)."""
+    sparse_plan: str = "auto"
+    """'1d' only: how the tables are placed on the ranks. 'auto': torchrec's
+    ``EmbeddingShardingPlanner`` with every model-parallel sharding type allowed
+    (``DenseParallel.sharding_plan``); 'row_wise': history (sequence) tables and pooled tables
+    of >= 100k rows row-wise over all ranks, the other tables table-wise round-robin
+    (``gem_train.parallel.row_wise_plan``). 'row_wise' measured slower on 2 H200s: 255 ms per
+    2-GPU step against 168 ms on 1 GPU, scaling ratio 0.66
+    (benchmarks/results/h200x2/train_rw_plan.json)."""
 
     def __post_init__(self) -> None:
         if self.dense not in PARALLEL_DENSE_MODES:
             raise ValueError(
                 f"parallel.dense must be one of {PARALLEL_DENSE_MODES}, got {self.dense!r}"
-            )
-        if self.sparse_gather not in ("shard", "rows"):
-            raise ValueError(
-                f"parallel.sparse_gather must be 'shard' or 'rows', got {self.sparse_gather!r}"
             )
         if self.sparse not in PARALLEL_SPARSE_MODES:
             raise ValueError(
@@ -322,6 +336,18 @@ class ParallelConfig:
             raise ValueError(
                 f"parallel.fsdp_all_gather={self.fsdp_all_gather!r} only applies to "
                 f"parallel.dense='fsdp' (got dense={self.dense!r})"
+            )
+        _check_str("parallel.", self, "fsdp_all_gather_collective", FSDP_ALL_GATHER_COLLECTIVES)
+        if self.fsdp_all_gather_collective != "auto" and self.dense != "fsdp":
+            raise ValueError(
+                f"parallel.fsdp_all_gather_collective={self.fsdp_all_gather_collective!r} only "
+                f"applies to parallel.dense='fsdp' (got dense={self.dense!r})"
+            )
+        _check_str("parallel.", self, "sparse_plan", SPARSE_PLANS)
+        if self.sparse_plan != "auto" and self.sparse != "1d":
+            raise ValueError(
+                f"parallel.sparse_plan={self.sparse_plan!r} only applies to parallel.sparse='1d' "
+                f"(got sparse={self.sparse!r}; 2D modes plan per model-parallel group)"
             )
 
 

@@ -47,7 +47,12 @@ from torchrec.distributed.model_parallel import (
     DistributedModelParallel,
 )
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from torchrec.distributed.sharding_plan import get_default_sharders
+from torchrec.distributed.sharding_plan import (
+    construct_module_sharding_plan,
+    get_default_sharders,
+    row_wise,
+    table_wise,
+)
 from torchrec.distributed.types import ShardedModule, ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -55,17 +60,22 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from gem_train.config import ParallelConfig
 
 __all__ = [
+    "ROW_WISE_MIN_ROWS",
     "DenseParallel",
     "ExpertParallelDHENLayer",
     "FSDPWrapper",
     "SparseParallel",
     "fsdp_blocks",
     "mx_all_gather_layers",
+    "row_wise_plan",
 ]
 
 _LOG = logging.getLogger(__name__)
 
 _MX_BLOCK = 32  # gem-precision's MX block along in_features
+
+ROW_WISE_MIN_ROWS = 100_000
+"""Pooled tables with at least this many rows go row-wise in :func:`row_wise_plan`."""
 
 
 class _ExpertsByGlobalIndex(nn.Module):
@@ -206,7 +216,8 @@ class FSDPWrapper(DataParallelWrapper):
     after sharding the tables. ``ignored`` parameters (the expert-parallel experts) stay
     unsharded, like the tables. With ``mx_all_gather`` the eligible linear weights (see
     :func:`mx_all_gather_layers`) all-gather as MXFP8; ``mx_layers`` / ``mx_skipped`` list
-    them after :meth:`wrap`.
+    them after :meth:`wrap`. ``all_gather`` picks the collective (``gem_parallel.apply_fsdp``'s
+    argument: ``"auto"`` or ``"nccl"``).
     """
 
     def __init__(
@@ -216,8 +227,10 @@ class FSDPWrapper(DataParallelWrapper):
         ignored: set[nn.Parameter] | None = None,
         reshard_after_forward: bool = True,
         mx_all_gather: bool = False,
+        all_gather: str = "auto",
     ) -> None:
         self.mesh = mesh
+        self.all_gather = all_gather
         self.ignored = set(ignored or ())
         self.reshard_after_forward = reshard_after_forward
         self.mx_all_gather = mx_all_gather
@@ -235,6 +248,7 @@ class FSDPWrapper(DataParallelWrapper):
             blocks=fsdp_blocks(module),
             reshard_after_forward=self.reshard_after_forward,
             ignored_params=ignored,
+            all_gather=self.all_gather,
         )
 
     def _enable_mx(self, module: nn.Module, ignored: set[nn.Parameter]) -> None:
@@ -250,6 +264,41 @@ class FSDPWrapper(DataParallelWrapper):
             len(self.mx_layers),
             len(self.mx_skipped),
         )
+
+
+def row_wise_plan(model: nn.Module, world_size: int, device_type: str) -> ShardingPlan:
+    """A 1D table plan that spreads lookups and all-to-all volume evenly over ``world_size``
+    ranks (``parallel.sparse_plan='row_wise'``).
+
+    Sequence tables (``EmbeddingCollection``: one output row per history token, the bulk of the
+    all-to-all) and pooled tables of >= :data:`ROW_WISE_MIN_ROWS` rows are row-wise over all
+    ranks, so every rank serves about ``1/world_size`` of every token's lookups (a row and its
+    row-wise Adagrad state stay on one rank: the same update as unsharded). Smaller pooled
+    tables are table-wise, dealt round-robin in module order. Every table uses torchrec's fused
+    kernel. Deterministic: every rank builds the same plan without communicating.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    plans = {}
+    next_rank = 0
+    for path, module in model.named_modules():
+        if isinstance(module, EmbeddingCollection):
+            configs, sequence = module.embedding_configs(), True
+        elif isinstance(module, EmbeddingBagCollection):
+            configs, sequence = module.embedding_bag_configs(), False
+        else:
+            continue
+        spec = {}
+        for config in configs:
+            if sequence or config.num_embeddings >= ROW_WISE_MIN_ROWS:
+                spec[config.name] = row_wise(compute_kernel="fused")
+            else:
+                spec[config.name] = table_wise(rank=next_rank % world_size, compute_kernel="fused")
+                next_rank += 1
+        plans[path] = construct_module_sharding_plan(
+            module, spec, local_size=world_size, world_size=world_size, device_type=device_type
+        )
+    return ShardingPlan(plans)
 
 
 class DenseParallel:
@@ -315,13 +364,17 @@ class DenseParallel:
         return model
 
     def sharding_plan(self, model: nn.Module) -> ShardingPlan:
-        """torchrec's plan for the tables: model-parallel sharding types only. Collective.
+        """The 1D plan for the tables (``parallel.sparse_plan``): :func:`row_wise_plan` for
+        'row_wise'; for 'auto', torchrec's plan with model-parallel sharding types only
+        (collective).
 
         torchrec's planner would make small tables DATA_PARALLEL (replicated) depending on the
         world size; such tables get no fused optimizer and would be trained by the dense AdamW
         instead of the sparse row-wise Adagrad, so the optimizer of a table would depend on
         the number of ranks (and under FSDP their gradients would not be reduced at all).
         """
+        if self.config.sparse_plan == "row_wise":
+            return row_wise_plan(model, self.world_size, self.device.type)
         allowed = [t.value for t in ShardingType if t != ShardingType.DATA_PARALLEL]
         tables = [
             table.name
@@ -352,6 +405,7 @@ class DenseParallel:
                 ignored=self._expert_params,
                 reshard_after_forward=self.config.reshard_after_forward,
                 mx_all_gather=self.config.fsdp_all_gather == "mx",
+                all_gather=self.config.fsdp_all_gather_collective,
             )
             return self.fsdp_wrapper
         ids = {id(p) for p in self._expert_params}
@@ -431,6 +485,8 @@ class DenseParallel:
             if config.dense == "fsdp"
             else f"dense ddp over {self.world_size} rank(s)"
         )
+        if self.fsdp_wrapper is not None and self.fsdp_wrapper.all_gather != "auto":
+            text += f", {self.fsdp_wrapper.all_gather} all-gather"
         if self.fsdp_wrapper is not None and self.fsdp_wrapper.mx_all_gather:
             text += (
                 f", MX all-gather on {len(self.fsdp_wrapper.mx_layers)} linear(s)"
@@ -467,11 +523,6 @@ def check_sparse_layout(config: ParallelConfig, world: int) -> None:
         raise ValueError(
             f"parallel.sparse_sync_every ({config.sparse_sync_every}) only applies to "
             f"parallel.sparse='2d' (got {mode!r}); leave it 1"
-        )
-    if mode != "fully_sharded_2d" and config.sparse_gather != "shard":
-        raise ValueError(
-            f"parallel.sparse_gather={config.sparse_gather!r} only applies to "
-            f"parallel.sparse='fully_sharded_2d' (got {mode!r})"
         )
     if mode != "1d" and world % config.sparse_replicas:
         raise ValueError(
@@ -540,14 +591,12 @@ class SparseParallel:
             sync_every=self.config.sparse_sync_every,
             device=self.device,
             data_parallel_wrapper=_AllRanksDataParallel(wrapper),
-            gather=self.config.sparse_gather if self.mode == "fully_sharded_2d" else "shard",
         )
         dmp = self.sharded.module
         # As DMP lists them (per-table views of the kernels' weights).
         self._tables = _sharded_parameters(dmp)
         if self.mode == "fully_sharded_2d":
-            # The trainer calls the DMP: gather the shards first (no-op while gathered or
-            # with gather="rows", whose lookups gather their rows themselves).
+            # The trainer calls the DMP: gather the shards first (no-op while gathered).
             dmp.register_forward_pre_hook(lambda module, args: self.sharded.before_forward())
         return dmp
 
@@ -599,7 +648,10 @@ class SparseParallel:
     def describe(self) -> str:
         """One line: the sparse mode and its groups."""
         if self.mode == "1d":
-            return f"sparse 1d over {dist.get_world_size()} rank(s)"
+            text = f"sparse 1d over {dist.get_world_size()} rank(s)"
+            if self.config.sparse_plan != "auto":
+                text += f", {self.config.sparse_plan} plan"
+            return text
         replicas = self.config.sparse_replicas
         text = (
             f"sparse {self.mode} ({replicas} replica(s) x model-parallel "

@@ -15,7 +15,14 @@ from collections import defaultdict
 
 import torch
 
-__all__ = ["BF16_DENSE_PEAK_TFLOPS", "PHASES", "StepClock", "measured_matmul_peak", "peak_tflops"]
+__all__ = [
+    "BF16_DENSE_PEAK_TFLOPS",
+    "HOST_PHASES",
+    "PHASES",
+    "StepClock",
+    "measured_matmul_peak",
+    "peak_tflops",
+]
 
 BF16_DENSE_PEAK_TFLOPS = {
     "H100": 989.4,
@@ -32,6 +39,11 @@ PHASES = ("data", "forward", "backward", "optimizer")
 """The parts of a step :class:`StepClock` times: waiting for the batch (host), forward,
 backward (with the fused sparse optimizer and the gradient all-reduce it overlaps), and the
 rest (gradient clip, 2D table sync, dense optimizer)."""
+
+HOST_PHASES = (*PHASES, "wait")
+"""The parts of a step :meth:`StepClock.take_host` reports: the host time spent issuing each
+phase of :data:`PHASES`, and ``wait``, the host blocked in the step's final sync (the loss
+``.item()``) until the device finishes. A step whose ``wait`` is near 0 is bound by the host."""
 
 
 def peak_tflops(device: torch.device | str) -> float | None:
@@ -74,43 +86,62 @@ class StepClock:
     ``mark(phase)`` ends ``phase`` at the current point of the stream: a CUDA event on GPUs
     (read after the step's own sync, the loss ``.item()``), the host clock on CPUs. The data
     wait is host time by nature. ``take()`` returns and resets the seconds per phase.
+
+    Every mark also notes the host clock, so :meth:`take_host` tells how long the host took to
+    issue each phase and how long it then waited for the device: on a GPU the two splits differ
+    where the host runs ahead of (or behind) the stream; on a CPU they are the same.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self._seconds: dict[str, float] = defaultdict(float)
-        self._marks: list[tuple[str, object]] = []
+        self._host_seconds: dict[str, float] = defaultdict(float)
+        self._marks: list[tuple[str, object, float]] = []
 
-    def _now(self) -> object:
+    def _now(self) -> tuple[object, float]:
+        host = time.perf_counter()
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            return event
-        return time.perf_counter()
+            return event, host
+        return host, host
 
     def start(self) -> None:
         """The step's work begins (its batch is in hand)."""
-        self._marks = [("", self._now())]
+        self._marks = [("", *self._now())]
 
     def mark(self, phase: str) -> None:
         """``phase`` ended now."""
-        self._marks.append((phase, self._now()))
+        self._marks.append((phase, *self._now()))
 
     def add(self, phase: str, seconds: float) -> None:
-        """Host-measured time of ``phase`` (the data wait)."""
+        """Host-measured time of ``phase`` (the data wait); counted in both splits."""
         self._seconds[phase] += seconds
+        self._host_seconds[phase] += seconds
 
     def finish(self) -> None:
-        """Accumulates the marked phases; call after the step's host sync."""
-        for (_, begin), (phase, end) in itertools.pairwise(self._marks):
+        """Accumulates the marked phases; call right after the step's host sync (the host
+        time since the last mark counts as ``wait``)."""
+        finished = time.perf_counter()
+        for (_, begin, host_begin), (phase, end, host_end) in itertools.pairwise(self._marks):
             if self.cuda:
                 self._seconds[phase] += begin.elapsed_time(end) * 1e-3
             else:
                 self._seconds[phase] += end - begin
+            self._host_seconds[phase] += host_end - host_begin
+        if self._marks:
+            self._host_seconds["wait"] += finished - self._marks[-1][2]
         self._marks = []
 
     def take(self) -> dict[str, float]:
         """Seconds per phase since the last ``take`` (every phase of :data:`PHASES` present)."""
         seconds = {phase: self._seconds.get(phase, 0.0) for phase in PHASES}
         self._seconds = defaultdict(float)
+        return seconds
+
+    def take_host(self) -> dict[str, float]:
+        """Host seconds per phase since the last ``take_host`` (every phase of
+        :data:`HOST_PHASES` present). Independent of :meth:`take`: each resets only its own."""
+        seconds = {phase: self._host_seconds.get(phase, 0.0) for phase in HOST_PHASES}
+        self._host_seconds = defaultdict(float)
         return seconds
