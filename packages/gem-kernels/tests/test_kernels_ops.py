@@ -76,6 +76,27 @@ def test_opcheck_jagged_flash_attention(case):
     _opcheck(torch.ops.gem_kernels.jagged_flash_attention_backward.default, backward_args)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_opcheck_jagged_flash_attention_fp8(causal):
+    """The ``precision`` argument (the FP8 emulation on CPU, bfloat16 inputs, both biases)."""
+    gen = torch.Generator().manual_seed(3)
+    pairs = sum(a * b for a, b in zip(LENGTHS, CROSS_K, strict=True))
+    q = _randn(sum(LENGTHS), H, D, gen=gen).bfloat16().detach().requires_grad_(True)
+    k, v = (
+        _randn(sum(CROSS_K), H, D, gen=gen).bfloat16().detach().requires_grad_(True)
+        for _ in range(2)
+    )
+    rel, jagged = _randn(H, 5, gen=gen), _randn(H, pairs, gen=gen)
+    offsets = (offsets_of(LENGTHS), offsets_of(CROSS_K))
+    args = (q, k, v, *offsets, rel, jagged, None, None, 0.7, causal, 1, None, "auto", "fp8")
+    _opcheck(torch.ops.gem_kernels.jagged_flash_attention.default, args)
+    out, lse = torch.ops.gem_kernels.jagged_flash_attention(*args)
+    q, k, v, rel, jagged = (t.detach() for t in (q, k, v, rel, jagged))
+    backward_args = (torch.randn(out.shape, generator=gen).bfloat16(), q, k, v, out.detach(),
+                     lse, *offsets, rel, jagged, 0.7, causal, 1, None, "auto", "fp8")  # fmt: skip
+    _opcheck(torch.ops.gem_kernels.jagged_flash_attention_backward.default, backward_args)
+
+
 GDPA_CASES = {
     # jagged queries over a fixed number of keys per sample (features), normalised
     "cross_fixed_kv_normalized": dict(q=LENGTHS, k=[2, 2, 2, 2], act="gelu_fast", norm=True),
@@ -248,6 +269,34 @@ def test_compile_fullgraph_matches_eager():
 @pytest.mark.slow
 def test_compile_inductor_matches_eager():
     _compile_and_compare("inductor", [(LENGTHS, 0)])
+
+
+def test_compile_fullgraph_fp8_matches_eager():
+    """``precision="fp8"`` compiles without a graph break; forward and gradients equal eager."""
+    from torch._dynamo.utils import counters
+
+    def attention(q, k, v, offsets):
+        return jagged_flash_attention(q, k, v, offsets, causal=True, precision="fp8")
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
+    gen = torch.Generator().manual_seed(4)
+    offsets = offsets_of(LENGTHS)
+    results = []
+    for fn in (attention, compiled):
+        leaves = [
+            torch.randn(sum(LENGTHS), H, D, generator=gen.manual_seed(4 + i))
+            .bfloat16()
+            .requires_grad_(True)
+            for i in range(3)
+        ]
+        out = fn(*leaves, offsets)
+        out.float().square().sum().backward()
+        results.append([out, *(t.grad for t in leaves)])
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert dict(counters["graph_break"]) == {}
 
 
 def test_compiled_call_still_checks_offsets_values():

@@ -2,13 +2,15 @@
 
 ``jagged_flash_attention`` runs Triton kernels for CUDA fp16/bf16 inputs and the PyTorch
 reference everywhere else; ``gdpa`` and ``block_attention`` do the same with their own Triton
-kernels. ``gem_kernels.reference`` is the test oracle and the CPU path.
+kernels. ``gem_kernels.reference`` is the test oracle and the CPU path (with an emulation of
+the FP8 kernels for ``jagged_flash_attention(..., precision="fp8")``).
 """
 
 from gem_kernels.attention import (
     BLOCK_ATTENTION_BACKENDS,
     GDPA_BACKENDS,
     JFA_BACKENDS,
+    JFA_PRECISIONS,
     block_attention,
     gdpa,
     jagged_flash_attention,
@@ -24,6 +26,7 @@ __all__ = [
     "BLOCK_ATTENTION_BACKENDS",
     "GDPA_BACKENDS",
     "JFA_BACKENDS",
+    "JFA_PRECISIONS",
     "block_attention",
     "gdpa",
     "host_offsets",

@@ -41,6 +41,24 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _to_e4m3(x, dtype, INTERPRETED: tl.constexpr):
+    """Non-negative float32 ``x`` (at most 448) cast to E4M3 ``dtype``, rounded to nearest.
+
+    ``INTERPRETED`` (the kernels' ``UPCAST``, set only under the interpreter): the Triton 3.8
+    interpreter's float32 -> float8 cast loses the carry of a mantissa round-up into the exponent
+    (125.7 -> 64) and rounds ties away from zero, so the value is first rounded to an E4M3 value
+    in float32 (Veltkamp's split to 4 significant bits; below 2^-6, E4M3's subnormal spacing
+    2^-9 via the float32 spacing at 2^14), which the cast then keeps exactly. Compiled kernels
+    use the hardware's round-to-nearest-even cast."""
+    if INTERPRETED:
+        t = x * 1048577.0  # 2^20 + 1: keeps 24 - 20 = 4 significant bits
+        normal = t - (t - x)
+        tiny = (x + 16384.0) - 16384.0
+        x = tl.where(x < 0.015625, tiny, normal)
+    return x.to(dtype)
+
+
+@triton.jit
 def _visible(rows, cols, shift, q_len, k_len, left, right, HAS_LEFT, HAS_RIGHT):
     """Visibility of a (rows x cols) score tile; rows/cols are sample-local indices."""
     pos = rows + shift
@@ -172,6 +190,7 @@ def _fwd_inner(
     v_base,
     stride_kt,
     stride_vt,
+    stride_vd,
     start_n,
     end_n,
     offs_m,
@@ -203,11 +222,21 @@ def _fwd_inner(
     mask_lo=0,
     mask_hi=0,
     ONE_LOOP: tl.constexpr = False,
+    FP8: tl.constexpr = False,
+    q_scale=1.0,
+    ks_base=0,
+    vs_base=0,
+    num_heads=1,
 ):
     """Key tiles [start_n, end_n): ``MASKED`` tiles test every score against the mask;
     ``ONE_LOOP`` (unbiased calls) runs all of a query tile's key tiles in one loop and masks
     only those outside [mask_lo, mask_hi), so the diagonal and partial tiles are loaded with
-    the others instead of each starting (and draining) a pipelined loop of its own."""
+    the others instead of each starting (and draining) a pipelined loop of its own.
+
+    ``FP8``: q, k and v are E4M3 (v stored keys-contiguous, the K-major operand Hopper's FP8
+    MMA needs for P V); ``q_scale`` is the query tile's power-of-two scale, ``ks_base`` /
+    ``vs_base`` point at the per-token key / value scales (token stride ``num_heads``): every
+    key tile lies inside one quantisation block, so its scale is one scalar."""
     d_ok = offs_d < HEAD_DIM
     jb_next = 0.0
     rel_next = 0.0
@@ -252,7 +281,7 @@ def _fwd_inner(
                 other=0.0,
             )
             v = tl.load(
-                v_base + rows64[:, None] * stride_vt + offs_d[None, :],
+                v_base + rows64[:, None] * stride_vt + offs_d[None, :] * stride_vd,
                 mask=n_ok[:, None] & d_ok[None, :],
                 other=0.0,
             )
@@ -263,12 +292,20 @@ def _fwd_inner(
                 other=0.0,
             )
             v = tl.load(
-                v_base + rows64[:, None] * stride_vt + offs_d[None, :],
+                v_base + rows64[:, None] * stride_vt + offs_d[None, :] * stride_vd,
                 mask=d_ok[None, :],
                 other=0.0,
             )
+        tile_scale = qk_scale
+        tile_rel = rel_value
+        if FP8:
+            # Dequantisation folded into the score scale (and the constant bias, which is
+            # added before it): scale * sq * sk * (q8 . k8).
+            qk_s = q_scale * tl.load(ks_base + start * num_heads)
+            tile_scale = qk_scale * qk_s
+            tile_rel = rel_value / qk_s
         s = _scores(
-            q, kt, qk_scale, rel_value, rel_tile, jb_tile, HAS_REL, REL_CONST, HAS_JAGGED,
+            q, kt, tile_scale, tile_rel, rel_tile, jb_tile, HAS_REL, REL_CONST, HAS_JAGGED,
             DOT_PRECISION, UPCAST,
         )  # fmt: skip
         if MASKED:
@@ -285,7 +322,13 @@ def _fwd_inner(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
+        if FP8:
+            # P in [0, 1] times 2^8 keeps 1 exact and the top binades at full E4M3 precision;
+            # the product is rescaled by the value tile's scale / 2^8 (powers of two: exact).
+            pv = _dot(_to_e4m3(p * 256.0, v.dtype, UPCAST), v, None, DOT_PRECISION, UPCAST)
+            acc += pv * (tl.load(vs_base + start * num_heads) * 0.00390625)
+        else:
+            acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -306,6 +349,7 @@ def jfa_fwd_kernel(
     stride_kh,
     stride_vt,
     stride_vh,
+    stride_vd,
     stride_ot,
     stride_oh,
     stride_lse_h,
@@ -331,9 +375,15 @@ def jfa_fwd_kernel(
     STRIP_P: tl.constexpr,
     STRIP_W: tl.constexpr,
     ONE_LOOP: tl.constexpr = False,
+    FP8: tl.constexpr = False,
+    qs_ptr=0,
+    ks_ptr=0,
+    vs_ptr=0,
 ):
     """One program per (query tile, head). ``ONE_LOOP`` (unbiased calls): one key loop that
-    masks only the tiles needing it (see :func:`_fwd_inner`)."""
+    masks only the tiles needing it (see :func:`_fwd_inner`). ``FP8``: q, k, v are E4M3 with
+    per-token power-of-two scales ``qs_ptr`` / ``ks_ptr`` / ``vs_ptr`` (``(tokens, heads)``
+    float32, constant over each ``FP8_BLOCK``-token block of a sample)."""
     pid = tl.program_id(0)
     tile = pid // num_heads
     head = pid % num_heads
@@ -362,6 +412,13 @@ def jfa_fwd_kernel(
     rs_base = rs_ptr + head * stride_rs_h + STRIP_P * STRIP_W
     # Row m0 of the sample's bias block: the tile's loads use int32 offsets from it.
     jb_base = jb_ptr + head * stride_jb_h + jb_start + m0.to(tl.int64) * k_len
+    q_scale8 = 1.0
+    ks_base = ks_ptr
+    vs_base = vs_ptr
+    if FP8:
+        q_scale8 = tl.load(qs_ptr + (q_start + m0) * num_heads + head)
+        ks_base = ks_ptr + k_start * num_heads + head
+        vs_base = vs_ptr + k_start * num_heads + head
 
     # Keys any real row of this tile can see; rows past q_len are never stored, so the
     # "inside the band" test only considers real rows.
@@ -399,10 +456,12 @@ def jfa_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo_t, mid_lo, offs_m, offs_d,
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, stride_vd,
+        lo_t, mid_lo, offs_m, offs_d,
         shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0, jb_base, m0,
         HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
         DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+        FP8=FP8, q_scale=q_scale8, ks_base=ks_base, vs_base=vs_base, num_heads=num_heads,
     )  # fmt: skip
     if HAS_REL:
         # Key tiles far below the diagonal (all distances clamp to the last bucket), the band
@@ -412,40 +471,50 @@ def jfa_fwd_kernel(
             p_hi + num_buckets // 2, BLOCK_N,
         )  # fmt: skip
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, full_lo, far_hi, offs_m,
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, stride_vd,
+            full_lo, far_hi, offs_m,
             offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets,
             tl.load(rel_base + num_buckets - 1), jb_base, m0,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True, HAS_JAGGED,
             DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+            FP8=FP8, q_scale=q_scale8, ks_base=ks_base, vs_base=vs_base, num_heads=num_heads,
         )  # fmt: skip
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, far_hi, near_lo, offs_m,
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, stride_vd,
+            far_hi, near_lo, offs_m,
             offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0,
             jb_base, m0,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
             DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+            FP8=FP8, q_scale=q_scale8, ks_base=ks_base, vs_base=vs_base, num_heads=num_heads,
         )  # fmt: skip
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, near_lo, full_hi, offs_m,
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, stride_vd,
+            near_lo, full_hi, offs_m,
             offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets,
             tl.load(rel_base), jb_base, m0,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True, HAS_JAGGED,
             DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+            FP8=FP8, q_scale=q_scale8, ks_base=ks_base, vs_base=vs_base, num_heads=num_heads,
         )  # fmt: skip
     else:
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, mid_lo, mid_hi, offs_m,
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, stride_vd,
+            mid_lo, mid_hi, offs_m,
             offs_d, shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0,
             jb_base, m0,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
             DOT_PRECISION, UPCAST, STRIP_P, STRIP_W, full_lo, full_hi,
             UNBIASED_ONE_LOOP,
+            FP8=FP8, q_scale=q_scale8, ks_base=ks_base, vs_base=vs_base, num_heads=num_heads,
         )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, mid_hi, hi_t, offs_m, offs_d,
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, stride_vd,
+        mid_hi, hi_t, offs_m, offs_d,
         shift, q_len, k_len, left, right, qk_scale, rs_base, num_buckets, 0.0, jb_base, m0,
         HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
         DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+        FP8=FP8, q_scale=q_scale8, ks_base=ks_base, vs_base=vs_base, num_heads=num_heads,
     )  # fmt: skip
 
     empty = l_i == 0.0
@@ -602,7 +671,21 @@ def _dkdv_inner(
     dq_row0,
     dq_col,
     DQ_TMA: tl.constexpr,
+    FP8: tl.constexpr = False,
+    q8_base=0,
+    do8_base=0,
+    stride_do8_d=0,
+    qs_base=0,
+    dos_base=0,
+    k_scale=1.0,
+    num_heads=1,
 ):
+    """``FP8``: ``k`` is the E4M3 key tile (scale ``k_scale``); the scores are recomputed from it
+    and the E4M3 queries at ``q8_base`` (the forward's values), and dV = P^T dO runs in FP8 with
+    the E4M3 dO stored queries-contiguous at ``do8_base`` (K-major for Hopper's FP8 MMA).
+    ``qs_base`` / ``dos_base``: per-token scales of q / dO (token stride ``num_heads``); every
+    query tile lies inside one quantisation block. dP and dK keep the input-precision v, dO and
+    q (see reference.jagged_flash_attention_fp8_backward)."""
     d_ok = offs_d < HEAD_DIM
     jb_next = 0.0
     rel_next = 0.0
@@ -668,15 +751,36 @@ def _dkdv_inner(
             lse = tl.load(lse_base + offs_m)
             delta = tl.load(delta_base + offs_m)
         # Transposed tile: rows are keys (offs_n), columns are queries (offs_m).
-        s_t = _scores(
-            k, q_t, qk_scale, rel_value, rel_tile, jb_tile, HAS_REL, REL_CONST, HAS_JAGGED,
-            DOT_PRECISION, UPCAST,
-        )  # fmt: skip
+        if FP8:
+            q8_t = tl.load(
+                q8_base + rows64[None, :] * stride_qt + offs_d[:, None],
+                mask=m_ok[None, :] & d_ok[:, None],
+                other=0.0,
+            )
+            qk_s = k_scale * tl.load(qs_base + start * num_heads)
+            s_t = _scores(
+                k, q8_t, qk_scale * qk_s, rel_value / qk_s, rel_tile, jb_tile, HAS_REL,
+                REL_CONST, HAS_JAGGED, DOT_PRECISION, UPCAST,
+            )  # fmt: skip
+        else:
+            s_t = _scores(
+                k, q_t, qk_scale, rel_value, rel_tile, jb_tile, HAS_REL, REL_CONST, HAS_JAGGED,
+                DOT_PRECISION, UPCAST,
+            )  # fmt: skip
         p_t = tl.math.exp2(s_t - lse[None, :])
         if MASKED:
             p_t = _mask_scores(p_t, offs_m[None, :], offs_n[:, None], shift, q_len, k_len, left,
                                right, HAS_LEFT, HAS_RIGHT, 0.0)  # fmt: skip
-        dv = _dot(p_t.to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
+        if FP8:
+            do8 = tl.load(
+                do8_base + rows64[:, None] + offs_d[None, :] * stride_do8_d,
+                mask=m_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            pdo = _dot(_to_e4m3(p_t * 256.0, do8.dtype, UPCAST), do8, None, DOT_PRECISION, UPCAST)
+            dv += pdo * (tl.load(dos_base + start * num_heads) * 0.00390625)
+        else:
+            dv = _dot(p_t.to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
         dp_t = _dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST)
         ds_t = p_t * (dp_t - delta[None, :])
         ds_low = ds_t.to(q_t.dtype)
@@ -765,6 +869,14 @@ def jfa_bwd_dkdv_kernel(
     FUSED_DQ: tl.constexpr,
     DQ_TMA: tl.constexpr = False,
     num_q_rows=0,
+    FP8: tl.constexpr = False,
+    q8_ptr=0,
+    do8_ptr=0,
+    stride_do8_h=0,
+    stride_do8_d=0,
+    qs_ptr=0,
+    ks_ptr=0,
+    dos_ptr=0,
 ):
     """One program per (KV tile, head): loops over the query tiles that see the tile.
 
@@ -816,6 +928,18 @@ def jfa_bwd_dkdv_kernel(
             dq_ptr, shape=[num_q_rows, stride_dqt], strides=[stride_dqt, 1],
             block_shape=[BLOCK_M, BLOCK_D],
         )  # fmt: skip
+    # FP8 (k_ptr holds the E4M3 keys): the operands of the score recompute and of dV.
+    q8_base = q8_ptr
+    do8_base = do8_ptr
+    qs_base = qs_ptr
+    dos_base = dos_ptr
+    k_scale8 = 1.0
+    if FP8:
+        q8_base = q8_ptr + q_start * stride_qt + head * stride_qh
+        do8_base = do8_ptr + head * stride_do8_h + q_start
+        qs_base = qs_ptr + q_start * num_heads + head
+        dos_base = dos_ptr + q_start * num_heads + head
+        k_scale8 = tl.load(ks_ptr + (k_start + n0) * num_heads + head)
 
     # Query rows that see any key of this tile, and the sub-range that sees all of them.
     j_last = tl.minimum(n0 + BLOCK_N, k_len) - 1
@@ -854,6 +978,8 @@ def jfa_bwd_dkdv_kernel(
         HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False,
         HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
         dq_base, stride_dqt, FUSED_DQ, dq_desc, dq_row0, dq_col, DQ_TMA,
+        FP8=FP8, q8_base=q8_base, do8_base=do8_base, stride_do8_d=stride_do8_d, qs_base=qs_base,
+        dos_base=dos_base, k_scale=k_scale8, num_heads=num_heads,
     )  # fmt: skip
     if HAS_REL:
         # Query tiles far above the diagonal (first bucket), the band, far below (last bucket).
@@ -868,6 +994,8 @@ def jfa_bwd_dkdv_kernel(
             HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True,
             HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
             dq_base, stride_dqt, FUSED_DQ, dq_desc, dq_row0, dq_col, DQ_TMA,
+            FP8=FP8, q8_base=q8_base, do8_base=do8_base, stride_do8_d=stride_do8_d, qs_base=qs_base,
+            dos_base=dos_base, k_scale=k_scale8, num_heads=num_heads,
         )  # fmt: skip
         dk, dv, rel_acc, zero = _dkdv_inner(
             dk, dv, rel_acc, zero, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
@@ -876,6 +1004,8 @@ def jfa_bwd_dkdv_kernel(
             HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False,
             HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
             dq_base, stride_dqt, FUSED_DQ, dq_desc, dq_row0, dq_col, DQ_TMA,
+            FP8=FP8, q8_base=q8_base, do8_base=do8_base, stride_do8_d=stride_do8_d, qs_base=qs_base,
+            dos_base=dos_base, k_scale=k_scale8, num_heads=num_heads,
         )  # fmt: skip
         dk, dv, rel_acc, hi_sum = _dkdv_inner(
             dk, dv, rel_acc, hi_sum, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
@@ -884,6 +1014,8 @@ def jfa_bwd_dkdv_kernel(
             HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True,
             HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
             dq_base, stride_dqt, FUSED_DQ, dq_desc, dq_row0, dq_col, DQ_TMA,
+            FP8=FP8, q8_base=q8_base, do8_base=do8_base, stride_do8_d=stride_do8_d, qs_base=qs_base,
+            dos_base=dos_base, k_scale=k_scale8, num_heads=num_heads,
         )  # fmt: skip
     else:
         dk, dv, rel_acc, zero = _dkdv_inner(
@@ -893,6 +1025,8 @@ def jfa_bwd_dkdv_kernel(
             HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False,
             HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
             dq_base, stride_dqt, FUSED_DQ, dq_desc, dq_row0, dq_col, DQ_TMA,
+            FP8=FP8, q8_base=q8_base, do8_base=do8_base, stride_do8_d=stride_do8_d, qs_base=qs_base,
+            dos_base=dos_base, k_scale=k_scale8, num_heads=num_heads,
         )  # fmt: skip
     dk, dv, rel_acc, zero = _dkdv_inner(
         dk, dv, rel_acc, zero, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
@@ -901,6 +1035,8 @@ def jfa_bwd_dkdv_kernel(
         HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False,
         HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
         dq_base, stride_dqt, FUSED_DQ, dq_desc, dq_row0, dq_col, DQ_TMA,
+        FP8=FP8, q8_base=q8_base, do8_base=do8_base, stride_do8_d=stride_do8_d, qs_base=qs_base,
+        dos_base=dos_base, k_scale=k_scale8, num_heads=num_heads,
     )  # fmt: skip
 
     tl.store(
@@ -960,7 +1096,15 @@ def _dq_inner(
     UPCAST: tl.constexpr,
     STRIP_P: tl.constexpr,
     STRIP_W: tl.constexpr,
+    FP8: tl.constexpr = False,
+    k8_base=0,
+    ks_base=0,
+    q_scale=1.0,
+    num_heads=1,
 ):
+    """``FP8``: ``q`` is the E4M3 query tile (scale ``q_scale``); the scores are recomputed from
+    it and the E4M3 keys at ``k8_base`` (per-token scales at ``ks_base``, token stride
+    ``num_heads``); dP and dQ keep the input-precision v and k."""
     d_ok = offs_d < HEAD_DIM
     jb_next = 0.0
     rel_next = 0.0
@@ -1008,10 +1152,20 @@ def _dq_inner(
         vt = tl.load(
             v_base + rows64[None, :] * stride_vt + offs_d[:, None], mask=load_mask, other=0.0
         )
-        s = _scores(
-            q, kt, qk_scale, rel_value, rel_tile, jb_tile, HAS_REL, REL_CONST, HAS_JAGGED,
-            DOT_PRECISION, UPCAST,
-        )  # fmt: skip
+        if FP8:
+            k8t = tl.load(
+                k8_base + rows64[None, :] * stride_kt + offs_d[:, None], mask=load_mask, other=0.0
+            )
+            qk_s = q_scale * tl.load(ks_base + start * num_heads)
+            s = _scores(
+                q, k8t, qk_scale * qk_s, rel_value / qk_s, rel_tile, jb_tile, HAS_REL, REL_CONST,
+                HAS_JAGGED, DOT_PRECISION, UPCAST,
+            )  # fmt: skip
+        else:
+            s = _scores(
+                q, kt, qk_scale, rel_value, rel_tile, jb_tile, HAS_REL, REL_CONST, HAS_JAGGED,
+                DOT_PRECISION, UPCAST,
+            )  # fmt: skip
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
             p = _mask_scores(p, offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left,
@@ -1079,8 +1233,14 @@ def jfa_bwd_dq_kernel(
     UPCAST: tl.constexpr,
     STRIP_P: tl.constexpr,
     STRIP_W: tl.constexpr,
+    FP8: tl.constexpr = False,
+    k8_ptr=0,
+    qs_ptr=0,
+    ks_ptr=0,
 ):
-    """One program per (Q tile, head): loops over the KV tiles the tile sees."""
+    """One program per (Q tile, head): loops over the KV tiles the tile sees. ``FP8``: q_ptr
+    holds the E4M3 queries, ``k8_ptr`` the E4M3 keys (same strides as k), ``qs_ptr`` /
+    ``ks_ptr`` their per-token scales ``(tokens, heads)``."""
     pid = tl.program_id(0)
     tile = pid // num_heads
     head = pid % num_heads
@@ -1118,6 +1278,13 @@ def jfa_bwd_dq_kernel(
     # Row m0 of the sample's bias block: the tile's loads use int32 offsets from it.
     jb_base = jb_ptr + head * stride_jb_h + jb_start + m0.to(tl.int64) * k_len
     jb_grad_base = jb_grad_ptr + head * stride_jb_h + jb_start + m0.to(tl.int64) * k_len
+    k8_base = k8_ptr
+    ks_base = ks_ptr
+    q_scale8 = 1.0
+    if FP8:
+        k8_base = k8_ptr + k_start * stride_kt + head * stride_kh
+        ks_base = ks_ptr + k_start * num_heads + head
+        q_scale8 = tl.load(qs_ptr + (q_start + m0) * num_heads + head)
 
     # Same key ranges as the forward kernel.
     p_lo = m0 + shift
@@ -1156,6 +1323,7 @@ def jfa_bwd_dq_kernel(
         jb_grad_base,
         HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
         DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+        FP8=FP8, k8_base=k8_base, ks_base=ks_base, q_scale=q_scale8, num_heads=num_heads,
     )  # fmt: skip
     if HAS_REL:
         # Same split as the forward.
@@ -1169,6 +1337,7 @@ def jfa_bwd_dq_kernel(
             tl.load(rel_base + num_buckets - 1), jb_base, m0, jb_grad_base,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True, HAS_JAGGED,
             DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+            FP8=FP8, k8_base=k8_base, ks_base=ks_base, q_scale=q_scale8, num_heads=num_heads,
         )  # fmt: skip
         dq = _dq_inner(
             dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, far_hi, near_lo,
@@ -1176,6 +1345,7 @@ def jfa_bwd_dq_kernel(
             0.0, jb_base, m0, jb_grad_base,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
             DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+            FP8=FP8, k8_base=k8_base, ks_base=ks_base, q_scale=q_scale8, num_heads=num_heads,
         )  # fmt: skip
         dq = _dq_inner(
             dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, near_lo, full_hi,
@@ -1183,6 +1353,7 @@ def jfa_bwd_dq_kernel(
             tl.load(rel_base), jb_base, m0, jb_grad_base,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True, HAS_JAGGED,
             DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+            FP8=FP8, k8_base=k8_base, ks_base=ks_base, q_scale=q_scale8, num_heads=num_heads,
         )  # fmt: skip
     else:
         dq = _dq_inner(
@@ -1191,6 +1362,7 @@ def jfa_bwd_dq_kernel(
             0.0, jb_base, m0, jb_grad_base,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
             DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+            FP8=FP8, k8_base=k8_base, ks_base=ks_base, q_scale=q_scale8, num_heads=num_heads,
         )  # fmt: skip
     dq = _dq_inner(
         dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m,
@@ -1198,6 +1370,7 @@ def jfa_bwd_dq_kernel(
         jb_grad_base,
         HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
         DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
+        FP8=FP8, k8_base=k8_base, ks_base=ks_base, q_scale=q_scale8, num_heads=num_heads,
     )  # fmt: skip
     tl.store(
         dq_ptr + q_start * stride_dqt + head * stride_dqh + rows64 * stride_dqt + offs_d[None, :],

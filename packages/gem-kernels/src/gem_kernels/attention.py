@@ -33,6 +33,7 @@ __all__ = [
     "BLOCK_ATTENTION_BACKENDS",
     "GDPA_BACKENDS",
     "JFA_BACKENDS",
+    "JFA_PRECISIONS",
     "block_attention",
     "gdpa",
     "jagged_flash_attention",
@@ -40,6 +41,9 @@ __all__ = [
 
 #: Accepted values of ``jagged_flash_attention(backend=...)``.
 JFA_BACKENDS = ops.BACKENDS
+
+#: Accepted values of ``jagged_flash_attention(precision=...)``.
+JFA_PRECISIONS = ops.PRECISIONS
 
 #: Accepted values of ``gdpa(backend=...)``.
 GDPA_BACKENDS = ops.BACKENDS
@@ -201,6 +205,17 @@ def _check_backend(backend: object, accepted: tuple[str, ...]) -> str:
     return backend
 
 
+def _check_precision(precision: object, q: torch.Tensor) -> str:
+    if not isinstance(precision, str) or precision not in ops.PRECISIONS:
+        raise ValueError(f"precision must be one of {ops.PRECISIONS}, got {precision!r}")
+    if precision == "fp8" and q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"precision='fp8' takes float16/bfloat16 q, k and v (quantised to E4M3 inside the "
+            f"kernels), got {q.dtype}"
+        )
+    return precision
+
+
 def _window_sides(window: tuple[int | None, int | None] | None) -> tuple[int | None, int | None]:
     return (None, None) if window is None else window
 
@@ -224,6 +239,7 @@ def jagged_flash_attention(
     rel_pos_bias: torch.Tensor | None = None,
     jagged_bias: torch.Tensor | None = None,
     backend: str = "auto",
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """Softmax attention of each sample's queries over its own keys (jagged layout).
 
@@ -249,6 +265,12 @@ def jagged_flash_attention(
             or a ``ValueError`` saying why they cannot run (CPU tensors only under
             ``TRITON_INTERPRET=1``; float32 runs with IEEE-exact dot products).
             ``"reference"``: always the PyTorch reference.
+        precision: ``"bf16"`` (default): GEMMs on the input dtype's operands. ``"fp8"``
+            (float16/bfloat16 inputs): q, k, v quantised to E4M3 in blocks of
+            ``reference.FP8_BLOCK`` tokens with power-of-two scales; forward Q K^T and P V,
+            and the backward's Q K^T recompute and dV = P^T dO run in FP8 (float32
+            accumulation), dP, dQ and dK in the input precision. The reference backend runs
+            an emulation with the kernels' numerics (``reference.jagged_flash_attention_fp8_*``).
 
     Returns:
         ``(Tq, H, D)`` in q's dtype. Rows that see no key (empty KV, or fully masked) are 0.
@@ -266,9 +288,10 @@ def jagged_flash_attention(
         # Its width (sum_b Lq_b * Lk_b) depends on the offsets' values: checked by the operator.
         _check_bias_tensor(jagged_bias, "jagged_bias", q, "(heads, sum_b Lq_b * Lk_b)")
     _check_backend(backend, JFA_BACKENDS)
+    _check_precision(precision, q)
     out, _ = _JFA_OP(
         q, k, v, q_offsets, k_offsets, rel_pos_bias, jagged_bias, max_q, max_k, resolved_scale,
-        causal, left, right, backend,
+        causal, left, right, backend, precision,
     )  # fmt: skip
     return out
 

@@ -16,6 +16,11 @@ accumulated per dK/dV program into its own row of a partial buffer and summed af
 ``JfaTritonConfig.bwd_fused`` the dK/dV kernel adds dQ in float32 instead (TMA bulk reduces,
 summation order not fixed); ``torch.use_deterministic_algorithms(True)`` selects the split one.
 
+``precision="fp8"``: the host quantises q, k and v (the backward also dO) with
+:func:`gem_kernels.reference.quantize_fp8_blocks` (the emulation's values), stores v and dO
+token-contiguous (the K-major operand Hopper's FP8 MMA needs where they are reduced over
+tokens), and runs the same kernels with ``FP8=True``; always the split (deterministic) backward.
+
 CPU tensors run under the Triton interpreter when ``TRITON_INTERPRET=1`` is set at call time:
 the kernel module is loaded once per mode (interpreted or compiled), so the variable may be set
 after ``gem_kernels`` was imported.
@@ -32,6 +37,7 @@ from types import ModuleType
 import torch
 
 from gem_kernels import _triton_host as host
+from gem_kernels import reference
 from gem_kernels.triton_loader import load_kernel_module
 
 __all__ = [
@@ -275,21 +281,22 @@ def triton_unsupported_reason(
     *,
     rel_pos_bias: torch.Tensor | None = None,
     jagged_bias: torch.Tensor | None = None,
+    precision: str = "bf16",
 ) -> str | None:
     """Why the Triton path cannot run this call, or ``None`` when it can.
 
     The Triton path takes float16/bfloat16/float32 on CUDA (float32 with IEEE-exact dot
     products), or CPU tensors when ``TRITON_INTERPRET=1`` is set; head_dim up to
-    ``MAX_TRITON_HEAD_DIM``; ``rel_pos_bias`` tables up to ``MAX_TRITON_BUCKETS`` buckets.
+    ``MAX_TRITON_HEAD_DIM``; ``rel_pos_bias`` tables up to ``MAX_TRITON_BUCKETS`` buckets;
+    ``precision="fp8"`` float16/bfloat16 only.
     """
     too_many_buckets = rel_pos_bias is not None and rel_pos_bias.shape[1] > MAX_TRITON_BUCKETS
-    return host.unsupported_reason(
-        q,
-        MAX_TRITON_HEAD_DIM,
-        f"rel_pos_bias has {rel_pos_bias.shape[1]} buckets, more than {MAX_TRITON_BUCKETS}"
-        if too_many_buckets
-        else None,
-    )
+    extra = None
+    if too_many_buckets:
+        extra = f"rel_pos_bias has {rel_pos_bias.shape[1]} buckets, more than {MAX_TRITON_BUCKETS}"
+    elif precision == "fp8" and q.dtype not in (torch.float16, torch.bfloat16):
+        extra = f"precision='fp8' takes float16/bfloat16 inputs, got {q.dtype}"
+    return host.unsupported_reason(q, MAX_TRITON_HEAD_DIM, extra)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,16 +444,53 @@ class _Launch:
     right: int | None
     config: JfaTritonConfig
     interpret: bool
+    fp8: bool = False
+    q_lengths: torch.Tensor | None = None  # host lengths, kept for the FP8 quantisation
+    k_lengths: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _Fp8Operands:
+    """E4M3 q, k and v of an FP8 call (``reference.quantize_fp8_blocks``: the emulation's
+    values) and their per-token scales ``(tokens, heads)`` float32. v is stored keys-contiguous
+    (a ``(Tk, H, D)`` view of an ``(H, D, Tk)`` tensor): Hopper's FP8 MMA reads both operands
+    K-major, and P V reduces over the keys (as Triton's FP8 attention tutorial stores V)."""
+
+    q8: torch.Tensor
+    k8: torch.Tensor
+    v8: torch.Tensor
+    q_scale: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+
+
+def _keys_contiguous(x8: torch.Tensor) -> torch.Tensor:
+    """``x8`` ``(T, H, D)`` with the same values, stored ``(H, D, T)``: token stride 1."""
+    return x8.permute(1, 2, 0).contiguous().permute(2, 0, 1)
+
+
+def _fp8_operands(q, k, v, launch: _Launch) -> _Fp8Operands:
+    q8, q_scale = reference.quantize_fp8_blocks(q, launch.q_lengths)
+    k8, k_scale = reference.quantize_fp8_blocks(k, launch.k_lengths)
+    v8, v_scale = reference.quantize_fp8_blocks(v, launch.k_lengths)
+    return _Fp8Operands(q8, k8, _keys_contiguous(v8), q_scale, k_scale, v_scale)
 
 
 def _flags(q: torch.Tensor, launch: _Launch) -> dict:
     head_dim = q.shape[2]
+    block_d = host.padded_block(head_dim)
+    if launch.fp8 and not launch.interpret:
+        # FP8 MMAs reduce at least 32 elements per instruction (Hopper's wgmma k = 32): the
+        # Q K^T operands are padded with zeros from head_dim 16 to 32.
+        block_d = max(block_d, 32)
     return {
         "HEAD_DIM": head_dim,
-        "BLOCK_D": host.padded_block(head_dim),
+        "BLOCK_D": block_d,
         "HAS_LEFT": launch.left is not None,
         "HAS_RIGHT": launch.right is not None,
         **host.dot_flags(q, launch.interpret),
+        # The interpreter multiplies float8 operands through float32 (exact products).
+        **({"UPCAST": True} if launch.fp8 and launch.interpret else {}),
     }
 
 
@@ -496,15 +540,20 @@ def _forward(q, k, v, rel_pos_bias, jagged_bias, plan: _Plan, launch: _Launch):
     rel, jb, num_buckets, stride_rel, stride_jb = _bias_args(
         q, rel_pos_bias, jagged_bias, launch.scale
     )
+    fp8 = {}
+    if launch.fp8:
+        ops8 = _fp8_operands(q, k, v, launch)
+        q, k, v = ops8.q8, ops8.k8, ops8.v8
+        fp8 = dict(FP8=True, qs_ptr=ops8.q_scale, ks_ptr=ops8.k_scale, vs_ptr=ops8.v_scale)
     _kernels(launch.interpret).jfa_fwd_kernel[(num_tiles * heads,)](
         q, k, v, out, lse, plan.fwd, rel, jb,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), lse.stride(0), stride_rel, stride_jb,
         heads, num_buckets, launch.left or 0, launch.right or 0, launch.scale * _LOG2E,
         BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
         HAS_REL=rel_pos_bias is not None, HAS_JAGGED=jagged_bias is not None,
         ONE_LOOP=cfg.fwd_one_loop, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
-        **_rel_strip(q, rel_pos_bias, cfg), **_flags(q, launch),
+        **_rel_strip(q, rel_pos_bias, cfg), **_flags(out, launch), **fp8,
     )  # fmt: skip
     return out, lse
 
@@ -550,9 +599,24 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
             out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1), delta.stride(0),
             HEAD_DIM=head_dim, BLOCK_M=block, BLOCK_D=flags["BLOCK_D"],
         )  # fmt: skip
+    # FP8: the kernels recompute the scores from the forward's E4M3 q and k (same strides as
+    # q and k, both contiguous) and take dO in E4M3 for dV = P^T dO, queries-contiguous.
+    dkdv_fp8, dq_fp8, k_scores = {}, {}, k
+    q_scores = q
+    if launch.fp8:
+        q8, q_scale = reference.quantize_fp8_blocks(q, launch.q_lengths)
+        k8, k_scale = reference.quantize_fp8_blocks(k, launch.k_lengths)
+        do8, do_scale = reference.quantize_fp8_blocks(grad_out, launch.q_lengths)
+        do8 = _keys_contiguous(do8)
+        k_scores, q_scores = k8, q8
+        dkdv_fp8 = dict(
+            FP8=True, q8_ptr=q8, do8_ptr=do8, stride_do8_h=do8.stride(1),
+            stride_do8_d=do8.stride(2), qs_ptr=q_scale, ks_ptr=k_scale, dos_ptr=do_scale,
+        )  # fmt: skip
+        dq_fp8 = dict(FP8=True, k8_ptr=k8, qs_ptr=q_scale, ks_ptr=k_scale)
     if num_key_tiles > 0:
         kernels.jfa_bwd_dkdv_kernel[(num_key_tiles * heads,)](
-            q, k, v, grad_out, lse, delta, dk, dv, plan.dkdv, rel, jb,
+            q, k_scores, v, grad_out, lse, delta, dk, dv, plan.dkdv, rel, jb,
             q if rel_partial is None else rel_partial,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1),
@@ -565,14 +629,14 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
             BUCKETS_PAD=buckets_pad, dq_ptr=dq32, stride_dqt=dq32.stride(0),
             stride_dqh=dq32.stride(1), FUSED_DQ=fused_dq, DQ_TMA=dq_tma, num_q_rows=num_rows,
             num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
-            **strip, **flags,
+            **strip, **flags, **dkdv_fp8,
         )  # fmt: skip
     num_query_tiles = 0 if fused_dq else plan.dq.shape[0]
     if fused_dq:
         dq = (dq32 * launch.scale).to(q.dtype)
     if num_query_tiles > 0:
         kernels.jfa_bwd_dq_kernel[(num_query_tiles * heads,)](
-            q, k, v, grad_out, lse, delta, dq, plan.dq, rel, jb,
+            q_scores, k, v, grad_out, lse, delta, dq, plan.dq, rel, jb,
             q if jb_grad is None else jb_grad,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
@@ -582,7 +646,7 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
             BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
             HAS_REL=rel_pos_bias is not None, HAS_JAGGED=jagged_bias is not None,
             num_warps=cfg.dq_warps or cfg.bwd_warps, num_stages=cfg.dq_stages or cfg.bwd_stages,
-            **strip, **flags,
+            **strip, **flags, **dq_fp8,
         )  # fmt: skip
     if rel_pos_bias is not None:
         # Fixed-order reduction of the per-program partials: deterministic.
@@ -642,7 +706,7 @@ def _resolve_window(causal: bool, window) -> tuple[int | None, int | None]:
 
 def _prepare(
     q, k, v, q_lengths, k_lengths, *, scale, causal, window, rel_pos_bias, jagged_bias, config,
-    with_backward,
+    with_backward, precision="bf16",
 ):  # fmt: skip
     """Config, launch parameters and plan of a call, and its tensors as the kernels take them:
     ``(q, k, v, rel_pos_bias, jagged_bias, plan, launch)``. A zero ``scale`` returns ``q * 0``
@@ -669,23 +733,58 @@ def _prepare(
             max_len=longest,
             masked=left is not None or right is not None,
         )
+    fp8 = precision == "fp8"
+    if fp8:
+        _check_fp8_config(config, interpret)
+        # The split backward: deterministic, and its dQ kernel holds the FP8 score recompute.
+        config = replace(config, bwd_fused=False)
     launch = _Launch(
         scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
         left=left,
         right=right,
         config=config,
         interpret=interpret,
+        fp8=fp8,
+        q_lengths=q_lengths if fp8 else None,
+        k_lengths=k_lengths if fp8 else None,
     )
     if launch.scale == 0.0:
         q = q * 0.0
         launch = replace(launch, scale=1.0)
     plan = _plan(q_lengths, k_lengths, left, right, config, q.device, with_backward)
     q, k, v = host.unit_stride(q), host.unit_stride(k), host.unit_stride(v)
+    if fp8:  # the kernels address the E4M3 copies of q and k with q's and k's strides
+        q, k = q.contiguous(), k.contiguous()
     if rel_pos_bias is not None:
         rel_pos_bias = rel_pos_bias.contiguous()
     if jagged_bias is not None:
         jagged_bias = jagged_bias.contiguous()
     return q, k, v, rel_pos_bias, jagged_bias, plan, launch
+
+
+def _check_fp8_config(config: JfaTritonConfig, interpret: bool) -> None:
+    """FP8 reads one scale per tile and operand: every tile must lie inside one
+    ``reference.FP8_BLOCK``-token quantisation block (tiles are powers of two from 16 and start
+    at multiples of their size within a sample, so a size up to FP8_BLOCK does). Compiled, the
+    tiles that FP8 GEMMs reduce over (keys for P V, queries for P^T dO) need 32 rows: an FP8
+    MMA instruction reduces 32 elements."""
+    sizes = {
+        "fwd_block_m": config.fwd_block_m,
+        "fwd_block_n": config.fwd_block_n,
+        "dkdv_block_n": config.dkdv_block_n,
+        "dkdv_block_m": config.dkdv_block_m,
+        "dq_block_m": config.dq_block_m,
+        "dq_block_n": config.dq_block_n,
+    }
+    for name, size in sizes.items():
+        if size > reference.FP8_BLOCK:
+            raise ValueError(
+                f"config.{name}={size} is larger than the FP8 quantisation block "
+                f"({reference.FP8_BLOCK} tokens) that precision='fp8' needs"
+            )
+    for name in ("fwd_block_n", "dkdv_block_m"):
+        if not interpret and sizes[name] < 32:
+            raise ValueError(f"config.{name}={sizes[name]} is below 32, which FP8 MMAs need")
 
 
 def jagged_flash_attention_from_lengths(
@@ -701,6 +800,7 @@ def jagged_flash_attention_from_lengths(
     rel_pos_bias: torch.Tensor | None = None,
     jagged_bias: torch.Tensor | None = None,
     config: JfaTritonConfig | None = None,
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """Triton jagged attention from per-sample lengths (CPU tensors: no device sync needed).
 
@@ -715,7 +815,7 @@ def jagged_flash_attention_from_lengths(
     q, k, v, rel_pos_bias, jagged_bias, plan, launch = _prepare(
         q, k, v, q_lengths, k_lengths, scale=scale, causal=causal, window=window,
         rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias, config=config,
-        with_backward=needs_grad,
+        with_backward=needs_grad, precision=precision,
     )  # fmt: skip
     if not needs_grad:  # inference: no autograd node to build, no LSE to keep
         return _forward(q, k, v, rel_pos_bias, jagged_bias, plan, launch)[0]
@@ -735,12 +835,14 @@ def forward_from_lengths(
     rel_pos_bias: torch.Tensor | None = None,
     jagged_bias: torch.Tensor | None = None,
     config: JfaTritonConfig | None = None,
+    precision: str = "bf16",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' forward without autograd: ``(out (Tq, H, D), lse (H, Tq) float32)`` (lse in
     the log2 domain, ``+inf`` for rows without keys), as the operator returns them."""
     q, k, v, rel_pos_bias, jagged_bias, plan, launch = _prepare(
         q, k, v, q_lengths, k_lengths, scale=scale, causal=causal, window=window,
         rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias, config=config, with_backward=False,
+        precision=precision,
     )  # fmt: skip
     return _forward(q, k, v, rel_pos_bias, jagged_bias, plan, launch)
 
@@ -761,6 +863,7 @@ def backward_from_lengths(
     rel_pos_bias: torch.Tensor | None = None,
     jagged_bias: torch.Tensor | None = None,
     config: JfaTritonConfig | None = None,
+    precision: str = "bf16",
 ) -> tuple[torch.Tensor, ...]:
     """Gradients ``(dq, dk, dv, d_rel_pos_bias, d_jagged_bias)`` (``None`` for absent biases)
     from the forward's ``out`` and ``lse``: the kernels :class:`JaggedFlashAttentionFunction`
@@ -768,6 +871,7 @@ def backward_from_lengths(
     q0, k, v, rel_pos_bias, jagged_bias, plan, launch = _prepare(
         q, k, v, q_lengths, k_lengths, scale=scale, causal=causal, window=window,
         rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias, config=config, with_backward=True,
+        precision=precision,
     )  # fmt: skip
     dq, dk, dv, rel_grad, jb_grad = _backward(
         grad_out, q0, k, v, host.unit_stride(out), host.unit_stride(lse), rel_pos_bias,
@@ -791,6 +895,7 @@ def jagged_flash_attention_triton(
     rel_pos_bias: torch.Tensor | None = None,
     jagged_bias: torch.Tensor | None = None,
     config: JfaTritonConfig | None = None,
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """Triton jagged attention from offsets; same semantics as the public function.
 
@@ -811,4 +916,5 @@ def jagged_flash_attention_triton(
         rel_pos_bias=rel_pos_bias,
         jagged_bias=jagged_bias,
         config=config,
+        precision=precision,
     )

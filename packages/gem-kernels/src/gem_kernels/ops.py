@@ -10,10 +10,11 @@ operator                                                    returns
 ==========================================================  =====================================
 ``jagged_flash_attention(q, k, v, q_offsets, k_offsets,     ``(out (Tq, H, D) q.dtype,
 rel_pos_bias, jagged_bias, max_q, max_k, scale, causal,     lse (H, Tq) float32)``
-window_left, window_right, backend)``
+window_left, window_right, backend, precision)``
 ``jagged_flash_attention_backward(grad_out, q, k, v, out,   ``[dq, dk, dv]`` + ``d_rel_pos_bias``
 lse, q_offsets, k_offsets, rel_pos_bias, jagged_bias,       and ``d_jagged_bias`` for the biases
-scale, causal, window_left, window_right, backend)``        given
+scale, causal, window_left, window_right, backend,          given
+precision)``
 ``gdpa(q, k, v, q_offsets, k_offsets, max_q, max_k,         ``(Tq, H, D)``, PMA ``(B * Nq, H, D)``
 activation, scale, causal, window_left, window_right,
 normalize_by_length, backend)``
@@ -28,7 +29,8 @@ positions, block_size, rope_theta, scale, backend)``
 
 (exact schemas: ``_*_SCHEMA`` below). Arguments mean what they mean in the public functions,
 resolved: ``scale`` is a float, a window is two optional ints (``None``: unbounded side; both
-``None``: no window), ``backend`` is ``"auto"``, ``"triton"`` or ``"reference"``. ``lse`` is the
+``None``: no window), ``backend`` is ``"auto"``, ``"triton"`` or ``"reference"``, ``precision``
+(default ``"bf16"``) ``"bf16"`` or ``"fp8"``. ``lse`` is the
 softmax log-sum-exp the Triton backward reads (log2 domain, ``+inf`` for rows without keys; the
 reference computes the same); it is not differentiable.
 
@@ -65,22 +67,28 @@ import torch
 from gem_kernels import reference
 from gem_kernels.jagged import host_lengths, validate_offsets
 
-__all__ = ["BACKENDS", "check_jagged_pair", "check_max_len"]
+__all__ = ["BACKENDS", "PRECISIONS", "check_jagged_pair", "check_max_len"]
 
 #: Accepted ``backend`` values of every operator (and public function).
 BACKENDS = ("auto", "triton", "reference")
+
+#: Accepted ``precision`` values of the jagged flash attention operators: the GEMM operand
+#: format (``"fp8"``: E4M3 with power-of-two block scales, see ``reference.FP8_BLOCK``).
+PRECISIONS = ("bf16", "fp8")
 
 Window = tuple[int | None, int | None] | None
 
 _JFA_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor q_offsets, Tensor? k_offsets, Tensor? rel_pos_bias, "
     "Tensor? jagged_bias, SymInt? max_q, SymInt? max_k, float scale, bool causal, "
-    "SymInt? window_left, SymInt? window_right, str backend) -> (Tensor, Tensor)"
+    'SymInt? window_left, SymInt? window_right, str backend, str precision="bf16") '
+    "-> (Tensor, Tensor)"
 )
 _JFA_BACKWARD_SCHEMA = (
     "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor q_offsets, "
     "Tensor? k_offsets, Tensor? rel_pos_bias, Tensor? jagged_bias, float scale, bool causal, "
-    "SymInt? window_left, SymInt? window_right, str backend) -> Tensor[]"
+    'SymInt? window_left, SymInt? window_right, str backend, str precision="bf16") '
+    "-> Tensor[]"
 )
 _GDPA_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor? q_offsets, Tensor? k_offsets, SymInt? max_q, "
@@ -293,8 +301,9 @@ def _fresh(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 @_operator("jagged_flash_attention", _JFA_SCHEMA)
 def _jfa(
     q, k, v, q_offsets, k_offsets, rel_pos_bias, jagged_bias, max_q, max_k, scale, causal,
-    window_left, window_right, backend,
+    window_left, window_right, backend, precision="bf16",
 ):  # fmt: skip
+    _check_precision(precision, q)
     q_lengths, k_lengths = _jagged_lengths(q, k, q_offsets, k_offsets, max_q, max_k)
     if jagged_bias is not None:
         expected = int((q_lengths * k_lengths).sum())
@@ -310,12 +319,22 @@ def _jfa(
         rel_pos_bias=rel_pos_bias,
         jagged_bias=jagged_bias,
     )
-    triton = _jfa_triton(backend, q, rel_pos_bias, jagged_bias, scale)
+    triton = _jfa_triton(backend, q, rel_pos_bias, jagged_bias, scale, precision)
     if triton is not None:
-        return triton.forward_from_lengths(q, k, v, q_lengths, k_lengths, **options)
+        return triton.forward_from_lengths(
+            q, k, v, q_lengths, k_lengths, precision=precision, **options
+        )
     return reference.jagged_flash_attention_reference(
-        q, k, v, q_offsets, k_offsets, return_lse=True, **options
+        q, k, v, q_offsets, k_offsets, return_lse=True, precision=precision, **options
     )
+
+
+def _check_precision(precision, q) -> None:
+    """``precision`` of a direct operator call (the public function checks it first)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "fp8" and q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"precision='fp8' takes float16/bfloat16 q, k and v, got {q.dtype}")
 
 
 #: Smallest non-zero ``|scale|`` the Triton JFA kernels take with a bias: they add the bias
@@ -324,10 +343,10 @@ def _jfa(
 MIN_TRITON_BIAS_SCALE = 2.0**-60
 
 
-def _jfa_triton(backend, q, rel_pos_bias, jagged_bias, scale) -> ModuleType | None:
+def _jfa_triton(backend, q, rel_pos_bias, jagged_bias, scale, precision) -> ModuleType | None:
     def unsupported(module: ModuleType) -> str | None:
         reason = module.triton_unsupported_reason(
-            q, rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias
+            q, rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias, precision=precision
         )
         biased = rel_pos_bias is not None or jagged_bias is not None
         if reason is None and biased and 0.0 < abs(scale) < MIN_TRITON_BIAS_SCALE:
@@ -348,14 +367,23 @@ def _jfa_fake(q, k, v, q_offsets, k_offsets, rel_pos_bias, jagged_bias, *_):
 @_operator("jagged_flash_attention_backward", _JFA_BACKWARD_SCHEMA)
 def _jfa_backward_impl(
     grad_out, q, k, v, out, lse, q_offsets, k_offsets, rel_pos_bias, jagged_bias, scale, causal,
-    window_left, window_right, backend,
+    window_left, window_right, backend, precision="bf16",
 ):  # fmt: skip
+    _check_precision(precision, q)
     options = dict(scale=scale, causal=causal, window=_window(window_left, window_right))
-    triton = _jfa_triton(backend, q, rel_pos_bias, jagged_bias, scale)
+    triton = _jfa_triton(backend, q, rel_pos_bias, jagged_bias, scale, precision)
     if triton is not None:
         grads = triton.backward_from_lengths(
             grad_out, q, k, v, out, lse, host_lengths(q_offsets),
             None if k_offsets is None else host_lengths(k_offsets),
+            rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias, precision=precision, **options,
+        )  # fmt: skip
+        return _fresh([g for g in grads if g is not None])
+    if precision == "fp8":
+        # The emulation's own backward (FP8 GEMMs where the kernels have them): autograd over
+        # its forward would differentiate the rounding as the identity in every GEMM.
+        grads = reference.jagged_flash_attention_fp8_backward(
+            grad_out.contiguous(), q, k, v, out, lse, q_offsets, k_offsets,
             rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias, **options,
         )  # fmt: skip
         return _fresh([g for g in grads if g is not None])
@@ -384,11 +412,10 @@ def _jfa_backward_fake(
 
 def _jfa_setup_context(ctx, inputs, output):
     q, k, v, q_offsets, k_offsets, rel_pos_bias, jagged_bias = inputs[:7]
-    scale, causal, window_left, window_right, backend = inputs[9:]
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, q_offsets, k_offsets, rel_pos_bias, jagged_bias)
-    ctx.options = (scale, causal, window_left, window_right, backend)
+    ctx.options = tuple(inputs[9:])  # scale, causal, window_left, window_right, backend, precision
 
 
 def _jfa_backward(ctx, grad_out, _grad_lse):
@@ -400,7 +427,7 @@ def _jfa_backward(ctx, grad_out, _grad_lse):
     dq, dk, dv, *bias_grads = grads
     d_rel = bias_grads.pop(0) if rel_pos_bias is not None else None
     d_jagged = bias_grads.pop(0) if jagged_bias is not None else None
-    return (dq, dk, dv, None, None, d_rel, d_jagged) + (None,) * 7
+    return (dq, dk, dv, None, None, d_rel, d_jagged) + (None,) * (len(ctx.options) + 2)
 
 
 _autograd("jagged_flash_attention", _jfa_backward, _jfa_setup_context)

@@ -37,6 +37,9 @@ from gem_kernels.jagged import host_offsets
 
 __all__ = [
     "DEFAULT_SCORE_BUDGET",
+    "FP8_BLOCK",
+    "FP8_MAX",
+    "FP8_P_SCALE",
     "GDPA_ACTIVATIONS",
     "GELU_FAST_CLAMP",
     "GELU_FAST_MAX_ABS_ERROR",
@@ -48,7 +51,9 @@ __all__ = [
     "gdpa_activation",
     "gdpa_reference",
     "gelu_fast",
+    "jagged_flash_attention_fp8_backward",
     "jagged_flash_attention_reference",
+    "quantize_fp8_blocks",
     "rel_pos_bucket",
     "track_score_elements",
 ]
@@ -473,6 +478,295 @@ def _to_compute(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------
+# FP8 attention emulation (``precision="fp8"``): the numerics of the FP8 Triton kernels.
+#
+# q, k, v (and dO in the backward) are quantised to E4M3 in blocks of FP8_BLOCK tokens of one
+# sample and one head, each with a power-of-two scale (an E8M0 exponent), so every kernel tile
+# (at most FP8_BLOCK rows, aligned within the sample) sits inside one block and a scale is a
+# scalar per tile and operand; scaling by a power of two is exact, so the MX storage format
+# (E4M3 with E8M0 scales per 1x32 block) holds the same values. GEMMs in FP8 multiply E4M3
+# values exactly and accumulate in float32: forward Q K^T and P V, backward the Q K^T
+# recompute and dV = P^T dO. dP = dO V^T, dQ = dS K and dK = dS^T Q stay in the input
+# precision (bf16/fp16 operands), as measured in docs/kernel-tuning.md: dS has no bounded range
+# and its per-tile FP8 rounding enters dQ and dK directly.
+
+#: Largest finite E4M3 value (``torch.float8_e4m3fn``).
+FP8_MAX = 448.0
+#: Tokens of one sample per quantisation block (one power-of-two scale per block and head): the
+#: largest kernel tile, so that every tile of every kernel reads one scale per operand.
+FP8_BLOCK = 128
+#: P (in [0, 1] after the running-max subtraction) times this power of two is cast to E4M3: 1
+#: maps to 256, exact, and the top binades keep E4M3's full 3-bit mantissa (relative error
+#: <= 2^-4); P down to 2^-14 stays normal, below that subnormal, below 2^-18 zero.
+FP8_P_SCALE = 256.0
+
+_FP8 = torch.float8_e4m3fn
+
+
+def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two ``s`` with ``amax / s <= FP8_MAX`` (1 for zero blocks), as float32;
+    exponents clamped to [-126, 127] (normal float32, inside E8M0's range)."""
+    mantissa, exponent = torch.frexp(amax.float() / FP8_MAX)
+    # frexp: x = m * 2^e, m in [0.5, 1); an exact power of two (m = 0.5) needs e - 1.
+    exponent = (exponent - (mantissa == 0.5).to(exponent.dtype)).clamp(-126, 127)
+    # Built from the exponent bits: exact, unlike a float pow.
+    return ((exponent.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def quantize_fp8_blocks(
+    x: torch.Tensor, lengths: torch.Tensor, block: int = FP8_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 copy of jagged ``x`` ``(T, H, D)`` and its per-token scales ``(T, H)`` float32.
+
+    Tokens ``[i * block, (i + 1) * block)`` of a sample (``lengths``: host ``(B,)``) share one
+    power-of-two scale per head, from the block's absolute maximum: ``x ~= x8 * scale``. The
+    scale is stored per token (constant over a block) so that a kernel tile reads the scale of
+    its first row.
+    """
+    rows, heads = x.shape[0], x.shape[1]
+    lengths = lengths.to("cpu", torch.int64)
+    starts = torch.cumsum(lengths, 0) - lengths
+    per_sample = (lengths + block - 1) // block
+    first = torch.cumsum(per_sample, 0) - per_sample
+    sample = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    local = torch.arange(rows) - starts[sample]
+    block_of = (first[sample] + local // block).to(x.device)
+    amax = torch.zeros(int(per_sample.sum()), heads, dtype=torch.float32, device=x.device)
+    token_amax = x.abs().amax(-1).float()
+    amax = amax.scatter_reduce(0, block_of[:, None].expand(-1, heads), token_amax, "amax")
+    scale = _pow2_scale(amax)[block_of]
+    return (x.float() / scale[..., None]).to(_FP8), scale
+
+
+def _dequantized(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded through :func:`quantize_fp8_blocks`, head-major ``(H, T, D)`` float32
+    (exact: E4M3 values times powers of two)."""
+    x8, scale = quantize_fp8_blocks(x, lengths)
+    return (x8.float() * scale[..., None]).transpose(0, 1)
+
+
+def _quantize_p(p: torch.Tensor) -> torch.Tensor:
+    """P in [0, 1] through E4M3 at ``FP8_P_SCALE`` (the value the FP8 P V and P^T dO GEMMs
+    multiply, still times ``FP8_P_SCALE``)."""
+    return (p * FP8_P_SCALE).to(_FP8).float()
+
+
+@dataclass
+class _Fp8Problem:
+    """One FP8 call: quantised operands (head-major float32) and the masking options."""
+
+    q_lengths: torch.Tensor
+    k_lengths: torch.Tensor
+    q_starts: torch.Tensor
+    k_starts: torch.Tensor
+    q8: torch.Tensor  # (H, Tq, D) dequantised E4M3 values
+    k8: torch.Tensor
+    scale: float
+    causal: bool
+    window: Window | None
+    rel_pos_bias: torch.Tensor | None  # float32
+    jagged_bias: torch.Tensor | None  # float32
+    score_budget: int
+
+    def samples(self) -> Iterator[tuple[int, int, int, int, int, int, int]]:
+        """``(b, q0, lq, k0, lk, bias0, rows_per_chunk)`` of the samples with queries and keys."""
+        bias0 = 0
+        heads = self.q8.shape[0]
+        for b in range(self.q_lengths.numel()):
+            lq, lk = int(self.q_lengths[b]), int(self.k_lengths[b])
+            if lq > 0 and lk > 0:
+                rows = max(1, self.score_budget // (heads * lk))
+                yield b, int(self.q_starts[b]), lq, int(self.k_starts[b]), lk, bias0, rows
+            bias0 += lq * lk
+
+    def scores(self, q0, lq, k0, lk, bias0, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log2-domain scores ``(H, r, lk)`` of query rows ``rows`` of a sample, masked pairs
+        ``-inf``, and the visibility ``(r, lk)``."""
+        device = self.q8.device
+        q = self.q8[:, q0 + rows]
+        k = self.k8[:, k0 : k0 + lk]
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        _record_scores(s)
+        keys = torch.arange(lk, device=device)[None, :]
+        aligned = (rows + (lk - lq))[:, None]
+        mask = torch.ones(rows.numel(), lk, dtype=torch.bool, device=device)
+        if self.causal:
+            mask = mask & (keys <= aligned)
+        if self.window is not None:
+            left, right = self.window
+            if left is not None:
+                mask = mask & (keys >= aligned - left)
+            if right is not None:
+                mask = mask & (keys <= aligned + right)
+        if self.rel_pos_bias is not None:
+            table = self.rel_pos_bias
+            s = s + table[:, rel_pos_bucket(aligned - keys, table.shape[1])]
+        if self.jagged_bias is not None:
+            s = s + self.jagged_bias[:, bias0 + rows[:, None] * lk + keys]
+        return (s * _LOG2E).masked_fill(~mask, float("-inf")), mask
+
+
+def _fp8_problem(
+    q, k, q_offsets, k_offsets, *, scale, causal, window, rel_pos_bias, jagged_bias, score_budget
+) -> _Fp8Problem:
+    q_lengths, q_starts = _lengths_and_starts(q_offsets)
+    k_lengths, k_starts = _lengths_and_starts(q_offsets if k_offsets is None else k_offsets)
+    return _Fp8Problem(
+        q_lengths=q_lengths,
+        k_lengths=k_lengths,
+        q_starts=q_starts,
+        k_starts=k_starts,
+        q8=_dequantized(q, q_lengths),
+        k8=_dequantized(k, k_lengths),
+        scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
+        causal=causal,
+        window=window,
+        rel_pos_bias=_to_compute(rel_pos_bias, torch.float32),
+        jagged_bias=_to_compute(jagged_bias, torch.float32),
+        score_budget=score_budget,
+    )
+
+
+def _jfa_fp8_forward(
+    q, k, v, q_offsets, k_offsets, *, scale, causal, window, rel_pos_bias, jagged_bias,
+    score_budget,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """FP8 emulation of the forward: ``(out (Tq, H, D) q.dtype, lse (H, Tq) float32)``.
+
+    As the kernels: scores from the E4M3 q and k, P = exp2(s - m) quantised at
+    ``FP8_P_SCALE``, P V from the E4M3 v, accumulated in float32, divided by the float32 sum of
+    the unquantised P. The kernels' online softmax quantises P against the running row maximum,
+    this emulation against the final one: the same rounding up to a power-of-two shift of the
+    inputs of the tiles before the maximum was reached (see the Triton tests' tolerance)."""
+    problem = _fp8_problem(
+        q, k, q_offsets, k_offsets, scale=scale, causal=causal, window=window,
+        rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias, score_budget=score_budget,
+    )  # fmt: skip
+    v8 = _dequantized(v, problem.k_lengths)
+    heads = q.shape[1]
+    out = torch.zeros(heads, q.shape[0], q.shape[2], dtype=torch.float32, device=q.device)
+    lse = torch.full((heads, q.shape[0]), float("inf"), dtype=torch.float32, device=q.device)
+    for _, q0, lq, k0, lk, bias0, chunk in problem.samples():
+        for r0 in range(0, lq, chunk):
+            rows = torch.arange(r0, min(lq, r0 + chunk), device=q.device)
+            s2, mask = problem.scores(q0, lq, k0, lk, bias0, rows)
+            has_key = mask.any(-1)  # (r,)
+            m = torch.where(has_key, s2.amax(-1), 0.0)  # (H, r)
+            p = torch.exp2(s2 - m[..., None])
+            total = p.sum(-1)
+            acc = torch.matmul(_quantize_p(p), v8[:, k0 : k0 + lk]) / FP8_P_SCALE
+            # Rows without a visible key: 0 and +inf, selected (never divided) as the kernels do.
+            out[:, q0 + rows] = torch.where(
+                has_key[None, :, None], acc / torch.where(has_key, total, 1.0)[..., None], 0.0
+            )
+            lse[:, q0 + rows] = torch.where(
+                has_key, m + torch.log2(torch.where(has_key, total, 1.0)), float("inf")
+            )
+    return out.transpose(0, 1).to(q.dtype).contiguous(), lse
+
+
+def jagged_flash_attention_fp8_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_offsets: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+    window: Window | None = None,
+    rel_pos_bias: torch.Tensor | None = None,
+    jagged_bias: torch.Tensor | None = None,
+    score_budget: int = DEFAULT_SCORE_BUDGET,
+) -> tuple[torch.Tensor | None, ...]:
+    """FP8 emulation of the backward: ``(dq, dk, dv, d_rel_pos_bias, d_jagged_bias)`` (``None``
+    for absent biases) from the FP8 forward's ``out`` and ``lse``.
+
+    Scores are recomputed from the E4M3 q and k (the forward's, so P = exp2(s - lse) matches
+    its normalisation); dV = P^T dO in FP8 (P at ``FP8_P_SCALE``, dO in blocks like q);
+    dP = dO V^T in float32 from the input-precision dO and V; dS = P (dP - delta) with
+    delta = rowsum(dO * O); dQ = dS K and dK = dS^T Q from dS rounded to the input dtype and
+    the input-precision K and Q, as the bf16 kernels. Deterministic."""
+    problem = _fp8_problem(
+        q, k, q_offsets, k_offsets, scale=scale, causal=causal, window=window,
+        rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias, score_budget=score_budget,
+    )  # fmt: skip
+    low = q.dtype
+    do8 = _dequantized(grad_out, problem.q_lengths)
+    q_heads = q.float().transpose(0, 1)
+    k_heads = k.float().transpose(0, 1)
+    v_heads = v.float().transpose(0, 1)
+    do_heads = grad_out.float().transpose(0, 1)
+    o_heads = out.float().transpose(0, 1)
+    dq = torch.zeros_like(q_heads)
+    dk = torch.zeros_like(k_heads)
+    dv = torch.zeros_like(v_heads)
+    d_rel = None if rel_pos_bias is None else torch.zeros_like(problem.rel_pos_bias)
+    d_jagged = None if jagged_bias is None else torch.zeros_like(problem.jagged_bias)
+    for _, q0, lq, k0, lk, bias0, chunk in problem.samples():
+        keys = slice(k0, k0 + lk)
+        for r0 in range(0, lq, chunk):
+            rows = torch.arange(r0, min(lq, r0 + chunk), device=q.device)
+            s2, _ = problem.scores(q0, lq, k0, lk, bias0, rows)
+            p = torch.exp2(s2 - lse[:, q0 + rows, None])  # 0 where masked or lse = +inf
+            do = do_heads[:, q0 + rows]
+            delta = (do * o_heads[:, q0 + rows]).sum(-1)
+            dp = torch.matmul(do, v_heads[:, keys].transpose(-1, -2))
+            ds = p * (dp - delta[..., None])
+            dv[:, keys] += (
+                torch.matmul(_quantize_p(p).transpose(-1, -2), do8[:, q0 + rows]) / FP8_P_SCALE
+            )
+            ds_low = ds.to(low).float()
+            dk[:, keys] += torch.matmul(ds_low.transpose(-1, -2), q_heads[:, q0 + rows])
+            dq[:, q0 + rows] = torch.matmul(ds_low, k_heads[:, keys])
+            if d_rel is not None:
+                aligned = (rows + (lk - lq))[:, None]
+                bucket = rel_pos_bucket(aligned - torch.arange(lk, device=q.device), d_rel.shape[1])
+                d_rel.index_add_(1, bucket.flatten(), ds.flatten(1))
+            if d_jagged is not None:
+                flat = bias0 + rows[:, None] * lk + torch.arange(lk, device=q.device)
+                d_jagged[:, flat.flatten()] = ds.flatten(1)
+    grads = (
+        (dq * problem.scale).transpose(0, 1).to(q.dtype),
+        (dk * problem.scale).transpose(0, 1).to(k.dtype),
+        dv.transpose(0, 1).to(v.dtype),
+        None if d_rel is None else d_rel.to(rel_pos_bias.dtype),
+        None if d_jagged is None else d_jagged.to(jagged_bias.dtype),
+    )
+    return grads
+
+
+class _Fp8AttentionFunction(torch.autograd.Function):
+    """Autograd of the FP8 emulation for direct calls of the reference (the operators call the
+    forward and :func:`jagged_flash_attention_fp8_backward` themselves)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, rel_pos_bias, jagged_bias, q_offsets, k_offsets, options):
+        out, lse = _jfa_fp8_forward(
+            q, k, v, q_offsets, k_offsets, rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias,
+            **options,
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, v, out, lse, rel_pos_bias, jagged_bias)
+        ctx.offsets = (q_offsets, k_offsets)
+        ctx.options = options
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, _grad_lse):
+        q, k, v, out, lse, rel_pos_bias, jagged_bias = ctx.saved_tensors
+        grads = jagged_flash_attention_fp8_backward(
+            grad_out.contiguous(), q, k, v, out, lse, *ctx.offsets,
+            rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias, **ctx.options,
+        )  # fmt: skip
+        return (*grads, None, None, None)
+
+
+# ---------------------------------------------------------------------------------------------
 # Reference entry points (validated input; see gem_kernels.attention for the public API).
 
 
@@ -490,6 +784,7 @@ def jagged_flash_attention_reference(
     jagged_bias: torch.Tensor | None = None,
     score_budget: int = DEFAULT_SCORE_BUDGET,
     return_lse: bool = False,
+    precision: str = "bf16",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over jagged q ``(Tq,H,D)`` and k/v ``(Tk,H,D)``; returns ``(Tq,H,D)``.
 
@@ -498,7 +793,16 @@ def jagged_flash_attention_reference(
     softmax log-sum-exp ``(H, Tq)`` float32 in the Triton kernels' convention (log2 domain:
     ``log2(sum_j 2^(log2(e) * (scale * q.k_j + bias_j)))`` over the visible keys, ``+inf`` for
     rows without any), as the ``gem_kernels::jagged_flash_attention`` operator returns it.
+    ``precision="fp8"`` (float16/bfloat16 inputs): the emulation of the FP8 kernels (see
+    ``FP8_BLOCK``; differentiable, its backward is
+    :func:`jagged_flash_attention_fp8_backward`); ``"bf16"``: exact up to the compute dtype.
     """
+    if precision == "fp8":
+        options = dict(scale=scale, causal=causal, window=window, score_budget=score_budget)
+        out, lse = _Fp8AttentionFunction.apply(
+            q, k, v, rel_pos_bias, jagged_bias, q_offsets, k_offsets, options
+        )
+        return (out, lse) if return_lse else out
     dtype = compute_dtype(q.dtype)
     q_lengths, q_starts = _lengths_and_starts(q_offsets)
     k_lengths, k_starts = _lengths_and_starts(q_offsets if k_offsets is None else k_offsets)
