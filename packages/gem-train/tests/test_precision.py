@@ -117,3 +117,40 @@ def test_fp8_default_keeps_the_task_heads_bf16():
     apply_precision(everything, PrecisionConfig(mode="fp8", min_features=16, bf16_layers=()), CPU)
     assert not any(isinstance(module, Bf16GemmLinear) for module in everything.modules())
     assert any(isinstance(module, Fp8Linear) for module in everything.heads.modules())
+
+
+def test_fp8_attention_runs_the_matched_layers_in_fp8(small_config, tmp_path):
+    """``precision.fp8_attention`` switches the matched self-attention layers to JFA's FP8 mode
+    (the CPU runs its emulation): they train to finite losses that differ from bf16's."""
+    import dataclasses
+
+    from gem_model import JaggedSelfAttentionLayer
+    from gem_train import Trainer
+    from gem_train.cli import prepare_data
+
+    train_data, _ = prepare_data(small_config.data, progress=False)
+    base = dataclasses.replace(
+        small_config,
+        max_steps=2,
+        model=dataclasses.replace(small_config.model, num_sequence_layers=2),
+    )
+    losses = {}
+    for name, patterns in (("bf16", ()), ("fp8", ("sequence_layers.1",))):
+        config = apply_overrides(base, [f"precision.fp8_attention={','.join(patterns)}"])
+        trainer = Trainer(config, train_data, output_dir=tmp_path / name)
+        layers = [m for m in trainer.model.modules() if isinstance(m, JaggedSelfAttentionLayer)]
+        assert [m.precision for m in layers] == ["bf16", name]
+        assert [n for n in trainer.precision_converted if "sequence" in n] == list(patterns)
+        losses[name] = trainer.fit(progress=False)
+    assert all(torch.isfinite(torch.tensor(v)).all() for v in losses.values())
+    assert losses["fp8"] != losses["bf16"]
+
+
+def test_fp8_attention_pattern_must_match_a_layer(small_config, tmp_path):
+    from gem_train import Trainer
+    from gem_train.cli import prepare_data
+
+    train_data, _ = prepare_data(small_config.data, progress=False)
+    config = apply_overrides(small_config, ["precision.fp8_attention=sequence_layer.*"])
+    with pytest.raises(ValueError, match="fp8_attention pattern 'sequence_layer.\\*' matches"):
+        Trainer(config, train_data, output_dir=tmp_path)

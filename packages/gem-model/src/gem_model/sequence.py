@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 __all__ = [
+    "ATTENTION_PRECISIONS",
     "JaggedSelfAttentionLayer",
     "HistoryFeatureCrossAttention",
     "PoolingByMultiheadAttention",
@@ -24,6 +25,9 @@ __all__ = [
     "rel_pos_buckets",
     "swiglu_hidden_dim",
 ]
+
+#: Values of ``JaggedSelfAttentionLayer.precision``: the GEMM precision of its attention.
+ATTENTION_PRECISIONS = ("bf16", "fp8")
 
 # JFA's Triton kernels take rel_pos_bias tables of up to this many buckets.
 _MAX_REL_POS_BUCKETS = 2048
@@ -80,6 +84,11 @@ class JaggedSelfAttentionLayer(nn.Module):
     event's index in its history), ``"rel_pos_bias"`` (a learned per-head bias per causal
     distance, added inside JFA) or ``"none"``. ``kind="block"`` is full attention inside
     64-token blocks with RoPE fused into the kernel.
+
+    ``precision`` (an attribute too, set by a precision policy such as gem-train's
+    ``precision.fp8_attention``): ``"bf16"`` or, for ``"jagged_flash"``, ``"fp8"``: JFA's FP8
+    mode (E4M3 Q, K, V with power-of-two block scales, fp32 accumulation). FP8 quantises from
+    16-bit inputs, so float32 q, k, v are handed over in bfloat16.
     """
 
     def __init__(
@@ -94,10 +103,12 @@ class JaggedSelfAttentionLayer(nn.Module):
         position: str = "none",
         ffn: str = "gelu",
         max_len: int = 1,
+        precision: str = "bf16",
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.kind = kind
+        self.precision = precision
         self.attention_dtype = attention_dtype
         self.window = window
         self.position = position
@@ -113,6 +124,18 @@ class JaggedSelfAttentionLayer(nn.Module):
             cos, sin = rope_tables(max_len, dim // num_heads)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def precision(self) -> str:
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        if value not in ATTENTION_PRECISIONS:
+            raise ValueError(f"precision must be one of {ATTENTION_PRECISIONS}, got {value!r}")
+        if value == "fp8" and self.kind != "jagged_flash":
+            raise ValueError(f"precision='fp8' needs kind='jagged_flash', got {self.kind!r}")
+        self._precision = value
 
     def forward(
         self,
@@ -132,6 +155,8 @@ class JaggedSelfAttentionLayer(nn.Module):
             tables = (self.rope_cos, self.rope_sin)
             q, k = apply_rope(q, positions, tables=tables), apply_rope(k, positions, tables=tables)
         q, k, v = _cast(self.attention_dtype, q, k, v)
+        if self.precision == "fp8" and q.dtype == torch.float32:
+            q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
         if self.kind == "block":
             attended = block_attention(q, k, v, offsets, max_len)
         else:
@@ -144,6 +169,7 @@ class JaggedSelfAttentionLayer(nn.Module):
                 causal=True,
                 window=(self.window, 0) if self.window else None,
                 rel_pos_bias=self.rel_pos_bias,
+                precision=self.precision,
             )
         tokens = tokens + self.attn_out(attended.reshape(num_tokens, dim).to(tokens.dtype))
         return tokens + self.ffn(tokens)

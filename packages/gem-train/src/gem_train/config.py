@@ -180,8 +180,8 @@ SAVED_ACTIVATION_MODES = ("none", "mx")
 
 @dataclass
 class PrecisionConfig:
-    """GEMM precision of the dense ``nn.Linear`` layers (gem-precision); embeddings and
-    attention kernels are unchanged."""
+    """GEMM precision of the dense ``nn.Linear`` layers (gem-precision) and of the selected
+    attention layers' kernels; embeddings are unchanged."""
 
     mode: str = "fp32"
     """'fp32' (unchanged), 'bf16' (on CUDA: bf16 autocast, float32 master weights; on the CPU:
@@ -208,6 +208,13 @@ class PrecisionConfig:
     """FP8 only: random Hadamard transform along K of both operands of every GEMM."""
     tensorwise: bool = False
     """FP8 only: one scale per tensor instead of 1x128 / 128x128 tiles."""
+    fp8_attention: tuple[str, ...] = ()
+    """Glob patterns of the model's self-attention layers whose JFA runs in FP8
+    (``gem_kernels.jagged_flash_attention(precision="fp8")``: E4M3 Q, K, V with power-of-two
+    block scales, fp32 accumulation), e.g. ``sequence_layers.*`` or ``sequence_layers.0``.
+    Independent of ``mode``; each pattern must match at least one
+    ``gem_model.JaggedSelfAttentionLayer`` of kind 'jagged_flash'. Not yet measured on a GPU
+    (speed or NE)."""
     saved_activations: str = "none"
     """'none' (autograd keeps activations as they are) or 'mx': the training forward runs
     under ``gem_precision.mx_saved_activations``, so activations saved for backward (>= 1024

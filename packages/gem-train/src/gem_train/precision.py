@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 
 import torch
+from gem_model import JaggedSelfAttentionLayer
 from gem_precision import (
     Fp8Recipe,
     PrecisionPolicy,
@@ -50,21 +52,44 @@ def apply_precision(model: nn.Module, config: PrecisionConfig, device: torch.dev
     - ``'fp8'`` swaps in ``Fp8Linear``; the ``bf16_layers`` stay bf16 GEMMs (autocast on CUDA,
       ``Bf16GemmLinear`` on the CPU).
 
-    Embedding tables and attention kernels are not linear layers and keep their precision.
+    The self-attention layers matched by ``fp8_attention`` run JFA in FP8, whatever the mode
+    (their names are returned too). Embedding tables keep their precision.
     """
+    attention = _apply_fp8_attention(model, config.fp8_attention)
     if config.mode == "fp32":
-        return []
+        return attention
     policy = precision_policy(config)
     emulate_bf16 = device.type != "cuda"
     if config.mode == "bf16":
-        return convert_to_bf16_gemms(model, policy) if emulate_bf16 else []
+        return attention + (convert_to_bf16_gemms(model, policy) if emulate_bf16 else [])
     converted = []
     if config.bf16_layers:
         if emulate_bf16:
             bf16_policy = dataclasses.replace(policy, include=tuple(config.bf16_layers))
             converted = convert_to_bf16_gemms(model, bf16_policy)
         policy = dataclasses.replace(policy, exclude=(*policy.exclude, *config.bf16_layers))
-    return converted + convert_to_fp8(model, policy).converted
+    return attention + converted + convert_to_fp8(model, policy).converted
+
+
+def _apply_fp8_attention(model: nn.Module, patterns: tuple[str, ...]) -> list[str]:
+    """Sets ``precision='fp8'`` on the self-attention layers whose names match ``patterns``."""
+    layers = {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, JaggedSelfAttentionLayer)
+    }
+    chosen = []
+    for pattern in patterns:
+        matched = [name for name in layers if fnmatch.fnmatchcase(name, pattern)]
+        if layers and not matched:  # (a model without a sequence tower has none to match)
+            raise ValueError(
+                f"precision.fp8_attention pattern {pattern!r} matches none of the model's "
+                f"self-attention layers {sorted(layers)}"
+            )
+        chosen += [name for name in matched if name not in chosen]
+    for name in chosen:
+        layers[name].precision = "fp8"  # a 'block' layer refuses with a ValueError
+    return chosen
 
 
 def autocast(config: PrecisionConfig, device: torch.device) -> contextlib.AbstractContextManager:
