@@ -27,8 +27,10 @@ flash and cuDNN backends (no mask: padding costs them work that is not counted).
 Writes the JSON (schema in BENCHMARKS.md) and prints a table. gem's kernels are compiled first,
 in parallel worker processes (one small call per mask and bias variant); the bias variants are
 timed before the other cases, and ``--warmup-ms`` / ``--rep-ms`` set do_bench's times.
-``--sweep`` first times a few tile configurations of gem's kernels at B128xL4096 and uses the
-fastest. Tile exploration (bias and unbiased variants) is ``benchmarks/tune/jagged_attention_tiles.py``.
+gem runs through the public entry point (each call gets the ``JFA_CONFIGS`` entry of its
+lengths and masks); tile exploration is ``benchmarks/tune/jagged_attention_tiles.py``.
+``gem-fp8`` is the same call with ``precision="fp8"`` (issue 29), checked against flash varlen
+like every provider (its error is the FP8 quantisation's).
 A full run takes about 4 minutes on an H200 (the ``--budget-s`` guard stops starting new cases
 after that many seconds). A CPU smoke run (Triton interpreter, tiny shapes):
 ``TRITON_INTERPRET=1 python benchmarks/bench_jagged_attention.py --device cpu --shapes 3x40
@@ -37,7 +39,6 @@ after that many seconds). A CPU smoke run (Triton interpreter, tiny shapes):
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 
@@ -48,9 +49,7 @@ from harness import (
     Run,
     Timed,
     autograd_provider,
-    fastest,
     grad_leaves,
-    median_ms,
     raise_recompile_limits,
     results_parser,
 )
@@ -65,6 +64,7 @@ from gem_kernels.jfa_triton import (  # noqa: E402
 )
 
 H, D = 4, 128
+PRECISIONS = ("bf16", "fp8")  # gem and gem-fp8
 SHAPES = [(512, 1024), (128, 4096), (32, 16384)]
 WINDOW = 256
 DTYPE = torch.bfloat16
@@ -78,17 +78,17 @@ def _precompile_job(job) -> str:
     the ones the benchmark's shapes use; run in worker processes, they fill Triton's cache in
     parallel instead of one after the other inside the timed loop's warm-up.
     """
-    causal, window, bias, config_fields = job
+    causal, window, bias, config_fields, precision = job
     start = time.time()
     # Short batches (longest <= SHORT_SEQUENCE_LEN) get other default forward tiles than long.
     for lengths in (torch.tensor([3, 300, 0, 129, 1000]), torch.tensor([3, 1500, 0, 129])):
-        failure = _precompile_batch(causal, window, bias, config_fields, lengths)
+        failure = _precompile_batch(causal, window, bias, config_fields, precision, lengths)
         if failure:
             return f"precompile {job[:3]} failed: {failure}"[:300]
     return f"precompiled {job[:3]} in {time.time() - start:.1f} s"
 
 
-def _precompile_batch(causal, window, bias, config_fields, lengths) -> str | None:
+def _precompile_batch(causal, window, bias, config_fields, precision, lengths) -> str | None:
     """One small forward+backward; the error text on failure, else None."""
     try:
         offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
@@ -104,7 +104,8 @@ def _precompile_batch(causal, window, bias, config_fields, lengths) -> str | Non
         elif bias == "jagged_bias":
             pairs = int((lengths * lengths).sum())
             extra[bias] = torch.randn(H, pairs, device="cuda", dtype=DTYPE, requires_grad=True)
-        options = dict(causal=causal, window=None if window is None else (window, None))
+        window = None if window is None else (window, None)
+        options = dict(causal=causal, window=window, precision=precision)
         if config_fields is None:
             out = jagged_flash_attention(*leaves, offsets, backend="triton", **options, **extra)
         else:
@@ -119,7 +120,7 @@ def _precompile_batch(causal, window, bias, config_fields, lengths) -> str | Non
 
 
 def precompile_variants(jobs) -> None:
-    """Compile gem's kernels for the (causal, window, bias, config fields) jobs in parallel
+    """Compile gem's kernels for the (causal, window, bias, config fields, precision) jobs in parallel
     worker processes (Triton's cache then serves the timed runs)."""
     import multiprocessing
 
@@ -192,9 +193,9 @@ _bias_inputs = bias_inputs  # the name profile_kernels.py still uses
 # Providers: case -> Timed (or raise NotImplementedError: the peer cannot do this case).
 
 
-def provider_gem(case: Case, config=None, rel=None, jagged=None) -> Timed:
+def provider_gem(case: Case, config=None, rel=None, jagged=None, precision="bf16") -> Timed:
     window = None if case.window is None else (case.window, None)
-    options = dict(causal=case.causal, window=window)
+    options = dict(causal=case.causal, window=window, precision=precision)
 
     def call(q, k, v, **extra):
         if config is not None:
@@ -373,48 +374,6 @@ def bwd_fields(c: JfaTritonConfig):
     return (c.dkdv_block_n, c.dkdv_block_m, c.dq_block_m, c.dq_block_n, c.bwd_warps, c.bwd_stages)
 
 
-def _sweep(device, deadline) -> JfaTritonConfig:
-    """Time a few tile configurations at B128xL4096 (non-causal); return the fastest mix."""
-    base = default_config(D)
-    case = Case(128, 4096, False, None, device)
-    fwd_candidates = [
-        base,
-        JfaTritonConfig(128, 128, 8, 3, *bwd_fields(base)),
-        JfaTritonConfig(128, 64, 8, 4, *bwd_fields(base)),
-        JfaTritonConfig(64, 64, 4, 3, *bwd_fields(base)),
-    ]
-    best_fwd = fastest(
-        fwd_candidates,
-        lambda config: median_ms(provider_gem(case, config=config).fwd, **TIMING),
-        default=base,
-        deadline=deadline,
-        label="fwd",
-        describe=lambda config: f"sweep fwd {fwd_fields(config)}",
-    )
-    bwd_candidates = [
-        bwd_fields(base),
-        (128, 32, 128, 32, 4, 3),
-        (128, 64, 128, 64, 8, 3),
-        (64, 64, 64, 64, 4, 3),
-    ]
-
-    def time_bwd(fields) -> float:
-        timed = provider_gem(case, config=JfaTritonConfig(*fwd_fields(best_fwd), *fields))
-        return median_ms(timed.fwd_bwd, grad_to_none=timed.leaves, **TIMING)
-
-    best_bwd = fastest(
-        bwd_candidates,
-        time_bwd,
-        default=bwd_fields(base),
-        deadline=deadline,
-        label="bwd",
-        describe=lambda fields: f"sweep fwd+bwd {fields}",
-    )
-    chosen = JfaTritonConfig(*fwd_fields(best_fwd), *best_bwd)
-    print(f"chosen config: {chosen}")
-    return chosen
-
-
 def config_meta(config: JfaTritonConfig | None) -> dict:
     """The meta block's record of gem's tiles (the default ones per regime, or ``config``)."""
     return {
@@ -436,12 +395,8 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 def main() -> None:
     parser = results_parser(__doc__, "h200/jagged_attention.json")
-    parser.add_argument("--sweep", action="store_true", help="pick gem's tiles by a short sweep")
     parser.add_argument("--peers", default=",".join(PEERS), help="comma-separated peer names")
     parser.add_argument("--shapes", default="all", help="'all' or e.g. 128x4096,512x1024")
-    parser.add_argument(
-        "--config", default="", help="gem tiles: 10 comma-separated JfaTritonConfig fields"
-    )
     parser.add_argument("--budget-s", type=float, default=360.0, help="stop starting new cases")
     parser.add_argument(
         "--rounds", type=int, default=2, help="timings per provider and case (order alternates)"
@@ -460,27 +415,19 @@ def main() -> None:
     run = Run("jagged_attention", args.out, script="benchmarks/bench_jagged_attention.py",
               timing=TIMING, checks_key="checks_vs_flash_varlen_rel_error",
               budget_s=args.budget_s)  # fmt: skip
-    config = None
-    if args.config:
-        config = JfaTritonConfig(*(int(x) for x in args.config.split(",")))
-    if args.sweep:
-        config = _sweep(device, run.start + 0.3 * args.budget_s)
-        if config == default_config(D):
-            config = None
-    run.extra.update(config_meta(config))
+    run.extra.update(config_meta(None))
     peers = {name: PEERS[name] for name in args.peers.split(",") if name}
-
-    def gem(case: Case) -> Timed:
-        return provider_gem(case, config=config)
+    gem = {"gem": provider_gem, "gem-fp8": lambda case: provider_gem(case, precision="fp8")}
 
     cases = [(b, length, causal, None) for b, length in shapes for causal in (False, True)]
     if (32, 16384) in shapes:
         cases.append((32, 16384, True, WINDOW))
     if device.type == "cuda":
-        fields = None if config is None else dataclasses.astuple(config)
-        jobs = {(causal, window, None, fields) for _, _, causal, window in cases}
+        jobs = {
+            (causal, window, None, None, p) for _, _, causal, window in cases for p in PRECISIONS
+        }
         precompile_variants(
-            jobs | {(True, None, b, fields) for b in ("rel_pos_bias", "jagged_bias")}
+            jobs | {(True, None, b, None, "bf16") for b in ("rel_pos_bias", "jagged_bias")}
         )
 
     # Bias variants (gem only), causal, at every shape (first: the budget may cut the tail);
@@ -491,8 +438,8 @@ def main() -> None:
         case = Case(batch, max_len, True, None, device)
         rel, jagged = bias_inputs(case, device, jagged=True)
         variants = {
-            "gem-rel_pos_bias": lambda c, r=rel: provider_gem(c, config=config, rel=r),
-            "gem-jagged_bias": lambda c, j=jagged: provider_gem(c, config=config, jagged=j),
+            "gem-rel_pos_bias": lambda c, r=rel: provider_gem(c, rel=r),
+            "gem-jagged_bias": lambda c, j=jagged: provider_gem(c, jagged=j),
         }
         run.measure(case, variants, flops=case.flops)
         del case, rel, jagged, variants
@@ -502,7 +449,7 @@ def main() -> None:
         if run.over_budget(f"B{batch}xL{max_len} causal={causal}"):
             break
         case = Case(batch, max_len, causal, window, device)
-        run.measure(case, {"gem": gem, **peers}, flops=case.flops, reference=REFERENCE,
+        run.measure(case, {**gem, **peers}, flops=case.flops, reference=REFERENCE,
                     rounds=args.rounds)  # fmt: skip
         del case
         torch.cuda.empty_cache()
@@ -514,7 +461,7 @@ def main() -> None:
         if run.over_budget(f"peak memory at B{batch}xL{max_len}"):
             break
         case = Case(batch, max_len, False, None, device)
-        for name, make in {"gem": gem, **peers}.items():
+        for name, make in {"gem": provider_gem, **peers}.items():
             if name == "gem" or name in MEMORY_PEERS:
                 run.peak_memory(case, name, make, tokens=case.total)
         del case

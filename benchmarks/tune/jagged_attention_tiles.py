@@ -126,7 +126,10 @@ def _check_rel_pos_bias(run: Run, configs, device) -> None:
 def bias_sweep(run: Run, device, shapes) -> None:
     configs = bias_configs()
     precompile_variants(
-        {(True, None, bias, dataclasses.astuple(config)) for config, bias in configs.values()}
+        {
+            (True, None, bias, dataclasses.astuple(config), "bf16")
+            for config, bias in configs.values()
+        }
     )
     _check_rel_pos_bias(run, configs, device)
     for batch, max_len in shapes:
@@ -147,7 +150,7 @@ def tile_sweep(run: Run, device, rounds: int) -> None:
     configs = tile_configs()
     precompile_variants(
         {
-            (causal, window, None, dataclasses.astuple(config))
+            (causal, window, None, dataclasses.astuple(config), "bf16")
             for config in configs.values()
             for _, _, causal, window in TILE_CASES
         }
