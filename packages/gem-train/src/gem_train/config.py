@@ -308,7 +308,7 @@ class ParallelConfig:
     of >= 100k rows row-wise over all ranks, the other tables table-wise round-robin
     (``gem_train.parallel.row_wise_plan``). 'row_wise' measured slower on 2 H200s: 255 ms per
     2-GPU step against 168 ms on 1 GPU, scaling ratio 0.66
-    (benchmarks/results/h200x2/train_rw_plan.json)."""
+    (benchmarks/results/h200x2/tuning/train_rw_plan.json, from an uncommitted tree)."""
 
     def __post_init__(self) -> None:
         if self.dense not in PARALLEL_DENSE_MODES:
