@@ -34,16 +34,19 @@ provider once, right after the bf16 run, which is why the policy's ``gem`` (the 
 (the first call, one pass, K=N=512) has them at 1.02x.
 
 ``--only-kernels NAMES`` runs just those bandwidth rows and ``--merge`` replaces only them in an
-existing ``--out`` file. ``--explore PATH`` checks (bit for bit) and times the launch variants
-of the dy kernel (``EXPLORE_VARIANTS``) at K = 4096 and 8192 and writes them to PATH.
+existing ``--out`` file.
 
 ``--check`` first compares the GPU kernels bit for bit with the PyTorch references and the
-native scaled GEMMs with the emulation; ``--sweep`` times a few launch options of the kernels
-and uses the fastest.
+native scaled GEMMs with the emulation.
+
+Everything runs through gem-precision's public API with its shipped launch options (recorded
+in ``meta.kernel_options``). Other launch options are explored by
+``benchmarks/tune/fp8_quantize_configs.py``, which writes under ``results/<machine>/tuning/``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -59,26 +62,20 @@ sys.path.insert(0, str(ROOT / "packages" / "gem-precision" / "src"))
 
 from gem_precision import (  # noqa: E402
     Fp8Linear,
+    Fp8NormLinear,
     Fp8Recipe,
+    MxKernelConfig,
+    OperandKernelConfig,
     PrecisionPolicy,
     convert_to_fp8,
     dequantize_mx,
-    quantize_mx,
-)
-from gem_precision import blockwise as gp_blockwise  # noqa: E402
-from gem_precision import fused_norm as gp_fused_norm  # noqa: E402
-from gem_precision.blockwise import quantize_operand  # noqa: E402
-from gem_precision.fused_norm import (  # noqa: E402
-    Fp8NormLinear,
-    norm_forward_reference,
-    norm_quantize,
-)
-from gem_precision.mx_triton import (  # noqa: E402
-    MxKernelConfig,
     dequantize_mx_triton,
+    norm_quantize,
+    quantize_mx,
     quantize_mx_triton,
+    quantize_operand,
+    scaled_mm_nt,
 )
-from gem_precision.scaled_gemm import scaled_mm_nt  # noqa: E402
 
 M = 65536
 SHAPES = [(4096, 4096), (8192, 8192), (512, 512), (256, 1024)]
@@ -244,153 +241,7 @@ def check(device) -> dict:
         results[f"{tag}_dx_rel_err_vs_cpu"] = rel(xg.grad, xc.grad)
         results[f"{tag}_dw_rel_err_vs_cpu"] = rel(lin32.weight.grad, lin_cpu.weight.grad)
         results[f"{tag}_db_rel_err_vs_cpu"] = rel(lin32.bias.grad, lin_cpu.bias.grad)
-    # The backward's norm(x).T tile kernel against the quantised PyTorch norm (rstd may differ
-    # in the last bit: at most one FP8 step apart, scales equal).
-    xn = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0).to(DTYPE)
-    wn = torch.rand(xn.shape[1], generator=gen, device=device) + 0.5
-    y, _, rstd = norm_forward_reference(xn, wn, None)
-    got = gp_fused_norm._normed_transposed_operand(
-        xn, wn, None, None, rstd, torch.float8_e4m3fn, True
-    )
-    ref = quantize_operand(y.cpu(), "1x128", backend="torch", rows=False, col_tiles=True)
-    step = (got.data_t.cpu().view(torch.uint8).int() - ref.data_t.view(torch.uint8).int()).abs()
-    results["norm_xt_tiles_scales_equal"] = _same_bits(ref.scale_t, got.scale_t.cpu())
-    results["norm_xt_tiles_max_step"] = int(step.max())
     return results
-
-
-# ---------------------------------------------------------------------------------------------
-# Kernel launch-option sweep.
-
-
-def _exact_operand(inputs, kind, cols=True, col_tiles=False, col_sum=True) -> bool:
-    """Bit-exact against the PyTorch reference on every input (zeros, subnormals, NaN, Inf;
-    whole and partial tiles)."""
-    for x_small in inputs:
-        ref = quantize_operand(x_small, kind, backend="torch", col_tiles=col_tiles)
-        got = quantize_operand(
-            x_small, kind, backend="triton", cols=cols, col_sum=col_sum, col_tiles=col_tiles
-        )
-        fields = ("data", "scale", "data_t", "scale_t") if cols else ("data", "scale")
-        # Column sums: float32 summation order differs; large cancelling values need a
-        # tolerance relative to the sum of magnitudes (non-finite columns must match as such).
-        sums_ok = True
-        if col_sum:
-            want = x_small.float().sum(0)
-            err = (got.col_sum - want).abs()
-            bound = 1e-5 * x_small.float().abs().sum(0) + 1e-3
-            finite = torch.isfinite(want)
-            sums_ok = bool(
-                (err[finite] <= bound[finite]).all()
-                and torch.equal(torch.isfinite(got.col_sum), finite)
-            )
-        if not (sums_ok and all(_same_bits(getattr(ref, f), getattr(got, f)) for f in fields)):
-            return False
-    return True
-
-
-def _pick(options: dict, candidates, name_of, exact, timed, timings, wrong):
-    """Time every bit-exact candidate (a dict of option overrides), keep the fastest."""
-    best = None
-    for cand in candidates:
-        options.update(cand)
-        name = name_of(cand)
-        try:
-            ok = exact()
-        except Exception as err:  # a variant that does not compile is skipped
-            ok = False
-            name += f" ({str(err).splitlines()[0][:160]})"
-        if not ok:
-            wrong.append(name)
-            continue
-        ms = _bench(timed)
-        timings[name] = ms
-        if best is None or ms < best[0]:
-            best = (ms, cand)
-    options.update(best[1])
-    return best[1]
-
-
-def sweep(device) -> dict:
-    k = 4096
-    x = torch.randn(M, k, device=device, dtype=DTYPE)
-    w = torch.rand(k, device=device, dtype=DTYPE) + 0.5
-    x_small = [_special_input((384, 512), device), _special_input((200, 300), device)]
-    timings, wrong = {}, []
-    opts = gp_blockwise._DUAL_OPTIONS
-
-    # The tile kernel for dy (both layouts 1x128, with the bias-gradient column sums). Kept to
-    # the candidates that were close on the H200 (2026-11-30: the "dual" kernel 0.95 ms, 8 warps
-    # or two / four 128-column blocks per program 0.63-1.0 ms, raw16 0.47-0.51 ms all lost
-    # against 4 warps with early_col, 0.41-0.48 ms).
-    _pick(
-        opts,
-        [{"variant": "tile", "tile_warps_colsum": warps, "early_col": True} for warps in (4, 8)],
-        lambda c: f"dy_tile_w{c['tile_warps_colsum']}_early",
-        lambda: _exact_operand(x_small, "1x128"),
-        lambda: quantize_operand(x, "1x128", col_sum=True),
-        timings,
-        wrong,
-    )
-    # ... x with 128x128 tiles of x.T (the default recipe),
-    _pick(
-        opts,
-        [{"tile_warps_x": nw} for nw in (4, 8)],
-        lambda c: f"xtiles_tile_w{c['tile_warps_x']}",
-        lambda: _exact_operand(x_small, "1x128", col_tiles=True, col_sum=False),
-        lambda: quantize_operand(x, "1x128", col_tiles=True),
-        timings,
-        wrong,
-    )
-    # ... and the row layout alone.
-    _pick(
-        opts,
-        [{"rows_only_block_r": r} for r in (32, 64)],
-        lambda c: f"rows_r{c['rows_only_block_r']}_w{opts['num_warps']}",
-        lambda: _exact_operand(x_small, "1x128", cols=False),
-        lambda: quantize_operand(x, "1x128", cols=False),
-        timings,
-        wrong,
-    )
-    norm_opts = gp_fused_norm._NORM_OPTIONS
-    rstd = norm_quantize(x, w)[2]
-    _pick(
-        norm_opts,
-        [{"xt_warps": nw} for nw in (2, 4, 8)],
-        lambda c: f"norm_xt_w{c['xt_warps']}",
-        lambda: True,  # bit-exact against the reference in check() and the unit tests
-        lambda: gp_fused_norm._normed_transposed_operand(
-            x, w, None, None, rstd, torch.float8_e4m3fn, True
-        ),
-        timings,
-        wrong,
-    )
-    _pick(
-        norm_opts,
-        [{"rows_per_program": 2, "num_warps": nw} for nw in (4, 8)],
-        lambda c: f"norm_r{c['rows_per_program']}_w{c['num_warps']}",
-        lambda: True,  # checked against the PyTorch reference in check() and the unit tests
-        lambda: norm_quantize(x, w),
-        timings,
-        wrong,
-    )
-    best = None
-    for cfg in (MxKernelConfig(16, 512, 4), MxKernelConfig(8, 1024, 4)):
-        ms = _bench(lambda c=cfg: quantize_mx_triton(x, config=c))
-        timings[f"mx_{cfg.block_rows}x{cfg.block_cols}_w{cfg.num_warps}"] = ms
-        if best is None or ms < best[0]:
-            best = (ms, cfg)
-    chosen = {
-        "dual": dict(opts),
-        "norm": dict(norm_opts),
-        "mx_config": str(best[1]),
-    }
-    result = {
-        "chosen": chosen,
-        "timings_ms": {n: round(v, 4) for n, v in timings.items()},
-        "not_bit_exact": wrong,
-    }
-    return result, best[1]
 
 
 def gemm_breakdown(rows, errors, device) -> None:
@@ -533,239 +384,7 @@ def _norm_linear_case(rows, errors, k, n, device) -> None:
 # Kernel bandwidth.
 
 
-# ---------------------------------------------------------------------------------------------
-# Exploration of the dy kernel (rows + x.T with 1x128 blocks + bias column sums) and its kin.
-
-# (name, operand, option overrides): "dy" = both 1x128 layouts with column sums (the output
-# gradient of a linear with bias), "dy_nobias" the same without sums, "xtiles" = rows and
-# 128x128 tiles of x.T. Every variant is bit-exact on the CPU interpreter (unit tests). The
-# overrides apply on top of the defaults with EXPLORE_BASE; each results file records both
-# (meta.defaults, meta.variants). Until tuning/fp8_quant_explore5.json EXPLORE_BASE held the defaults
-# from before the packed transposes and the Triton sum of the partials ({"t_run": 0,
-# "t_run_colsum": 0, "t_run_x": 0, "partials_reduce": "torch"}); since tuning/fp8_quant_explore6.json
-# (L2 prefetch) it is empty: variants of the current defaults.
-EXPLORE_BASE: dict = {}
-# tuning/fp8_quant_explore2.json (2026-12-01) holds variants of kernels and options removed since (a
-# strip kernel with TMA / pipelining, timing probes, per-warp column sums, register caps): its
-# meta.variants lists their options; they do not run with this tree.
-# tuning/fp8_quant_explore*.json hold the earlier variants (packed-run lengths, warps, strip / TMA /
-# pipelined kernels, per-warp sums, register caps, warp-owned columns, late sums; their
-# meta.variants lists the options, most of which do not exist any more). tuning/fp8_quant_explore4.json:
-# the warps question (dy with its sums at 4 and 8 warps, without sums at 8 and 4); that run also
-# timed x.T runs packed by shifted-byte sums ("words_by_sum", slower, removed).
-# tuning/fp8_quant_explore5.json (commit 9c8d820): dy's column maxima and sums in one two-operand
-# tl.reduce ("joint_col": 10 barriers instead of 13, 199 registers) took 0.403 ms against 0.3753
-# reduced separately: removed. tuning/fp8_quant_explore6-11.json (2026-12-01, second session that day):
-# the L2 prefetch distances (line and bulk prefetches), a register cap of 168, x.T runs packed by
-# inline PTX, and the partial sums reduced by the last program of each column of tiles (an
-# arrival counter; 0.394 against 0.336 ms: spills and the atomics, removed). This list: what the
-# two kept options (prefetch, PTX-packed runs) each contribute to the defaults.
-EXPLORE_VARIANTS = [
-    ("default", "dy", {}),
-    ("no_asm", "dy", {"t_run_asm_colsum": False}),
-    ("no_prefetch", "dy", {"prefetch_colsum": 0.0}),
-    ("neither", "dy", {"t_run_asm_colsum": False, "prefetch_colsum": 0.0}),
-    ("default", "dy_nobias", {}),
-    ("no_prefetch", "dy_nobias", {"prefetch": 0.0}),
-    ("default_again", "dy", {}),  # drift
-]
-
-# Instruction classes counted per compiled kernel (one 128x128 tile per program, so per tile).
-_ASM_PATTERNS = {
-    "ttgir": {"convert_layout": r"ttg\.convert_layout", "reduce": r'"tt\.reduce"'},
-    "ptx": {
-        "bar.sync": r"\bbar\.sync|\bbarrier\.sync",
-        "st.shared": r"\bst\.shared",
-        "ld.shared": r"\bld\.shared",
-        "shfl": r"\bshfl\.",
-        "atom/red": r"\batom\.|\bred\.",
-        "ld.global": r"\bld\.global",
-        "st.global": r"\bst\.global",
-        "add.f32": r"\badd\.(rn\.)?f32",
-    },
-    "sass": {
-        "BAR": r"\bBAR\.SYNC",
-        "STS": r"\bSTS\b",
-        "LDS": r"\bLDS\b",
-        "SHFL": r"\bSHFL\.",
-        "ATOM/RED": r"\b(ATOM|ATOMG|RED)\b",
-        "LDG": r"\bLDG\.",
-        "STG": r"\bSTG\.",
-        "FADD": r"\bFADD\b",
-        "LDL/STL": r"\b(LDL|STL)\b",
-        "instructions": r";\s*$",
-    },
-}
-
-
-def _operand_call(operand: str):
-    col_sum, col_tiles = operand == "dy", operand == "xtiles"
-    return lambda x, dt=torch.float8_e4m3fn, backend="auto": quantize_operand(
-        x, "1x128", dt, backend=backend, col_sum=col_sum, col_tiles=col_tiles
-    )
-
-
-def _operand_bytes(operand: str, elems: int) -> int:
-    if operand == "dy":
-        return 4 * elems + 8 * elems // 128 + 4 * elems // 128
-    if operand == "dy_nobias":
-        return 4 * elems + 8 * elems // 128
-    return 4 * elems + 4 * elems // 128
-
-
-def _asm_counts(kernel, dump_stem: Path | None) -> dict:
-    """Counts of :data:`_ASM_PATTERNS` in a compiled kernel's TTGIR / PTX / SASS (and the texts
-    written to ``dump_stem``.ttgir/.ptx/.sass when given)."""
-    import re
-
-    counts = {}
-    for stage, patterns in _ASM_PATTERNS.items():
-        try:
-            text = kernel.asm[stage]
-        except Exception:
-            try:  # SASS needs the disassembler that Triton ships
-                from triton.tools.disasm import get_sass
-
-                text = get_sass(kernel.asm["cubin"])
-            except Exception as err:
-                counts[stage] = f"unavailable: {err!r}"[:120]
-                continue
-        text = text if isinstance(text, str) else text.decode()
-        if dump_stem is not None:
-            dump_stem.with_suffix(f".{stage}").write_text(text)
-        counts[stage] = {k: len(re.findall(p, text, re.M)) for k, p in patterns.items()}
-    return counts
-
-
-def _compiled_resources(seen: set, asm_dir: Path | None = None, label: str = "") -> list:
-    """``name warps regs spills`` (and instruction counts) of the quantise kernels compiled
-    since the last call (best effort: Triton's cache layout differs between versions)."""
-    found = []
-    try:
-        from gem_precision import _triton as gp_triton
-
-        module = gp_triton.load_kernel_module(gp_triton._KERNEL_FILE, interpret=False)
-        for name in ("blockwise_tile_kernel", "blockwise_warp_columns_kernel"):
-            fn = getattr(module, name, None)
-            for caches in getattr(fn, "device_caches", {}).values():
-                cache = caches[0] if isinstance(caches, tuple) else caches
-                for kernel in cache.values():
-                    if id(kernel) in seen:
-                        continue
-                    seen.add(id(kernel))
-                    kernel._init_handles()
-                    warps = kernel.metadata.num_warps
-                    summary = f"{name} w{warps} regs {kernel.n_regs} spills {kernel.n_spills}"
-                    if asm_dir is None:
-                        found.append(summary)
-                        continue
-                    stem = asm_dir / f"{label}_{name}_{len(seen)}".replace("/", "-")
-                    found.append({"kernel": summary, "asm": _asm_counts(kernel, stem)})
-    except Exception as err:
-        found.append(f"unavailable: {err!r}"[:200])
-    return found
-
-
-def explore(device, out: Path, sizes=(4096, 8192), only=None, asm_dir=None) -> None:
-    """Check (bit-exact against the PyTorch reference, E4M3 and E5M2) and time every variant of
-    :data:`EXPLORE_VARIANTS` (or those named ``operand/name`` in ``only``) at M=65536, writing
-    ``out`` after each variant (options: the defaults, then EXPLORE_BASE, then the variant's).
-    ``asm_dir``: also write each compiled kernel's TTGIR / PTX / SASS there and record counts of
-    barriers, shared-memory traffic, shuffles, atomics and layout conversions."""
-    import triton
-
-    opts = gp_blockwise._DUAL_OPTIONS
-    defaults = dict(opts)
-    start = time.time()
-    smalls = [_special_input((384, 512), device), _special_input((256, 1024), device)]
-    refs = {}
-    rows, info = [], {}
-    gen = torch.Generator(device=device).manual_seed(17)
-    xs = {n: torch.randn(M, n, generator=gen, device=device, dtype=DTYPE) for n in sizes}
-    copy_ms = _bench(lambda: xs[sizes[0]].clone(), rep=40)
-    info["torch_copy_ms"] = copy_ms
-    for n in sizes:
-        # The second kernel of a dy quantisation with sums: the per-tile partials summed.
-        partials = torch.randn(M // 128, n, generator=gen, device=device)
-        info[f"partials_sum_ms_{n}"] = round(_bench(lambda p=partials: p.sum(0), rep=40), 4)
-        saved = gp_blockwise._DUAL_OPTIONS["partials_reduce"]
-        gp_blockwise._DUAL_OPTIONS["partials_reduce"] = "triton"
-        want = partials.double().sum(0)
-        got = gp_blockwise._sum_partials(partials)
-        info[f"partials_triton_close_{n}"] = bool(
-            ((got.double() - want).abs() <= 1e-6 * partials.double().abs().sum(0) + 1e-6).all()
-        )
-        ms = _bench(lambda p=partials: gp_blockwise._sum_partials(p), rep=40)
-        info[f"partials_triton_ms_{n}"] = round(ms, 4)
-        gp_blockwise._DUAL_OPTIONS["partials_reduce"] = saved
-    if asm_dir is not None:
-        asm_dir.mkdir(parents=True, exist_ok=True)
-
-    def write():
-        block = meta(
-            "fp8_quant_explore",
-            "python benchmarks/bench_fp8_linear.py " + " ".join(sys.argv[1:]),
-            device=torch.cuda.get_device_name(),
-            triton=triton.__version__,
-            m=M,
-            dtype="bfloat16",
-            hbm_gbps_reference=HBM_GBPS,
-            defaults=defaults,
-            variants={f"{op}/{name}": o for name, op, o in EXPLORE_VARIANTS},
-            info=info,
-            wall_s=round(time.time() - start, 1),
-        )
-        write_results(out, block, rows)
-
-    seen: set = set()
-    for name, operand, overrides in EXPLORE_VARIANTS:
-        if only and f"{operand}/{name}" not in only:
-            continue
-        opts.clear()
-        opts.update(defaults)
-        opts.update(EXPLORE_BASE)
-        opts.update(overrides)
-        call = _operand_call(operand)
-        key = f"{operand}/{name}"
-        try:
-            exact = True
-            for i, small in enumerate(smalls):
-                for dt in (torch.float8_e4m3fn, torch.float8_e5m2):
-                    rkey = (operand, i, dt)
-                    if rkey not in refs:
-                        refs[rkey] = call(small.cpu(), dt, "torch")
-                    ref, got = refs[rkey], call(small, dt, "triton")
-                    fields = ["data", "scale", "data_t", "scale_t"]
-                    exact &= all(_same_bits(getattr(ref, f), getattr(got, f).cpu()) for f in fields)
-                    if operand == "dy":
-                        want = small.float().cpu().sum(0)
-                        fin = torch.isfinite(want)
-                        err = (got.col_sum.cpu() - want).abs()
-                        bound = 1e-5 * small.float().cpu().abs().sum(0) + 1e-3
-                        exact &= bool((err[fin] <= bound[fin]).all())
-                        exact &= torch.equal(torch.isfinite(got.col_sum.cpu()), fin)
-            info[key] = {"exact": bool(exact)}
-            for n in sizes if operand == "dy" else sizes[:1]:
-                x = xs[n]
-                ms = _bench(lambda x=x, call=call: call(x), rep=40)
-                gbps = _operand_bytes(operand, x.numel()) / ms / 1e6
-                case = f"M{M}xK{n}/{operand}"
-                _row(rows, case, f"gem-{name}", "quantize", "ms", ms)
-                _row(rows, case, f"gem-{name}", "quantize", "gbps", gbps)
-                _row(rows, case, f"gem-{name}", "quantize", "pct_hbm", 100.0 * gbps / HBM_GBPS)
-                info[key][f"ms_{n}"] = round(ms, 4)
-                info[key][f"pct_{n}"] = round(100.0 * gbps / HBM_GBPS, 1)
-        except Exception as err:
-            info[key] = {"error": str(err).splitlines()[0][:300] if str(err) else repr(err)}
-        info.setdefault(key, {})["kernels"] = _compiled_resources(seen, asm_dir, key)
-        print(f"{time.time() - start:6.1f}s {key:36s} {info[key]}", flush=True)
-        write()
-    opts.clear()
-    opts.update(defaults)
-    write()
-
-
-def _kernel_rows(rows, errors, device, mx_config, only=None) -> None:
+def _kernel_rows(rows, errors, device, only=None) -> None:
     k = 4096
     case = f"M{M}xK{k}"
     gen = torch.Generator(device=device).manual_seed(17)
@@ -773,28 +392,18 @@ def _kernel_rows(rows, errors, device, mx_config, only=None) -> None:
     w = torch.rand(k, generator=gen, device=device, dtype=DTYPE) + 0.5
     elems = M * k
     wanted = only or set()
-    mx = rstd = None
+    mx = None
     if not only or "mx_dequant_1x32" in wanted:
-        mx = quantize_mx_triton(x, config=mx_config)
-    if not only or "rmsnorm_transposed_tiles" in wanted:
-        rstd = norm_quantize(x, w)[2]
+        mx = quantize_mx_triton(x)
     kernels = {
         "torch_copy": (lambda: x.clone(), 4 * elems),
-        "mx_1x32": (lambda: quantize_mx_triton(x, config=mx_config), 3 * elems + elems // 32),
+        "mx_1x32": (lambda: quantize_mx_triton(x), 3 * elems + elems // 32),
         "mx_1x32_e5m2_ceil": (
-            lambda: quantize_mx_triton(
-                x, elem_dtype=torch.float8_e5m2, scale_rounding="ceil", config=mx_config
-            ),
+            lambda: quantize_mx_triton(x, elem_dtype=torch.float8_e5m2, scale_rounding="ceil"),
             3 * elems + elems // 32,
         ),
-        "mx_32x32": (
-            lambda: quantize_mx_triton(x, square=True, config=mx_config),
-            3 * elems + elems // 1024,
-        ),
-        "mx_dequant_1x32": (
-            lambda: dequantize_mx_triton(mx, config=mx_config),
-            3 * elems + elems // 32,
-        ),
+        "mx_32x32": (lambda: quantize_mx_triton(x, square=True), 3 * elems + elems // 1024),
+        "mx_dequant_1x32": (lambda: dequantize_mx_triton(mx), 3 * elems + elems // 32),
         "blockwise_1x128_rows": (
             lambda: quantize_operand(x, "1x128", cols=False),
             3 * elems + 4 * elems // 128,
@@ -810,12 +419,6 @@ def _kernel_rows(rows, errors, device, mx_config, only=None) -> None:
         "blockwise_1x128_rows_and_tiles": (  # x: 128x128 tiles of x.T (default recipe)
             lambda: quantize_operand(x, "1x128", col_tiles=True),
             4 * elems + 4 * elems // 128,
-        ),
-        "rmsnorm_transposed_tiles": (  # the norm backward's wgrad operand, from x and rstd
-            lambda: gp_fused_norm._normed_transposed_operand(
-                x, w, None, None, rstd, torch.float8_e4m3fn, True
-            ),
-            3 * elems + 4 * M,
         ),
         "rmsnorm_quant_1x128": (lambda: norm_quantize(x, w), 3 * elems + 4 * elems // 128),
         "torch_eager_mx_1x32": (lambda: quantize_mx(x), 3 * elems + elems // 32),
@@ -891,7 +494,6 @@ def _merged(old: dict, new_meta: dict, new_rows: list[dict]) -> tuple[dict, list
 def main() -> None:
     parser = results_parser(__doc__, "h200/fp8_linear.json")
     parser.add_argument("--check", action="store_true", help="GPU correctness checks first")
-    parser.add_argument("--sweep", action="store_true", help="sweep kernel launch options")
     parser.add_argument("--shapes", default="all", help="'all' or e.g. 4096x4096,512x512")
     parser.add_argument(
         "--providers",
@@ -910,27 +512,11 @@ def main() -> None:
         action="store_true",
         help="replace only this run's rows in an existing --out file, keep the others",
     )
-    parser.add_argument(
-        "--explore",
-        default="",
-        help="only check and time the dy-kernel variants, writing this JSON path",
-    )
-    parser.add_argument(
-        "--explore-variants", default="", help="comma list of operand/name variants to explore"
-    )
-    parser.add_argument(
-        "--asm-dir", default="", help="with --explore: dump each kernel's TTGIR/PTX/SASS here"
-    )
     args = parser.parse_args()
     require_cuda()
     import triton
 
     device = torch.device("cuda")
-    if args.explore:
-        only = {v for v in args.explore_variants.split(",") if v}
-        asm_dir = Path(args.asm_dir) if args.asm_dir else None
-        explore(device, Path(args.explore), only=only, asm_dir=asm_dir)
-        return
     start = time.time()
     rows, errors, extra = [], [], {}
     if args.check:
@@ -939,13 +525,6 @@ def main() -> None:
         except Exception:
             errors.append(f"check: {traceback.format_exc(limit=5)}")
         print(extra.get("checks"), flush=True)
-    mx_config = MxKernelConfig()
-    if args.sweep:
-        try:
-            extra["sweep"], mx_config = sweep(device)
-        except Exception:
-            errors.append(f"sweep: {traceback.format_exc(limit=5)}")
-        print(extra.get("sweep"), flush=True)
     shapes = SHAPES
     if args.shapes != "all":
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -963,7 +542,7 @@ def main() -> None:
         for k, n in [s for s in shapes if min(s) >= 1024][:1]:
             _norm_linear_case(rows, errors, k, n, device)
     if not args.no_kernels:
-        _kernel_rows(rows, errors, device, mx_config, only)
+        _kernel_rows(rows, errors, device, only)
         if not only:
             gemm_breakdown(rows, errors, device)
     meta_block = meta(
@@ -974,10 +553,10 @@ def main() -> None:
         m=M,
         dtype="bfloat16",
         hbm_gbps_reference=HBM_GBPS,
+        # The shipped launch options (benchmarks/tune/fp8_quantize_configs.py explores others).
         kernel_options={
-            "dual": dict(gp_blockwise._DUAL_OPTIONS),
-            "norm": dict(gp_fused_norm._NORM_OPTIONS),
-            "mx": str(mx_config),
+            "operand": dataclasses.asdict(OperandKernelConfig()),
+            "mx": dataclasses.asdict(MxKernelConfig()),
         },
         errors=errors,
         wall_s=round(time.time() - start, 1),

@@ -63,7 +63,6 @@ PRESETS = {
             EVEN=True,
             BLOCK_R=128,
             BLOCK=128,
-            EARLY_COL=True,
             T_RUN=4,
             PREFETCH=165,
             RUN_ASM=True,

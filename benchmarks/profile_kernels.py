@@ -36,13 +36,13 @@ DEFAULT_OUT = ROOT / "benchmarks" / "results" / "h200" / "kernel_profiles.json"
 
 
 def _dy(col_sum: bool, **options):
-    """``options``: launch options of the quantise kernels (``blockwise._DUAL_OPTIONS``)."""
-    from gem_precision import blockwise
-    from gem_precision.blockwise import quantize_operand
+    """``options``: launch options of the quantise kernels (``OperandKernelConfig`` fields;
+    none: the shipped ones)."""
+    from gem_precision import OperandKernelConfig, quantize_operand
 
-    blockwise._DUAL_OPTIONS.update(options)
+    config = OperandKernelConfig(**options) if options else None
     x = torch.randn(65536, 4096, device="cuda", dtype=torch.bfloat16)
-    return lambda: quantize_operand(x, "1x128", torch.float8_e4m3fn, col_sum=col_sum)
+    return lambda: quantize_operand(x, "1x128", torch.float8_e4m3fn, col_sum=col_sum, config=config)
 
 
 def _gdpa_self(max_len: int, batch: int):
@@ -81,7 +81,7 @@ def _fresh_grads(fwd_bwd, leaves):
 TARGETS = {
     "dy": ("5", "quantize_operand 65536x4096 bf16, both 1x128 layouts + column sums", lambda: _dy(True)),
     "dy_nobias": ("5", "the same without column sums", lambda: _dy(False)),
-    "dy_w8": ("5", "dy with 8 warps per tile", lambda: _dy(True, tile_warps_colsum=8)),
+    "dy_w8": ("5", "dy with 8 warps per tile", lambda: _dy(True, tile_warps_col_sum=8)),
     "gdpa_self_L1024": ("4", "GDPA self B512xL1024 gelu_fast, forward+backward", lambda: _gdpa_self(1024, 512)),
     "gdpa_self_L4096": ("4", "GDPA self B128xL4096 gelu_fast, forward+backward", lambda: _gdpa_self(4096, 128)),
     "jfa_L1024_full": ("3", "JFA B512xL1024 non-causal, forward+backward", lambda: _jfa(1024, 512, False)),

@@ -10,6 +10,7 @@ import pytest
 import torch
 from gem_precision import blockwise
 from gem_precision.blockwise import (
+    OperandKernelConfig,
     _pow2_scale_exponent,
     dequantize_operand,
     quantize_blockwise,
@@ -64,20 +65,17 @@ def test_triton_bit_exact_with_torch(kind, elem, in_dtype):
 @pytest.mark.parametrize(
     "options",
     [
-        {"variant": "dual", "trans": 0, "num_warps": 4},
-        {"variant": "dual", "trans": 2, "num_warps": 2},
-        {"variant": "dual", "trans": 1, "rows_only_block_r": 16},
-        {"variant": "tile", "tile_warps": 4, "rows_only_block_r": 16},
-        {"variant": "tile", "early_col": True},
-        {"variant": "tile", "early_col": False},
+        {},  # the defaults
+        {"num_warps": 2, "rows_only_block_r": 16},
+        {"tile_warps": 8, "rows_only_block_r": 64},
     ],
 )
-def test_kernel_variants_agree(monkeypatch, options):
-    monkeypatch.setattr(blockwise, "_DUAL_OPTIONS", {**blockwise._DUAL_OPTIONS, **options})
+def test_kernel_configs_agree(options):
+    config = OperandKernelConfig(**options)
     x = special_input()
     ref = quantize_operand(x, "1x128", backend="torch")
     for rows, cols in ((True, True), (True, False), (False, True)):
-        got = quantize_operand(x, "1x128", rows=rows, cols=cols, backend="triton")
+        got = quantize_operand(x, "1x128", rows=rows, cols=cols, backend="triton", config=config)
         assert same(ref.data if rows else None, got.data)
         assert same(ref.scale if rows else None, got.scale)
         assert same(ref.data_t if cols else None, got.data_t)
@@ -85,22 +83,39 @@ def test_kernel_variants_agree(monkeypatch, options):
 
 
 @pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("tile_warps", 3, ValueError),
+        ("num_warps", True, ValueError),
+        ("rows_only_block_r", 256, ValueError),
+        ("t_run", 2, ValueError),
+        ("prefetch_per_sm", -1.0, ValueError),
+        ("run_asm_col_sum", 1, TypeError),
+    ],
+)
+def test_kernel_config_rejects_bad_values(field, value, error):
+    with pytest.raises(error, match=field):
+        OperandKernelConfig(**{field: value})
+    with pytest.raises(TypeError, match="config must be an OperandKernelConfig"):
+        quantize_operand(torch.ones(2, 2), config={"tile_warps": 4})
+
+
+@pytest.mark.parametrize(
     "options",
     [
         {},  # the defaults
-        {"t_run": 8, "t_run_colsum": 8, "t_run_x": 8},
-        {"t_run": 4, "t_run_colsum": 16, "t_run_x": 4},
-        {"t_run": 0, "t_run_colsum": 0},
-        {"partials_reduce": "torch"},
+        {"t_run": 8, "t_run_col_sum": 8, "t_run_col_tiles": 8},
+        {"t_run": 4, "t_run_col_sum": 16, "t_run_col_tiles": 4},
+        {"t_run": 0, "t_run_col_sum": 0},
     ],
 )
 @pytest.mark.parametrize("elem", ELEM)
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
-def test_packed_transpose(monkeypatch, options, elem, in_dtype):
+def test_packed_transpose(options, elem, in_dtype):
     # x.T stored as packed runs of rows: the reference bits on whole tiles (the packed path)
     # and on partial ones (the fallback); column sums as x.sum(0). float32 inputs are what a
     # float32 model's layers quantize (the GEM quality runs).
-    monkeypatch.setattr(blockwise, "_DUAL_OPTIONS", {**blockwise._DUAL_OPTIONS, **options})
+    config = OperandKernelConfig(**options)
     for shape in ((384, 256), (200, 300)):
         x = special_input(*shape, seed=7, dtype=in_dtype)
         finite = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0).to(x.dtype)
@@ -108,8 +123,9 @@ def test_packed_transpose(monkeypatch, options, elem, in_dtype):
             for src, col_sum in ((x, False), (finite, True)):
                 ref = quantize_operand(src, "1x128", elem, backend="torch", col_tiles=col_tiles)
                 got = quantize_operand(
-                    src, "1x128", elem, backend="triton", col_sum=col_sum, col_tiles=col_tiles
-                )
+                    src, "1x128", elem, backend="triton", col_sum=col_sum, col_tiles=col_tiles,
+                    config=config,
+                )  # fmt: skip
                 for field in FIELDS:
                     assert same(getattr(ref, field), getattr(got, field)), (shape, field)
                 if col_sum:
@@ -130,15 +146,9 @@ def test_partial_sums_reduced_in_triton(shape):
     assert bool(((got.double() - want).abs() <= bound).all())
 
 
-@pytest.mark.parametrize("variant", ["tile", "tile-early", "dual"])
 @pytest.mark.parametrize("elem", ELEM)
-def test_even_shapes_without_masks(monkeypatch, variant, elem):
+def test_even_shapes_without_masks(elem):
     # 256 x 256 divides into whole tiles: the tile kernel's unmasked (EVEN) path.
-    options = {
-        "variant": variant.split("-")[0],
-        "early_col": variant.endswith("early"),
-    }
-    monkeypatch.setattr(blockwise, "_DUAL_OPTIONS", {**blockwise._DUAL_OPTIONS, **options})
     for kind in ("1x128", "tensorwise"):
         x = special_input(rows=256, cols=256, seed=3, finite=kind == "tensorwise")
         ref = quantize_operand(x, kind, elem, backend="torch")
@@ -249,22 +259,24 @@ def test_stochastic_rounding_offsets_of_the_two_layouts():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("per_sm", [None, 0.01, 0.1], ids=["default", "one_ahead", "tenth"])
-def test_cuda_l2_prefetch_bit_exact(monkeypatch, per_sm):
+def test_cuda_l2_prefetch_bit_exact(per_sm):
     """The tile kernel's L2 prefetch (bfloat16, whole tiles) on a grid long enough that
     programs prefetch, including tiles of the next column of tiles: the same bits as the
     reference, with the default distances and with short ones (1 and 13 programs ahead on
     132 SMs)."""
+    config = None
     if per_sm is not None:
-        opts = {k: per_sm for k in ("prefetch", "prefetch_colsum", "prefetch_x")}
-        monkeypatch.setattr(blockwise, "_DUAL_OPTIONS", {**blockwise._DUAL_OPTIONS, **opts})
+        names = ("prefetch_per_sm", "prefetch_per_sm_col_sum", "prefetch_per_sm_col_tiles")
+        config = OperandKernelConfig(**dict.fromkeys(names, per_sm))
     x = special_input(rows=128 * 300, cols=384, finite=True)
     for col_sum, col_tiles in ((True, False), (False, False), (False, True)):
         if col_tiles and per_sm is None:
             continue  # no prefetch by default for x with tiles of x.T
         ref = quantize_operand(x, "1x128", backend="torch", col_tiles=col_tiles)
         got = quantize_operand(
-            x.cuda(), "1x128", backend="triton", col_sum=col_sum, col_tiles=col_tiles
-        )
+            x.cuda(), "1x128", backend="triton", col_sum=col_sum, col_tiles=col_tiles,
+            config=config,
+        )  # fmt: skip
         for field in FIELDS:
             assert same(getattr(ref, field), getattr(got, field).cpu()), (col_sum, field)
         if col_sum:

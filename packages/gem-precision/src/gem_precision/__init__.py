@@ -3,6 +3,7 @@
 from gem_precision.bf16_emulation import Bf16GemmLinear, convert_to_bf16_gemms
 from gem_precision.blockwise import (
     Fp8Operand,
+    OperandKernelConfig,
     dequantize_blockwise,
     dequantize_operand,
     fake_quantize_blockwise,
@@ -90,6 +91,7 @@ __all__ = [
     "NormLinear",
     "Fp8Operand",
     "MxKernelConfig",
+    "OperandKernelConfig",
     "dequantize_mx_triton",
     "dequantize_operand",
     "gemm_backend",

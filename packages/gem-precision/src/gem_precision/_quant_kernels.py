@@ -167,26 +167,15 @@ def _store_fp8_t(
     SOFT: tl.constexpr,
     MBITS: tl.constexpr,
     BIAS: tl.constexpr,
-    TRANS: tl.constexpr,
 ):
-    """Store the (rows, cols) tile ``v`` transposed into a (C, R) row-major FP8 tensor.
-
-    ``TRANS`` picks how the transpose is done: 0 through the pointers (the compiler converts
-    the layout), 1 by transposing the FP8 bytes, 2 by transposing the float32 values first.
-    """
-    if TRANS == 0:
-        offs = cols[None, :].to(tl.int64) * R + rows[:, None]
-        _store_fp8(ptr + offs, v, rmask[:, None] & cmask[None, :], SOFT, MBITS, BIAS)
+    """Store the (rows, cols) tile ``v`` transposed into a (C, R) row-major FP8 tensor by
+    transposing the FP8 bytes (the shipped one of three ways tried, docs/kernel-tuning.md)."""
+    offs = cols[:, None].to(tl.int64) * R + rows[None, :]
+    mask = cmask[:, None] & rmask[None, :]
+    if SOFT:
+        tl.store(ptr + offs, tl.trans(_fp8_bits(v, MBITS, BIAS)), mask=mask)
     else:
-        offs = cols[:, None].to(tl.int64) * R + rows[None, :]
-        mask = cmask[:, None] & rmask[None, :]
-        if TRANS == 1:
-            if SOFT:
-                tl.store(ptr + offs, tl.trans(_fp8_bits(v, MBITS, BIAS)), mask=mask)
-            else:
-                tl.store(ptr + offs, tl.trans(v.to(ptr.dtype.element_ty)), mask=mask)
-        else:
-            _store_fp8(ptr + offs, tl.trans(v), mask, SOFT, MBITS, BIAS)
+        tl.store(ptr + offs, tl.trans(v.to(ptr.dtype.element_ty)), mask=mask)
 
 
 @triton.jit
@@ -344,12 +333,6 @@ def blockwise_dual_kernel(
     q_ptr,
     s_ptr,
     qt_ptr,
-    st_ptr,
-    exp_ptr,
-    mean_ptr,
-    rstd_ptr,
-    w_ptr,
-    b_ptr,
     cs_ptr,
     R,
     C,
@@ -363,88 +346,36 @@ def blockwise_dual_kernel(
     MAX_EXP: tl.constexpr,
     ROW: tl.constexpr,
     COL: tl.constexpr,
-    TILE: tl.constexpr,
-    FIXED: tl.constexpr,
-    NORM: tl.constexpr,
-    HAS_MEAN: tl.constexpr,
-    HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr,
     BF16_BITS: tl.constexpr,
     COLSUM: tl.constexpr,
-    TRANS: tl.constexpr,
-    BLOCK_R: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """Quantise a (R, C) tile of ``x`` to ``q`` (R, C) and/or ``qt`` = ``q``-layout of x.T.
-
-    * default: ``q`` uses 1xBLOCK blocks along C, scales ``s`` stored (C/BLOCK, R) (the
-      outer-dim-major layout ``scaled_mm`` wants); ``qt`` (C, R) uses 1xBLOCK blocks along R
-      of x.T, scales ``st`` stored (R/BLOCK, C).
-    * ``TILE``: one scale per BLOCKxBLOCK tile for both, ``s`` stored (R/BLOCK, C/BLOCK).
-    * ``FIXED``: one exponent for everything, read from ``exp_ptr``; no scales written; ``q``
-      only (see :data:`_FIXED_ROWS_ONLY`).
-    * ``NORM``: ``x`` is first normalised, ``(x - mean[r]) * rstd[r] * w[c] + b[c]``.
-    * ``COLSUM``: also write per-program column sums of ``x`` to ``cs`` (R/BLOCK_R, C).
-
-    Programs cover ``BLOCK_R`` rows (``BLOCK`` unless only ``q`` with 1xBLOCK blocks is
-    written) and ``BLOCK`` columns.
-    """
+    """Quantise a BLOCKxBLOCK tile of ``x`` (R, C) with one scale for the tile: ``q`` (R, C)
+    and/or ``qt`` (C, R) = the same values of x.T, the scale stored at (R/BLOCK, C/BLOCK) of
+    ``s``. ``COLSUM``: also write per-program column sums of ``x`` to ``cs`` (R/BLOCK, C)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = pid_r * BLOCK + tl.arange(0, BLOCK)
     cols = pid_c * BLOCK + tl.arange(0, BLOCK)
     rmask = rows < R
     cmask = cols < C
     mask = rmask[:, None] & cmask[None, :]
     x = _load_f32(x_ptr + rows[:, None].to(tl.int64) * stride_xr + cols[None, :], mask, BF16_BITS)
-    if NORM:
-        rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
-        if HAS_MEAN:
-            x = x - tl.load(mean_ptr + rows, mask=rmask, other=0.0)[:, None]
-        x = x * rstd[:, None]
-        if HAS_W:
-            x = x * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        if HAS_B:
-            x = x + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        x = tl.where(mask, x, 0.0)
     if COLSUM:
         tl.store(cs_ptr + pid_r.to(tl.int64) * C + cols, _rsum(x, axis=0), mask=cmask)
     fin = _finite(x)
     ax = tl.where(fin, tl.abs(x), 0.0)
     nonfin = (fin == 0).to(tl.int32)
-    if FIXED:
-        e = tl.load(exp_ptr)
-        inv = _pow2(-e)
-        if ROW:
-            q = _saturate(x * inv, MAX_NORMAL)
-            offs = rows[:, None].to(tl.int64) * C + cols[None, :]
-            _store_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS)
-        tl.static_assert(not COL, _FIXED_ROWS_ONLY)
-    elif TILE:
-        amax = _rmax(_rmax(ax, axis=1), axis=0)
-        bad = _rmax(_rmax(nonfin, axis=1), axis=0)
-        e = _blockwise_exponent(amax, bad, EMAX, MIN_EXP, MAX_EXP)
-        q = _saturate(x * _pow2(-e), MAX_NORMAL)
-        if ROW:
-            offs = rows[:, None].to(tl.int64) * C + cols[None, :]
-            _store_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS)
-        if COL:
-            _store_fp8_t(qt_ptr, q, rows, cols, R, rmask, cmask, SOFT, MBITS, BIAS, TRANS)
-        tl.store(s_ptr + pid_r * ((C + BLOCK - 1) // BLOCK) + pid_c, _pow2(e))
-    else:
-        if ROW:
-            amax_r = _rmax(ax, axis=1)
-            e_r = _blockwise_exponent(amax_r, _rmax(nonfin, axis=1), EMAX, MIN_EXP, MAX_EXP)
-            q = _saturate(x * _pow2(-e_r)[:, None], MAX_NORMAL)
-            offs = rows[:, None].to(tl.int64) * C + cols[None, :]
-            _store_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS)
-            tl.store(s_ptr + pid_c.to(tl.int64) * R + rows, _pow2(e_r), mask=rmask)
-        if COL:
-            amax_c = _rmax(ax, axis=0)
-            e_c = _blockwise_exponent(amax_c, _rmax(nonfin, axis=0), EMAX, MIN_EXP, MAX_EXP)
-            qt = _saturate(x * _pow2(-e_c)[None, :], MAX_NORMAL)
-            _store_fp8_t(qt_ptr, qt, rows, cols, R, rmask, cmask, SOFT, MBITS, BIAS, TRANS)
-            tl.store(st_ptr + pid_r.to(tl.int64) * C + cols, _pow2(e_c), mask=cmask)
+    amax = _rmax(_rmax(ax, axis=1), axis=0)
+    bad = _rmax(_rmax(nonfin, axis=1), axis=0)
+    e = _blockwise_exponent(amax, bad, EMAX, MIN_EXP, MAX_EXP)
+    q = _saturate(x * _pow2(-e), MAX_NORMAL)
+    if ROW:
+        offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+        _store_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS)
+    if COL:
+        _store_fp8_t(qt_ptr, q, rows, cols, R, rmask, cmask, SOFT, MBITS, BIAS)
+    tl.store(s_ptr + pid_r * ((C + BLOCK - 1) // BLOCK) + pid_c, _pow2(e))
 
 
 @triton.jit
@@ -617,16 +548,19 @@ def blockwise_tile_kernel(
     EVEN: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK: tl.constexpr,
-    EARLY_COL: tl.constexpr = False,
     T_RUN: tl.constexpr = 0,
     PREFETCH: tl.constexpr = 0,
     RUN_ASM: tl.constexpr = False,
 ):
-    """The 1xBLOCK (or ``FIXED``, tensorwise) layouts of :func:`blockwise_dual_kernel` (same
-    bits) with fewer instructions per element: one integer max per direction gives the block
-    maximum and the non-finite flag (:func:`_abs_bits`), and ``EVEN`` (R % BLOCK_R == 0 and
-    C % BLOCK == 0) drops the masks. ``EARLY_COL``: both block maxima are reduced before the row
-    layout is written (the bits die sooner; same results).
+    """Quantise a BLOCK_R x BLOCK tile of ``x`` (``NORM``: normalised first, as
+    ``(x - mean[r]) * rstd[r] * w[c] + b[c]``) with 1xBLOCK blocks (or one ``FIXED``,
+    tensorwise, exponent read from ``exp_ptr``): ``q`` (R, C) with scales ``s`` stored
+    (C/BLOCK, R), ``qt`` (C, R) = x.T with 1xBLOCK blocks along R, scales ``st`` stored
+    (R/BLOCK_R, C); ``COLSUM``: per-program column sums of ``x`` in ``cs`` (R/BLOCK_R, C). One
+    integer max per direction gives the block maximum and the non-finite flag
+    (:func:`_abs_bits`), and ``EVEN`` (R % BLOCK_R == 0 and
+    C % BLOCK == 0) drops the masks. Both block maxima are reduced before the row layout is
+    written (the bits die sooner).
     ``COL_TILE``: ``qt`` gets one scale per BLOCK_R x BLOCK tile, ``st`` stored
     (C/BLOCK, R/BLOCK_R). The transposed tile is converted to FP8 first and transposed in
     registers (``tl.trans``), then stored: one BLOCK_R-byte run of ``qt`` per column of ``x``.
@@ -684,7 +618,7 @@ def blockwise_tile_kernel(
         bits = _abs_bits(x)
     if not FIXED and (ROW or COL_TILE):
         row_bits = _rmax(bits, axis=1)
-    if EARLY_COL and COL and not FIXED and not COL_TILE:
+    if COL and not FIXED and not COL_TILE:
         col_bits = _rmax(bits, axis=0)
     if ROW:
         if FIXED:
@@ -707,8 +641,6 @@ def blockwise_tile_kernel(
             e_t = _exponent_from_bits(_rmax(row_bits, axis=0), EMAX, MIN_EXP, MAX_EXP)
             qt = x * _pow2(-e_t)
         else:
-            if not EARLY_COL:
-                col_bits = _rmax(bits, axis=0)
             e_c = _exponent_from_bits(col_bits, EMAX, MIN_EXP, MAX_EXP)
             qt = x * _pow2(-e_c)[None, :]
         if T_RUN > 0:

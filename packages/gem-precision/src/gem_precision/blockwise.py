@@ -22,6 +22,7 @@ from gem_precision.rounding import stochastic_round_to_fp8
 __all__ = [
     "BLOCK",
     "Fp8Operand",
+    "OperandKernelConfig",
     "dequantize_blockwise",
     "dequantize_operand",
     "fake_quantize_blockwise",
@@ -153,42 +154,108 @@ def fake_quantize_blockwise(
 BLOCK = 128
 """Block length of the Hopper recipe (1x128 activations / gradients, 128x128 weights)."""
 
-# Launch options of the one-pass operand kernels: the fastest bit-exact ones on an H200
-# (65536 x 4096 bfloat16; timings and the variants measured and removed: docs/kernel-tuning.md).
-# "variant": the kernel of the 1x128 and tensorwise kinds, "tile" (blockwise_tile_kernel, one
-# program per 128x128 tile) or "dual" (blockwise_dual_kernel, which also serves 128x128).
-# "tile_warps" ("_colsum" with column sums, "_x" for col_tiles) / "num_warps": warps of the tile
-# / the other kernels; "trans": the dual kernel's transpose variant; "rows_only_block_r": rows
-# per program when only the row layout is written; "early_col": the tile kernel reduces the
-# column maxima before it writes the row layout. "t_run" ("_colsum", "_x"; 0, 4, 8 or 16): the
-# tile kernel stores x.T as packed runs of that many rows per thread instead of transposing FP8
-# bytes through shared memory; whole tiles of bfloat16 x with 1x128 blocks only (the tensorwise
-# kind with runs wrote a misordered data_t on the H200, Triton 3.6). "partials_reduce": the
-# column sums of the per-tile partials by column_sum_kernel ("triton", CUDA tensors) or torch.
-_DUAL_OPTIONS = {
-    "variant": "tile",
-    "tile_warps": 4,
-    "tile_warps_colsum": 4,
-    "tile_warps_x": 8,
-    "num_warps": 4,
-    "trans": 1,
-    "rows_only_block_r": 32,
-    "early_col": True,
-    "t_run": 4,
-    "t_run_colsum": 4,
-    "t_run_x": 0,
-    "partials_reduce": "triton",
-    # L2 prefetch distance of the tile kernel in programs, per SM of the GPU (0: off), with
-    # column sums / without / x with 128x128 tiles of x.T (see _prefetch_distance).
-    "prefetch_colsum": 1.25,
-    "prefetch": 1.5,
-    "prefetch_x": 0.0,
-    # Packed runs of x.T made by inline PTX (two x2 conversions and a move per word, sm_89+),
-    # without / with column sums: faster only with the sums and the L2 prefetch (see
-    # docs/kernel-tuning.md).
-    "t_run_asm": False,
-    "t_run_asm_colsum": True,
-}
+
+def _check_warps(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"{name} must be a power of two in [1, 32], got {value!r}")
+
+
+@dataclass(frozen=True)
+class OperandKernelConfig:
+    """Launch options of the one-pass FP8 operand kernels (the Triton backend of
+    :func:`quantize_operand`). They change speed only: every configuration writes the same
+    bits.
+
+    The defaults are the fastest bit-exact options on an H200 (65536 x 4096 bfloat16, Triton
+    3.6; the timings, and the variants measured and removed, are in docs/kernel-tuning.md). No
+    other GPU was measured, so every device gets them. Three cases of the tile kernel (one
+    program per 128x128 tile) have their own options: both 1x128 layouts (``x`` and ``x.T``),
+    the same with column sums (an output gradient with its bias gradient) and rows plus
+    128x128 tiles of ``x.T`` (``col_tiles``, the input of the default recipe). Packed runs
+    (``t_run*``) and the L2 prefetch (``prefetch_per_sm*``) only apply to whole tiles of
+    bfloat16 ``x`` with 1x128 blocks; the PTX packing (``run_asm*``) to those, compiled for
+    sm_89 or newer.
+    """
+
+    num_warps: int = 4
+    """Warps of the rows-only kernel and of the 128x128 (weight) kernel."""
+    rows_only_block_r: int = 32
+    """Rows per program when only the row layout is written (32 and 64 tied on the H200)."""
+    tile_warps: int = 4
+    """Warps of the tile kernel writing both 1x128 layouts (4 beat 8: 0.318 against 0.326 ms)."""
+    tile_warps_col_sum: int = 4
+    """The same with column sums (8 warps double the shared-memory traffic of the sums'
+    cross-warp exchange: 0.488 against 0.377 ms)."""
+    tile_warps_col_tiles: int = 8
+    """Warps of the tile kernel writing rows and 128x128 tiles of ``x.T`` (0.295 ms at 4 or 8;
+    8 also won the fused norm's x.T tiles)."""
+    t_run: int = 4
+    """Both 1x128 layouts: ``x.T`` stored as packed runs of this many rows per thread instead
+    of transposing FP8 bytes through shared memory (0, 4, 8 or 16; 4 was fastest)."""
+    t_run_col_sum: int = 4
+    """The same with column sums."""
+    t_run_col_tiles: int = 0
+    """The same for 128x128 tiles of ``x.T`` (runs were slower there: 0.32-0.34 against
+    0.294 ms)."""
+    prefetch_per_sm: float = 1.5
+    """Both 1x128 layouts: how many programs ahead each program prefetches its tile of ``x``
+    into L2, per SM of the GPU (so it keeps its meaning on other GPUs); 0 for none."""
+    prefetch_per_sm_col_sum: float = 1.25
+    """The same with column sums (best with the PTX-packed runs)."""
+    prefetch_per_sm_col_tiles: float = 0.0
+    """The same for 128x128 tiles of ``x.T`` (nothing gained)."""
+    run_asm: bool = False
+    """Both 1x128 layouts: make the packed runs with inline PTX (slower without column sums)."""
+    run_asm_col_sum: bool = True
+    """The same with column sums (faster, with the L2 prefetch)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_warps", "tile_warps", "tile_warps_col_sum", "tile_warps_col_tiles"):
+            _check_warps(name, getattr(self, name))
+        block_r = self.rows_only_block_r
+        if isinstance(block_r, bool) or not isinstance(block_r, int) or block_r not in (
+            1, 2, 4, 8, 16, 32, 64, 128,
+        ):  # fmt: skip
+            raise ValueError(
+                f"rows_only_block_r must be a power of two in [1, {BLOCK}], got {block_r!r}"
+            )
+        for name in ("t_run", "t_run_col_sum", "t_run_col_tiles"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or value not in (0, 4, 8, 16):
+                raise ValueError(f"{name} must be 0, 4, 8 or 16, got {value!r}")
+        for name in ("prefetch_per_sm", "prefetch_per_sm_col_sum", "prefetch_per_sm_col_tiles"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (0 <= value <= 64)
+            ):
+                raise ValueError(f"{name} must be a number in [0, 64], got {value!r}")
+        for name in ("run_asm", "run_asm_col_sum"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def _tile_options(self, col_sum: bool, col_tiles: bool) -> tuple[int, int, float, bool]:
+        """``(warps, t_run, prefetch_per_sm, run_asm)`` of the tile kernel writing both
+        layouts (``col_tiles`` wins over ``col_sum``)."""
+        if col_tiles:
+            return (
+                self.tile_warps_col_tiles,
+                self.t_run_col_tiles,
+                self.prefetch_per_sm_col_tiles,
+                False,
+            )
+        if col_sum:
+            return (
+                self.tile_warps_col_sum,
+                self.t_run_col_sum,
+                self.prefetch_per_sm_col_sum,
+                self.run_asm_col_sum,
+            )
+        return self.tile_warps, self.t_run, self.prefetch_per_sm, self.run_asm
+
+
+_DEFAULT_OPERAND_CONFIG = OperandKernelConfig()
 
 
 @dataclass
@@ -240,6 +307,7 @@ def quantize_operand(
     backend: str = "auto",
     col_sum: bool = False,
     col_tiles: bool = False,
+    config: OperandKernelConfig | None = None,
 ) -> Fp8Operand:
     """Quantise a 2-D tensor into :class:`Fp8Operand` layouts in one pass over memory.
 
@@ -261,14 +329,53 @@ def quantize_operand(
             scales the FP8 values only differ from the 1x128 ones for elements more than
             ~2**14 below their tile's maximum (they fall into the subnormals), and Hopper's
             ``scaled_mm`` runs 1x128 x 128x128 about 1.4x faster than 1x128 x 1x128.
+        config: launch options of the Triton kernels (None: the shipped
+            ``OperandKernelConfig()``); any config gives the same bits. The call runs
+            the ``gem_precision::quantize_operand`` operator (opaque to ``torch.compile``);
+            with another config it runs the kernels directly (for tuning, in eager code).
 
     The values equal :func:`quantize_blockwise` (``block_shape`` (1, 128) on ``x`` / ``x.T``,
     (128, 128), or ``None``) bit for bit on either backend.
     """
-    from gem_precision import _triton
-
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 2:
         raise TypeError(f"x must be a 2-D floating point torch.Tensor, got {type(x).__name__}")
+    _check_operand_options(kind, dtype, stochastic_seed, backend, col_tiles)
+    for name, flag in (
+        ("rows", rows),
+        ("cols", cols),
+        ("col_sum", col_sum),
+        ("col_tiles", col_tiles),
+    ):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if config is not None and not isinstance(config, OperandKernelConfig):
+        raise TypeError(
+            f"config must be an OperandKernelConfig or None, got {type(config).__name__}"
+        )
+    if config is not None and config != _DEFAULT_OPERAND_CONFIG:
+        return _quantize_operand(
+            x, kind, dtype, rows, cols, stochastic_seed, offset, col_sum, col_tiles, backend,
+            config,
+        )  # fmt: skip
+    # The operator returns the requested layouts only (see gem_precision.ops).
+    outputs = list(
+        torch.ops.gem_precision.quantize_operand(
+            x, kind, dtype, rows, cols, stochastic_seed, offset, col_sum, col_tiles, backend
+        )
+    )
+    out = Fp8Operand(kind=kind)
+    if rows:
+        out.data, out.scale = outputs.pop(0), outputs.pop(0)
+    if cols:
+        out.data_t, out.scale_t = outputs.pop(0), outputs.pop(0)
+        if col_tiles:
+            out.kind_t = "128x128"
+    if col_sum:
+        out.col_sum = outputs.pop(0)
+    return out
+
+
+def _check_operand_options(kind, dtype, stochastic_seed, backend, col_tiles) -> None:
     if kind not in ("1x128", "128x128", "tensorwise"):
         raise ValueError(f"kind must be '1x128', '128x128' or 'tensorwise', got {kind!r}")
     if dtype not in MX_ELEMENT_DTYPES:
@@ -279,11 +386,30 @@ def quantize_operand(
         raise ValueError("stochastic rounding is only available with backend='torch'")
     if col_tiles and kind != "1x128":
         raise ValueError(f"col_tiles=True needs kind='1x128', got kind={kind!r}")
+
+
+def _quantize_operand(
+    x,
+    kind,
+    dtype,
+    rows,
+    cols,
+    stochastic_seed,
+    offset,
+    col_sum,
+    col_tiles,
+    backend,
+    config: OperandKernelConfig = _DEFAULT_OPERAND_CONFIG,
+) -> Fp8Operand:
+    """:func:`quantize_operand` on checked arguments: the body of the
+    ``gem_precision::quantize_operand`` operator, and what the linear operators call."""
+    from gem_precision import _triton
+
     use_triton = backend == "triton" or (
         backend == "auto" and stochastic_seed is None and _triton.can_run(x)
     )
     if use_triton:
-        return _quantize_operand_triton(x, kind, dtype, rows, cols, col_sum, col_tiles)
+        return _quantize_operand_triton(x, kind, dtype, rows, cols, col_sum, col_tiles, config)
     out = _quantize_operand_torch(x, kind, dtype, rows, cols, stochastic_seed, offset, col_tiles)
     if col_sum:
         out.col_sum = x.sum(0, dtype=torch.float32)
@@ -336,37 +462,9 @@ def _quantize_operand_torch(x, kind, dtype, rows, cols, seed, offset, col_tiles)
     return out
 
 
-def _tile_warps(cols: bool, col_tiles: bool, col_sum: bool) -> int:
-    if not cols:
-        return _DUAL_OPTIONS["num_warps"]
-    if col_tiles:
-        return _DUAL_OPTIONS["tile_warps_x"]
-    return _DUAL_OPTIONS["tile_warps_colsum" if col_sum else "tile_warps"]
-
-
-def _tile_t_run(cols: bool, col_tiles: bool, col_sum: bool) -> int:
-    if not cols:
-        return 0
-    if col_tiles:
-        return _DUAL_OPTIONS["t_run_x"]
-    return _DUAL_OPTIONS["t_run_colsum" if col_sum else "t_run"]
-
-
-def _prefetch_distance(x: torch.Tensor, cols: bool, col_tiles: bool, col_sum: bool) -> int:
-    """How many programs ahead the tile kernel prefetches x into L2, 0 for none.
-
-    Scaled by the SM count, so the distance keeps its meaning (programs resident per SM) on
-    other GPUs; the per-SM values are the H200's best (docs/kernel-tuning.md).
-    """
-    if not cols:
-        return 0
-    key = "prefetch_x" if col_tiles else ("prefetch_colsum" if col_sum else "prefetch")
-    return int(_DUAL_OPTIONS[key] * _sm_count(x.device))
-
-
-def _run_asm(x: torch.Tensor, col_sum: bool) -> bool:
-    key = "t_run_asm_colsum" if col_sum else "t_run_asm"
-    return _DUAL_OPTIONS[key] and x.is_cuda and _capability(x.device) >= (8, 9)
+def _prefetch_distance(x: torch.Tensor, per_sm: float) -> int:
+    """Programs ahead of the tile kernel's L2 prefetch on ``x``'s GPU (0: none)."""
+    return int(per_sm * _sm_count(x.device))
 
 
 @functools.cache
@@ -380,7 +478,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _quantize_operand_triton(
-    x, kind, dtype, rows, cols, col_sum=False, col_tiles=False
+    x, kind, dtype, rows, cols, col_sum, col_tiles, config: OperandKernelConfig
 ) -> Fp8Operand:
     from gem_precision import _triton
 
@@ -391,7 +489,7 @@ def _quantize_operand_triton(
         # Triton 3.8 for any x; by tl.trans, by packed runs, and transposing before the FP8
         # conversion alike; bit-exact in the interpreter). 65536 x 4096 bfloat16, both layouts:
         # 0.66 ms (0.18 of it the transpose), against 2.20 ms with torch's FP8 .t().contiguous().
-        out = _quantize_operand_triton(x, kind, dtype, True, False, col_sum)
+        out = _quantize_operand_triton(x, kind, dtype, True, False, col_sum, False, config)
         out.data_t, out.scale_t = _transpose_fp8(out.data), out.scale
         if not rows:
             out.data = out.scale = None
@@ -400,7 +498,7 @@ def _quantize_operand_triton(
     r, c = x.shape
     block_r = BLOCK
     if kind != "128x128" and not cols:
-        block_r = _DUAL_OPTIONS["rows_only_block_r"]
+        block_r = config.rows_only_block_r
     nr, nc = -(-r // block_r), -(-c // BLOCK)
     dev = x.device
     soft = _triton.soft_fp8(x)
@@ -424,11 +522,9 @@ def _quantize_operand_triton(
         else:
             amax = torch.zeros((), device=dev)
         exp = _pow2_exponent_tensor(amax.reshape(1), dtype).to(torch.int32)
-    variant = _DUAL_OPTIONS["variant"] if kind != "128x128" else "dual"
-    if col_tiles:
-        variant = "tile"  # the only kernel that writes tile scales for one layout
     sums = torch.empty((nr, c), dtype=torch.float32, device=dev) if col_sum else dummy
-    # Outputs and options shared by the tile and dual kernels (no norm: plain quantisation).
+    # The tile kernel's outputs (the dual kernel takes those it writes) and options (no norm:
+    # plain quantisation).
     outputs = (
         _triton.fp8_arg(q, soft) if rows else dummy,
         s,
@@ -459,21 +555,26 @@ def _quantize_operand_triton(
         BLOCK_R=block_r,
         BLOCK=BLOCK,
     )
-    if x.numel() and variant == "tile":
+    # 128x128 tiles of both layouts: blockwise_dual_kernel; the other kinds: the tile kernel.
+    if x.numel() and kind != "128x128":
+        warps, t_run, prefetch_per_sm, run_asm = config._tile_options(col_sum, col_tiles)
+        if not cols:
+            warps, t_run, prefetch_per_sm, run_asm = config.num_warps, 0, 0.0, False
         x_arg, bf16_bits = _triton.float_arg(x, soft)
         even = r % block_r == 0 and c % BLOCK == 0
         # Packed runs of x.T need whole tiles (no masks) and an int32 view of qt. Only for the
         # H200-checked case: 1x128 blocks of bfloat16 x (the tensorwise kind with runs wrote a
         # misordered data_t on the H200 with Triton 3.6, though bit-exact in the interpreter).
-        t_run = 0
-        if even and kind == "1x128" and x.dtype == torch.bfloat16:
-            t_run = _tile_t_run(cols, col_tiles, col_sum) if x.stride(0) % 16 == 0 else 0
+        if not (even and kind == "1x128" and x.dtype == torch.bfloat16 and x.stride(0) % 16 == 0):
+            t_run = 0
         if t_run:
             outputs = (*outputs[:2], qt.view(torch.int32), *outputs[3:])
         # L2 prefetch of a later program's tile: compiled (CUDA), whole tiles of bfloat16 x.
         prefetch = 0
         if even and x.is_cuda and x.dtype == torch.bfloat16 and not bf16_bits:
-            prefetch = _prefetch_distance(x, cols, col_tiles, col_sum)
+            prefetch = _prefetch_distance(x, prefetch_per_sm)
+        # PTX-packed runs: compiled for sm_89+ only.
+        run_asm = bool(t_run) and run_asm and x.is_cuda and _capability(x.device) >= (8, 9)
         _triton.kernels(x).blockwise_tile_kernel[(nr, nc)](
             x_arg,
             *outputs,
@@ -481,22 +582,31 @@ def _quantize_operand_triton(
             BF16_BITS=bf16_bits,
             COL_TILE=col_tiles,
             EVEN=even,
-            EARLY_COL=_DUAL_OPTIONS["early_col"],
             T_RUN=t_run,
             PREFETCH=prefetch,
-            RUN_ASM=bool(t_run) and _run_asm(x, col_sum),
-            num_warps=_tile_warps(cols, col_tiles, col_sum),
+            RUN_ASM=run_asm,
+            num_warps=warps,
         )
     elif x.numel():
         x_arg, bf16_bits = _triton.float_arg(x, soft)
         _triton.kernels(x).blockwise_dual_kernel[(nr, nc)](
             x_arg,
-            *outputs,
-            **common,
+            outputs[0],
+            s,
+            outputs[2],
+            sums,
+            r,
+            c,
+            x.stride(0),
+            **_triton.fp8_constexprs(dtype, soft),
+            MIN_EXP=_MIN_SCALE_EXP,
+            MAX_EXP=_MAX_SCALE_EXP,
+            ROW=rows,
+            COL=cols,
             BF16_BITS=bf16_bits,
-            TILE=kind == "128x128",
-            TRANS=_DUAL_OPTIONS["trans"],
-            num_warps=_DUAL_OPTIONS["num_warps"],
+            COLSUM=col_sum,
+            BLOCK=BLOCK,
+            num_warps=config.num_warps,
         )
     if kind == "1x128":
         if rows:
@@ -536,7 +646,7 @@ def _transpose_fp8(data: torch.Tensor) -> torch.Tensor:
 
 def _sum_partials(partials: torch.Tensor) -> torch.Tensor:
     """Column sums of the kernels' float32 (row tiles, C) partial sums."""
-    if _DUAL_OPTIONS["partials_reduce"] == "triton" and partials.is_cuda:
+    if partials.is_cuda:
         return _column_sums_triton(partials)
     # CPU tensors (the interpreter) sum with torch: Triton 3.6's interpreter cannot take a
     # kernel argument as a loop bound (int() of its 1-element array fails under NumPy 2).

@@ -26,17 +26,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from gem_precision import _triton
+from gem_precision import ops as _ops
 from gem_precision.blockwise import (
-    _DUAL_OPTIONS,
+    _DEFAULT_OPERAND_CONFIG,
     _MAX_SCALE_EXP,
     _MIN_SCALE_EXP,
     BLOCK,
     Fp8Operand,
-    quantize_operand,
+    _quantize_operand,
 )
-from gem_precision.linear import Fp8Linear, Fp8Recipe, _gemm_out_dtype, _path
+from gem_precision.linear import Fp8Linear, Fp8Recipe, _path
 from gem_precision.mx import MX_ELEMENT_DTYPES
-from gem_precision.scaled_gemm import scaled_mm_nt
+from gem_precision.scaled_gemm import _gemm_out_dtype, _scaled_mm_nt
 
 __all__ = ["Fp8NormLinear", "NormLinear", "norm_forward_reference", "norm_quantize"]
 
@@ -121,11 +122,23 @@ def norm_quantize(
         raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    for name, value in (("rows_per_program", rows_per_program), ("num_warps", num_warps)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{name} must be None or an int, got {value!r}")
+    data, scale, mean, rstd = torch.ops.gem_precision.norm_quantize(
+        x, weight, bias, kind, float(eps), dtype, backend, rows_per_program, num_warps
+    )
+    return Fp8Operand(kind="1x128", data=data, scale=scale), mean if kind == "layer" else None, rstd
+
+
+def _norm_quantize(x, weight, bias, kind, eps, dtype, backend, rows_per_program, num_warps):
+    """:func:`norm_quantize` on checked arguments: the body of its operator, and what the
+    fused linear's operator calls."""
     use_triton = backend == "triton" or (backend == "auto" and _triton.can_run(x))
     if not use_triton:
         with torch.no_grad():
             y, mean, rstd = norm_forward_reference(x, weight, bias, kind, eps)
-        op = quantize_operand(y, "1x128", dtype, rows=True, cols=False, backend="torch")
+        op = _quantize_operand(y, "1x128", dtype, True, False, None, 0, False, False, "torch")
         return op, mean, rstd
     rows_per_program = rows_per_program or _NORM_OPTIONS["rows_per_program"]
     num_warps = num_warps or _NORM_OPTIONS["num_warps"]
@@ -219,30 +232,15 @@ def _normed_transposed_operand(
         c,
         x.stride(0),
     )
-    if col_tiles:
-        _triton.kernels(x).blockwise_tile_kernel[grid](
-            *args,
-            **common,
-            COL_TILE=True,
-            EVEN=r % BLOCK == 0 and c % BLOCK == 0,
-            num_warps=_NORM_OPTIONS["xt_warps"],
-        )
-    elif _DUAL_OPTIONS["variant"] == "tile":
-        _triton.kernels(x).blockwise_tile_kernel[grid](
-            *args,
-            **common,
-            COL_TILE=False,
-            EVEN=r % BLOCK == 0 and c % BLOCK == 0,
-            num_warps=_DUAL_OPTIONS["tile_warps"],
-        )
-    else:
-        _triton.kernels(x).blockwise_dual_kernel[grid](
-            *args,
-            **common,
-            TILE=False,
-            TRANS=_DUAL_OPTIONS["trans"],
-            num_warps=_DUAL_OPTIONS["num_warps"],
-        )
+    # 1x128 blocks of x.T: the warps of quantize_operand's tile kernel for both 1x128 layouts.
+    warps = _NORM_OPTIONS["xt_warps"] if col_tiles else _DEFAULT_OPERAND_CONFIG.tile_warps
+    _triton.kernels(x).blockwise_tile_kernel[grid](
+        *args,
+        **common,
+        COL_TILE=col_tiles,
+        EVEN=r % BLOCK == 0 and c % BLOCK == 0,
+        num_warps=warps,
+    )
     if col_tiles:
         return Fp8Operand(kind="1x128", data_t=qt, scale_t=st, kind_t="128x128")
     return Fp8Operand(kind="1x128", data_t=qt, scale_t=st.t())
@@ -294,76 +292,183 @@ def _norm_backward(dy, x, weight, bias, mean, rstd):
     return dx, dw, db
 
 
-class _FusedNormFp8LinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x2d, norm_w, norm_b, weight, bias, recipe, kind, eps, native):
-        xq, mean, rstd = norm_quantize(
-            x2d, norm_w, norm_b, kind=kind, eps=eps, dtype=recipe.fp8_dtype, backend="triton"
-        )
-        need_dx = x2d.requires_grad or (norm_w is not None and norm_w.requires_grad)
-        wq = quantize_operand(weight, "128x128", recipe.fp8_dtype, rows=True, cols=need_dx)
-        out = scaled_mm_nt(
-            xq.data,
-            xq.scale,
-            "1x128",
-            wq.data,
-            wq.scale,
-            "128x128",
-            out_dtype=_gemm_out_dtype(x2d.dtype),
-            native=native,
-            bias=bias,
-        )
-        ctx.recipe, ctx.native, ctx.w_dtype = recipe, native, weight.dtype
-        ctx.save_for_backward(x2d, norm_w, norm_b, mean, rstd, wq.data_t, wq.scale_t, bias)
-        return out.to(x2d.dtype)
+# ---------------------------------------------------------------------------------------------
+# Operators (see gem_precision.ops, which defines the others): norm_quantize, and the fused
+# Fp8NormLinear's forward and backward.
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        x2d, norm_w, norm_b, mean, rstd, w_t, w_t_scale, bias = ctx.saved_tensors
-        recipe: Fp8Recipe = ctx.recipe
-        need = ctx.needs_input_grad
-        need_norm = need[0] or need[1] or need[2]
-        grad_out = grad_out.contiguous()
-        need_bias = need[4] and bias is not None
-        gq = quantize_operand(
-            grad_out,
-            "1x128",
-            recipe.grad_dtype,
-            rows=need_norm,
-            cols=need[3],
-            backend="triton",
-            col_sum=need_bias,
+_NORM_QUANTIZE_SCHEMA = (
+    "(Tensor x, Tensor? weight, Tensor? bias, str kind, float eps, ScalarType dtype, "
+    "str backend, int? rows_per_program, int? num_warps) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+_NORM_LINEAR_SCHEMA = (
+    "(Tensor x, Tensor? norm_weight, Tensor? norm_bias, Tensor weight, Tensor? bias, "
+    "str norm, float eps, ScalarType fp8_dtype, ScalarType grad_dtype, bool wgrad_x_tiles, "
+    "bool need_norm_grad, bool native) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+)
+_NORM_LINEAR_BACKWARD_SCHEMA = (
+    "(Tensor grad_out, Tensor x, Tensor? norm_weight, Tensor? norm_bias, Tensor mean, "
+    "Tensor rstd, Tensor w_t, Tensor w_t_scale, str norm, ScalarType fp8_dtype, "
+    "ScalarType grad_dtype, bool wgrad_x_tiles, ScalarType w_dtype, ScalarType? bias_dtype, "
+    "bool need_x, bool need_norm_weight, bool need_norm_bias, bool need_w, bool need_b, "
+    "bool native) -> Tensor[]"
+)
+
+
+@_ops._operator("norm_quantize", _NORM_QUANTIZE_SCHEMA)
+def _norm_quantize_op(x, weight, bias, kind, eps, dtype, backend, rows_per_program, num_warps):
+    op, mean, rstd = _norm_quantize(
+        x, weight, bias, kind, eps, dtype, backend, rows_per_program, num_warps
+    )
+    mean = rstd.new_empty((0,)) if mean is None else mean
+    return tuple(_ops._unaliased([op.data, op.scale, mean, rstd], [x, weight, bias]))
+
+
+def _norm_stats_fake(x, kind):
+    """Fake ``(mean, rstd)``: float32 per row (``mean`` empty for RMSNorm)."""
+    r = x.shape[0]
+    mean = x.new_empty((r,) if kind == "layer" else (0,), dtype=torch.float32)
+    return mean, x.new_empty((r,), dtype=torch.float32)
+
+
+@_ops._fake("norm_quantize")
+def _norm_quantize_fake(x, weight, bias, kind, eps, dtype, *_):
+    data, scale = _ops._fake_layouts(x, "1x128", dtype, True, False, False)
+    return (data, scale, *_norm_stats_fake(x, kind))
+
+
+_ops._not_differentiable("norm_quantize")
+
+
+@_ops._operator("fp8_norm_linear", _NORM_LINEAR_SCHEMA)
+def _norm_linear(
+    x, norm_w, norm_b, weight, bias, norm, eps, fp8_dtype, grad_dtype, wgrad_x_tiles,
+    need_norm_grad, native,
+):  # fmt: skip
+    xq, mean, rstd = _norm_quantize(x, norm_w, norm_b, norm, eps, fp8_dtype, "triton", None, None)
+    wq = _quantize_operand(
+        weight, "128x128", fp8_dtype, True, need_norm_grad, None, 0, False, False, "auto"
+    )
+    out = _scaled_mm_nt(
+        xq.data, xq.scale, "1x128", wq.data, wq.scale, "128x128",
+        _gemm_out_dtype(x.dtype), native, bias,
+    ).to(x.dtype)  # fmt: skip
+    mean = rstd.new_empty((0,)) if mean is None else mean
+    w_t = wq.data_t.view(torch.uint8) if need_norm_grad else x.new_empty((0,), dtype=torch.uint8)
+    w_t_scale = wq.scale_t if need_norm_grad else x.new_empty((0,), dtype=torch.float32)
+    return tuple(
+        _ops._unaliased([out, mean, rstd, w_t, w_t_scale], [x, norm_w, norm_b, weight, bias])
+    )
+
+
+@_ops._fake("fp8_norm_linear")
+def _norm_linear_fake(x, norm_w, norm_b, weight, bias, norm, eps, fp8_dtype, grad_dtype,
+                      wgrad_x_tiles, need_norm_grad, native):  # fmt: skip
+    out = x.new_empty((x.shape[0], weight.shape[0]))
+    if need_norm_grad:
+        w_t, w_t_scale = _ops._fake_layouts(weight, "128x128", torch.uint8, False, True, False)
+    else:
+        w_t = x.new_empty((0,), dtype=torch.uint8)
+        w_t_scale = x.new_empty((0,), dtype=torch.float32)
+    return (out, *_norm_stats_fake(x, norm), w_t, w_t_scale)
+
+
+def _norm_linear_setup_context(ctx, inputs, output):
+    x, norm_w, norm_b, weight, bias, norm, _, fp8_dtype, grad_dtype, wgrad_x_tiles = inputs[:10]
+    need_norm_grad, native = inputs[10:]
+    _, mean, rstd, w_t, w_t_scale = output
+    ctx.mark_non_differentiable(mean, rstd, w_t, w_t_scale)
+    # x itself, not an FP8 copy: the backward recomputes norm(x).T for wgrad, and the norm's
+    # own backward reads x.
+    ctx.save_for_backward(x, norm_w, norm_b, mean, rstd, w_t, w_t_scale)
+    ctx.options = (
+        norm, fp8_dtype, grad_dtype, wgrad_x_tiles, weight.dtype,
+        None if bias is None else bias.dtype,
+    )  # fmt: skip
+    ctx.computed = (need_norm_grad, native)
+
+
+def _norm_linear_backward(ctx, grad_out, *_):
+    need_norm_grad, native = ctx.computed
+    # x, norm weight, norm bias (their gradients need the saved W.T), weight, bias.
+    need = [n and need_norm_grad for n in ctx.needs_input_grad[:3]]
+    need += list(ctx.needs_input_grad[3:5])
+    grads = list(
+        torch.ops.gem_precision.fp8_norm_linear_backward(
+            grad_out, *ctx.saved_tensors, *ctx.options, *need, native
         )
-        grads = [None] * 9
-        if need[3]:
-            xn_t = _normed_transposed_operand(
-                x2d, norm_w, norm_b, mean, rstd, recipe.fp8_dtype, recipe.wgrad_x_tiles
-            )
-            grads[3] = scaled_mm_nt(
-                gq.data_t,
-                gq.scale_t,
-                "1x128",
-                xn_t.data_t,
-                xn_t.scale_t,
-                xn_t.kind_t or "1x128",
-                out_dtype=_gemm_out_dtype(ctx.w_dtype),
-                native=ctx.native,
-            ).to(ctx.w_dtype)
-        if need_norm:
-            grad_xn = scaled_mm_nt(
-                gq.data,
-                gq.scale,
-                "1x128",
-                w_t,
-                w_t_scale,
-                "128x128",
-                out_dtype=_gemm_out_dtype(x2d.dtype),
-                native=ctx.native,
-            )
-            grads[0], grads[1], grads[2] = _norm_backward(grad_xn, x2d, norm_w, norm_b, mean, rstd)
-        if need_bias:
-            grads[4] = gq.col_sum.to(bias.dtype)
-        return tuple(grads)
+    )
+    return tuple(grads.pop(0) if n else None for n in need) + (None,) * 7
+
+
+_ops._autograd("fp8_norm_linear", _norm_linear_backward, _norm_linear_setup_context)
+
+
+@_ops._operator("fp8_norm_linear_backward", _NORM_LINEAR_BACKWARD_SCHEMA)
+def _norm_linear_backward_impl(
+    grad_out, x, norm_w, norm_b, mean, rstd, w_t, w_t_scale, norm, fp8_dtype, grad_dtype,
+    wgrad_x_tiles, w_dtype, bias_dtype, need_x, need_norm_w, need_norm_b, need_w, need_b,
+    native,
+):  # fmt: skip
+    inputs = [grad_out, x, norm_w, norm_b, mean, rstd, w_t, w_t_scale]
+    mean = mean if norm == "layer" else None
+    need_norm = need_x or need_norm_w or need_norm_b
+    grad_out = grad_out.contiguous()
+    gq = _quantize_operand(
+        grad_out, "1x128", grad_dtype, need_norm, need_w, None, 0, need_b, False, "triton"
+    )
+    grads = []
+    if need_norm:
+        grad_xn = _scaled_mm_nt(
+            gq.data, gq.scale, "1x128", w_t.view(fp8_dtype), w_t_scale, "128x128",
+            _gemm_out_dtype(x.dtype), native, None,
+        )  # fmt: skip
+        dx, dnw, dnb = _norm_backward(grad_xn, x, norm_w, norm_b, mean, rstd)
+        grads += [g for g, n in ((dx, need_x), (dnw, need_norm_w), (dnb, need_norm_b)) if n]
+    if need_w:
+        xn_t = _normed_transposed_operand(x, norm_w, norm_b, mean, rstd, fp8_dtype, wgrad_x_tiles)
+        grad_w = _scaled_mm_nt(
+            gq.data_t, gq.scale_t, "1x128", xn_t.data_t, xn_t.scale_t, xn_t.kind_t or "1x128",
+            _gemm_out_dtype(w_dtype), native, None,
+        )  # fmt: skip
+        grads.append(grad_w.to(w_dtype))
+    if need_b:
+        grads.append(gq.col_sum.to(bias_dtype))
+    return _ops._unaliased(grads, inputs)
+
+
+@_ops._fake("fp8_norm_linear_backward")
+def _norm_linear_backward_fake(
+    grad_out, x, norm_w, norm_b, mean, rstd, w_t, w_t_scale, norm, fp8_dtype, grad_dtype,
+    wgrad_x_tiles, w_dtype, bias_dtype, need_x, need_norm_w, need_norm_b, need_w, need_b,
+    native,
+):  # fmt: skip
+    n = grad_out.shape[1]
+    grads = []
+    for tensor, needed in ((x, need_x), (norm_w, need_norm_w), (norm_b, need_norm_b)):
+        if needed:
+            grads.append(tensor.new_empty(tensor.shape))
+    if need_w:
+        grads.append(grad_out.new_empty((n, x.shape[1]), dtype=w_dtype))
+    if need_b:
+        grads.append(grad_out.new_empty((n,), dtype=bias_dtype))
+    return grads
+
+
+_ops._once_differentiable("fp8_norm_linear_backward")
+
+
+def _fused_norm_fp8_linear(
+    x2d, norm_w, norm_b, weight, bias, recipe: Fp8Recipe, norm: str, eps: float, native: bool
+):
+    """The fused norm -> FP8 linear: one ``gem_precision::fp8_norm_linear`` operator."""
+    need_norm_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x2d, norm_w, norm_b)
+    )
+    out, *_ = torch.ops.gem_precision.fp8_norm_linear(
+        x2d, norm_w, norm_b, weight, bias, norm, eps, recipe.fp8_dtype, recipe.grad_dtype,
+        recipe.wgrad_x_tiles, need_norm_grad, native,
+    )  # fmt: skip
+    return out
 
 
 def _init_norm(module, in_features, out_features, norm, eps, elementwise_affine, device, dtype):
@@ -508,7 +613,7 @@ class Fp8NormLinear(nn.Module):
         x2d = x.reshape(-1, in_f)
         fused, native = self._fused(x)
         if fused:
-            out = _FusedNormFp8LinearFunction.apply(
+            out = _fused_norm_fp8_linear(
                 x2d,
                 self.norm_weight,
                 self.norm_bias,

@@ -31,7 +31,6 @@ Blackwell, emulated elsewhere.
 from __future__ import annotations
 
 import fnmatch
-import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -41,10 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gem_precision.blockwise import fake_quantize_blockwise, quantize_operand
+from gem_precision import ops as _ops
+from gem_precision.blockwise import _quantize_operand, fake_quantize_blockwise
 from gem_precision.hadamard import random_hadamard_transform
-from gem_precision.mx import MX_ELEMENT_DTYPES, quantize_mx
-from gem_precision.scaled_gemm import gemm_backend, mx_scaled_mm_nt, scaled_mm_nt
+from gem_precision.mx import MX_ELEMENT_DTYPES
+from gem_precision.scaled_gemm import _gemm_out_dtype, _scaled_mm_nt, gemm_backend
 
 __all__ = [
     "ConversionReport",
@@ -140,18 +140,6 @@ class Fp8Recipe:
             )
 
 
-def _gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype an FP8 GEMM writes: that of the tensor its result stands for (the activation
-    for forward and dgrad, the weight for wgrad), so an FP8 layer differs from a bf16-GEMM one
-    only in its operands' format. float32 master weights get float32 weight gradients (like
-    Transformer Engine's main-grad). cuBLAS on the H200 writes float32 and bfloat16 for all
-    three scalings (1x128 x 128x128, 1x128 x 1x128, tensorwise; probed 2026-12-01); other
-    dtypes get bfloat16. Every path, native or emulated, rounds the same way, or CPU quality
-    runs would not predict GPU ones."""
-    probed = (torch.float32, torch.bfloat16)  # float16 output was not probed on the H200
-    return dtype if dtype in probed else torch.bfloat16
-
-
 def _rotated_operands(
     a: torch.Tensor, b: torch.Tensor, recipe: Fp8Recipe
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,19 +184,16 @@ def _fp8_gemm(
         return "1x128" if block == _ACT_BLOCK else "128x128"
 
     a_kind, b_kind = kind(a_block), kind(b_block)
-    a_q = quantize_operand(
-        a32,
-        a_kind,
-        a_dtype or recipe.fp8_dtype,
-        cols=False,
-        stochastic_seed=None if a_stochastic_offset is None else recipe.seed,
-        offset=a_stochastic_offset or 0,
-    )
-    b_q = quantize_operand(b32, b_kind, b_dtype or recipe.fp8_dtype, cols=False)
-    out = scaled_mm_nt(
-        a_q.data, a_q.scale, a_kind, b_q.data, b_q.scale, b_kind,
-        out_dtype=out_dtype, native=native,
+    seed = None if a_stochastic_offset is None else recipe.seed
+    a_q = _quantize_operand(
+        a32, a_kind, a_dtype or recipe.fp8_dtype, True, False, seed, a_stochastic_offset or 0,
+        False, False, "auto",
     )  # fmt: skip
+    b_dtype = b_dtype or recipe.fp8_dtype
+    b_q = _quantize_operand(b32, b_kind, b_dtype, True, False, None, 0, False, False, "auto")
+    out = _scaled_mm_nt(
+        a_q.data, a_q.scale, a_kind, b_q.data, b_q.scale, b_kind, out_dtype, native, None
+    )
     return out.float()
 
 
@@ -243,229 +228,141 @@ def fp8_gemm_emulated(
     return a_q @ b_q.T
 
 
-class _Fp8LinearRotatedFunction(torch.autograd.Function):
-    """Quantise per GEMM from the saved high-precision operands (the Hadamard path): each GEMM
-    rotates its operands along its own reduction dim."""
+# The Hadamard recipe: each GEMM rotates its operands along its own reduction dim, then
+# quantises them, from the high-precision x and W the forward saves. One operator per pass,
+# like gem_precision.ops' linears; the recipe travels as its fields.
 
-    @staticmethod
-    def forward(ctx, x2d, weight, recipe, sr_offset, native):
-        ctx.save_for_backward(x2d, weight)
-        ctx.recipe = recipe
-        ctx.sr_offset = sr_offset
-        ctx.gemm = functools.partial(_fp8_gemm, native=native)
-        ctx.native = native
-        out_dtype = _gemm_out_dtype(x2d.dtype)
-        return ctx.gemm(x2d, weight, _ACT_BLOCK, _WEIGHT_BLOCK, recipe, out_dtype=out_dtype)
+_HADAMARD_RECIPE = (
+    "ScalarType fp8_dtype, ScalarType grad_dtype, bool tensorwise, bool wgrad_in_bf16, "
+    "bool wgrad_x_tiles, bool stochastic_rounding_grads, SymInt block_size, int seed, "
+    "SymInt sr_offset, "
+)
+_HADAMARD_LINEAR_SCHEMA = f"(Tensor x, Tensor weight, {_HADAMARD_RECIPE}bool native) -> Tensor"
+_HADAMARD_LINEAR_BACKWARD_SCHEMA = (
+    f"(Tensor grad_out, Tensor x, Tensor weight, {_HADAMARD_RECIPE}bool need_x, bool need_w, "
+    "bool native) -> Tensor[]"
+)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        x2d, weight = ctx.saved_tensors
-        recipe: Fp8Recipe = ctx.recipe
-        sr = recipe.stochastic_rounding_grads
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            # dgrad: dy (M, N) @ W (N, K) = dy @ (W.T).T, reduction over N.
-            grad_x = ctx.gemm(
-                grad_out,
-                weight.T,
-                _ACT_BLOCK,
-                _WEIGHT_BLOCK,
-                recipe,
+
+def _hadamard_recipe(
+    fp8_dtype, grad_dtype, tensorwise, wgrad_in_bf16, wgrad_x_tiles, sr, block, seed
+) -> Fp8Recipe:
+    return Fp8Recipe(
+        fp8_dtype=fp8_dtype, grad_dtype=grad_dtype, tensorwise=tensorwise,
+        wgrad_in_bf16=wgrad_in_bf16, wgrad_x_tiles=wgrad_x_tiles, stochastic_rounding_grads=sr,
+        hadamard=True, hadamard_block_size=block, seed=seed,
+    )  # fmt: skip
+
+
+@_ops._operator("fp8_hadamard_linear", _HADAMARD_LINEAR_SCHEMA)
+def _hadamard_linear(x, weight, *recipe_fields):
+    *fields, _, native = recipe_fields
+    recipe = _hadamard_recipe(*fields)
+    out_dtype = _gemm_out_dtype(x.dtype)
+    out = _fp8_gemm(
+        x, weight, _ACT_BLOCK, _WEIGHT_BLOCK, recipe, native=native, out_dtype=out_dtype
+    )
+    return _ops._unaliased([out], [x, weight])[0]
+
+
+@_ops._fake("fp8_hadamard_linear")
+def _hadamard_linear_fake(x, weight, *_):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+def _hadamard_setup_context(ctx, inputs, output):
+    x, weight, *recipe_fields = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.options = recipe_fields[:-1]
+    ctx.native = recipe_fields[-1]
+
+
+def _hadamard_backward(ctx, grad_out):
+    need_x, need_w = ctx.needs_input_grad[:2]
+    grads = list(
+        torch.ops.gem_precision.fp8_hadamard_linear_backward(
+            grad_out, *ctx.saved_tensors, *ctx.options, need_x, need_w, ctx.native
+        )
+    )
+    grad_x = grads.pop(0) if need_x else None
+    grad_w = grads.pop(0) if need_w else None
+    return (grad_x, grad_w) + (None,) * (len(ctx.options) + 1)
+
+
+_ops._autograd("fp8_hadamard_linear", _hadamard_backward, _hadamard_setup_context)
+
+
+@_ops._operator("fp8_hadamard_linear_backward", _HADAMARD_LINEAR_BACKWARD_SCHEMA)
+def _hadamard_linear_backward(grad_out, x, weight, *rest):
+    *fields, sr_offset, need_x, need_w, native = rest
+    recipe = _hadamard_recipe(*fields)
+    sr = recipe.stochastic_rounding_grads
+    grads = []
+    if need_x:
+        # dgrad: dy (M, N) @ W (N, K) = dy @ (W.T).T, reduction over N.
+        grad_x = _fp8_gemm(
+            grad_out, weight.T, _ACT_BLOCK, _WEIGHT_BLOCK, recipe, native=native,
+            a_dtype=recipe.grad_dtype, a_stochastic_offset=sr_offset if sr else None,
+            out_dtype=_gemm_out_dtype(x.dtype),
+        )  # fmt: skip
+        grads.append(grad_x.to(x.dtype))
+    if need_w:
+        # wgrad: dy.T (N, M) @ x (M, K), reduction over tokens M.
+        if recipe.wgrad_in_bf16:
+            grad_w = _ops._bf16_wgrad(grad_out, x, native)
+        else:
+            grad_w = _fp8_gemm(
+                grad_out.T, x.T, _ACT_BLOCK,
+                _WEIGHT_BLOCK if recipe.wgrad_x_tiles else _ACT_BLOCK, recipe, native=native,
                 a_dtype=recipe.grad_dtype,
-                a_stochastic_offset=ctx.sr_offset if sr else None,
-                out_dtype=_gemm_out_dtype(x2d.dtype),
-            )
-        if ctx.needs_input_grad[1]:
-            # wgrad: dy.T (N, M) @ x (M, K), reduction over tokens M.
-            if recipe.wgrad_in_bf16:
-                grad_w = _bf16_wgrad(grad_out, x2d, ctx.native)
-            else:
-                grad_w = ctx.gemm(
-                    grad_out.T,
-                    x2d.T,
-                    _ACT_BLOCK,
-                    _WEIGHT_BLOCK if recipe.wgrad_x_tiles else _ACT_BLOCK,
-                    recipe,
-                    a_dtype=recipe.grad_dtype,
-                    # A second, disjoint range of counters: dgrad used numel of grad_out.
-                    a_stochastic_offset=ctx.sr_offset + grad_out.numel() if sr else None,
-                    out_dtype=_gemm_out_dtype(weight.dtype),
-                )
-        return (
-            None if grad_x is None else grad_x.to(x2d.dtype),
-            None if grad_w is None else grad_w.to(weight.dtype),
-            None,
-            None,
-            None,
-        )
+                # A second, disjoint range of counters: dgrad used numel of grad_out.
+                a_stochastic_offset=sr_offset + grad_out.numel() if sr else None,
+                out_dtype=_gemm_out_dtype(weight.dtype),
+            )  # fmt: skip
+        grads.append(grad_w.to(weight.dtype))
+    return _ops._unaliased(grads, [grad_out, x, weight])
 
 
-def _bf16_wgrad(grad_out: torch.Tensor, x: torch.Tensor, native: bool) -> torch.Tensor:
-    """``grad_out.T @ x`` as a bf16 GEMM (the ``wgrad_in_bf16`` option): bf16 operands, float32
-    accumulation, a bf16 result (what ``torch.mm`` of bf16 tensors returns on the GPU; the
-    emulation rounds the same way)."""
-    g, x = grad_out.to(torch.bfloat16), x.to(torch.bfloat16)
-    if native:
-        return g.T @ x
-    return (g.float().T @ x.float()).to(torch.bfloat16)
+@_ops._fake("fp8_hadamard_linear_backward")
+def _hadamard_linear_backward_fake(grad_out, x, weight, *rest):
+    need_x, need_w = rest[-3:-1]
+    return [t.new_empty(t.shape) for t, n in ((x, need_x), (weight, need_w)) if n]
 
 
-def _bias_grad(grad_out: torch.Tensor, bias: torch.Tensor | None, needed: bool):
-    if bias is None or not needed:
-        return None
-    return grad_out.sum(0, dtype=torch.float32).to(bias.dtype)
+_ops._once_differentiable("fp8_hadamard_linear_backward")
 
 
-class _Fp8LinearFunction(torch.autograd.Function):
-    """Blockwise / tensorwise FP8 linear: operands quantised once, in both layouts they need."""
-
-    @staticmethod
-    def forward(ctx, x2d, weight, bias, recipe, sr_offset, native):
-        act_kind = "tensorwise" if recipe.tensorwise else "1x128"
-        w_kind = "tensorwise" if recipe.tensorwise else "128x128"
-        fp8_wgrad = weight.requires_grad and not recipe.wgrad_in_bf16
-        xq = quantize_operand(
-            x2d,
-            act_kind,
-            recipe.fp8_dtype,
-            rows=True,
-            cols=fp8_wgrad,
-            col_tiles=fp8_wgrad and recipe.wgrad_x_tiles and act_kind == "1x128",
-        )
-        wq = quantize_operand(weight, w_kind, recipe.fp8_dtype, rows=True, cols=x2d.requires_grad)
-        out_dtype = _gemm_out_dtype(x2d.dtype)
-        out = scaled_mm_nt(
-            xq.data,
-            xq.scale,
-            act_kind,
-            wq.data,
-            wq.scale,
-            w_kind,
-            out_dtype=out_dtype,
-            native=native,
-            bias=bias,
-        )
-        ctx.recipe, ctx.sr_offset, ctx.native = recipe, sr_offset, native
-        ctx.act_kind, ctx.w_kind = act_kind, w_kind
-        ctx.x_t_kind = xq.kind_t or act_kind
-        ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x2d.dtype, weight.dtype, bias is not None
-        saved_x = x2d if (weight.requires_grad and recipe.wgrad_in_bf16) else None
-        ctx.save_for_backward(xq.data_t, xq.scale_t, saved_x, wq.data_t, wq.scale_t, bias)
-        return out.to(x2d.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x_t, x_t_scale, x_saved, w_t, w_t_scale, bias = ctx.saved_tensors
-        recipe: Fp8Recipe = ctx.recipe
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        fp8_wgrad = need_w and not recipe.wgrad_in_bf16
-        grad_out = grad_out.contiguous()
-        sr = recipe.stochastic_rounding_grads
-        gq = quantize_operand(
-            grad_out,
-            ctx.act_kind,
-            recipe.grad_dtype,
-            rows=need_x,
-            cols=fp8_wgrad,
-            stochastic_seed=recipe.seed if sr else None,
-            offset=ctx.sr_offset,
-            col_sum=need_b and bias is not None,
-        )
-        grad_x = grad_w = None
-        if need_x:
-            # dgrad: dy (M, N) @ W (N, K) = dy @ (W.T).T, reduction over N.
-            grad_x = scaled_mm_nt(
-                gq.data,
-                gq.scale,
-                ctx.act_kind,
-                w_t,
-                w_t_scale,
-                ctx.w_kind,
-                out_dtype=_gemm_out_dtype(ctx.x_dtype),
-                native=ctx.native,
-            ).to(ctx.x_dtype)
-        if need_w:
-            if recipe.wgrad_in_bf16:
-                grad_w = _bf16_wgrad(grad_out, x_saved, ctx.native).to(ctx.w_dtype)
-            else:
-                # wgrad: dy.T (N, M) @ x (M, K) = dy.T @ (x.T).T, reduction over tokens M.
-                grad_w = scaled_mm_nt(
-                    gq.data_t,
-                    gq.scale_t,
-                    ctx.act_kind,
-                    x_t,
-                    x_t_scale,
-                    ctx.x_t_kind,
-                    out_dtype=_gemm_out_dtype(ctx.w_dtype),
-                    native=ctx.native,
-                ).to(ctx.w_dtype)
-        grad_b = None
-        if need_b and bias is not None:
-            grad_b = gq.col_sum.to(bias.dtype)  # summed in the quantisation pass
-        return grad_x, grad_w, grad_b, None, None, None
+def _fp8_hadamard_linear(x2d, weight, recipe: Fp8Recipe, sr_offset: int, native: bool):
+    """The Hadamard recipe's linear (no bias), one ``gem_precision::fp8_hadamard_linear``
+    operator: float32 output."""
+    return torch.ops.gem_precision.fp8_hadamard_linear(
+        x2d, weight, recipe.fp8_dtype, recipe.grad_dtype, recipe.tensorwise,
+        recipe.wgrad_in_bf16, recipe.wgrad_x_tiles, recipe.stochastic_rounding_grads,
+        recipe.hadamard_block_size, recipe.seed, sr_offset, native,
+    )  # fmt: skip
 
 
-def _mx(x: torch.Tensor, recipe: Fp8Recipe, dtype: torch.dtype, square: bool = False):
-    return quantize_mx(
-        x.contiguous(),
-        block_size=32,
-        elem_dtype=dtype,
-        scale_rounding=recipe.mx_scale_rounding,
-        square=square,
-    )
+def _fp8_linear(x2d, weight, bias, recipe: Fp8Recipe, sr_offset: int, native: bool):
+    """The blockwise / tensorwise FP8 linear, one ``gem_precision::fp8_linear`` operator: each
+    operand quantised once, in both layouts it needs; the forward saves the FP8 copies."""
+    grad = torch.is_grad_enabled()
+    sr = recipe.stochastic_rounding_grads
+    out, *_ = torch.ops.gem_precision.fp8_linear(
+        x2d, weight, bias, recipe.fp8_dtype, recipe.grad_dtype, recipe.tensorwise,
+        recipe.wgrad_in_bf16, recipe.wgrad_x_tiles, recipe.seed if sr else None, sr_offset,
+        grad and x2d.requires_grad, grad and weight.requires_grad, native,
+    )  # fmt: skip
+    return out
 
 
-def _mx_transposed_square(w):
-    """The MX tensor of ``W.T`` from square-block ``W`` (transpose-invariant blocks)."""
-    return type(w)(
-        data=w.data.t().contiguous(),
-        scale=w.scale.t().contiguous(),
-        block_size=w.block_size,
-        orig_dtype=w.orig_dtype,
-        square=True,
-    )
-
-
-class _MxLinearFunction(torch.autograd.Function):
-    """MXFP8 linear (Blackwell recipe): 1x32 E8M0 blocks along each GEMM's reduction dim."""
-
-    @staticmethod
-    def forward(ctx, x2d, weight, bias, recipe, native):
-        # 32x32 weight squares: one quantisation serves W (forward) and W.T (dgrad).
-        wq = _mx(weight, recipe, recipe.fp8_dtype, square=True)
-        xq = _mx(x2d, recipe, recipe.fp8_dtype)
-        out = mx_scaled_mm_nt(xq, wq, out_dtype=_gemm_out_dtype(x2d.dtype), native=native)
-        if bias is not None:
-            out = out + bias.to(out.dtype)
-        ctx.recipe, ctx.native, ctx.x_dtype = recipe, native, x2d.dtype
-        ctx.wq = wq
-        ctx.save_for_backward(x2d, bias)
-        return out.to(x2d.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x2d, bias = ctx.saved_tensors
-        recipe: Fp8Recipe = ctx.recipe
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if need_w and x2d.shape[0] % _MX_BLOCK:
-            # The weight gradient quantises dy.T and x.T in blocks along the tokens.
-            raise ValueError(
-                f"Fp8Recipe(scaling='mx') needs a multiple of {_MX_BLOCK} rows of x (tokens) for "
-                f"the weight gradient, got {x2d.shape[0]}"
-            )
-        grad_x = grad_w = None
-        if need_x:
-            gq = _mx(grad_out, recipe, recipe.grad_dtype)
-            w_t = _mx_transposed_square(ctx.wq)
-            out_dtype = _gemm_out_dtype(ctx.x_dtype)
-            grad_x = mx_scaled_mm_nt(gq, w_t, out_dtype=out_dtype, native=ctx.native)
-            grad_x = grad_x.to(ctx.x_dtype)
-        if need_w:
-            gtq = _mx(grad_out.t(), recipe, recipe.grad_dtype)
-            xtq = _mx(x2d.t(), recipe, recipe.fp8_dtype)
-            out_dtype = _gemm_out_dtype(ctx.wq.orig_dtype)
-            grad_w = mx_scaled_mm_nt(gtq, xtq, out_dtype=out_dtype, native=ctx.native)
-        return grad_x, grad_w, _bias_grad(grad_out, bias, need_b), None, None
+def _mx_linear(x2d, weight, bias, recipe: Fp8Recipe, native: bool):
+    """The MXFP8 linear, one ``gem_precision::mx_linear`` operator."""
+    grad = torch.is_grad_enabled()
+    out, *_ = torch.ops.gem_precision.mx_linear(
+        x2d, weight, bias, recipe.fp8_dtype, recipe.grad_dtype, recipe.mx_scale_rounding,
+        grad and x2d.requires_grad, native,
+    )  # fmt: skip
+    return out
 
 
 def _path(recipe: Fp8Recipe, device: torch.device) -> tuple[str, bool]:
@@ -579,15 +476,16 @@ class Fp8Linear(nn.Linear):
             weight = weight.float()
             bias = None if bias is None else bias.float()
         offset = self._sr_offset
-        if self.training and torch.is_grad_enabled():
-            # Room for dgrad + wgrad draws of this step.
+        if self.recipe.stochastic_rounding_grads and self.training and torch.is_grad_enabled():
+            # Room for dgrad + wgrad draws of this step. Only stochastic rounding reads the
+            # counter: torch.compile specialises on this int, and would recompile every step.
             self._sr_offset += 2 * x2d.shape[0] * self.out_features
         if path == "blockwise":
-            out = _Fp8LinearFunction.apply(x2d, weight, bias, self.recipe, offset, native)
+            out = _fp8_linear(x2d, weight, bias, self.recipe, offset, native)
         elif path == "mx":
-            out = _MxLinearFunction.apply(x2d, weight, bias, self.recipe, native)
+            out = _mx_linear(x2d, weight, bias, self.recipe, native)
         else:
-            out = _Fp8LinearRotatedFunction.apply(x2d, weight, self.recipe, offset, native)
+            out = _fp8_hadamard_linear(x2d, weight, self.recipe, offset, native)
             if bias is not None:
                 out = out + bias.to(out.dtype)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)

@@ -48,6 +48,18 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
+def _gemm_out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype an FP8 GEMM writes: that of the tensor its result stands for (the activation
+    for forward and dgrad, the weight for wgrad), so an FP8 layer differs from a bf16-GEMM one
+    only in its operands' format. float32 master weights get float32 weight gradients (like
+    Transformer Engine's main-grad). cuBLAS on the H200 writes float32 and bfloat16 for all
+    three scalings (1x128 x 128x128, 1x128 x 1x128, tensorwise; probed 2026-12-01); other
+    dtypes get bfloat16. Every path, native or emulated, rounds the same way, or CPU quality
+    runs would not predict GPU ones."""
+    probed = (torch.float32, torch.bfloat16)  # float16 output was not probed on the H200
+    return dtype if dtype in probed else torch.bfloat16
+
+
 def backend_for_capability(device_type: str, capability: tuple[int, int] | None) -> str:
     """``"sm90"``, ``"sm100"`` or ``"emulated"`` for a device type and CUDA capability."""
     if device_type != "cuda" or capability is None:
@@ -176,7 +188,22 @@ def scaled_mm_nt(
     ``a_kind`` / ``b_kind``: ``"1x128"``, ``"128x128"`` (``b`` only) or ``"tensorwise"``.
     With ``native`` the GEMM is ``torch._scaled_mm`` (float32 accumulation, ``out_dtype``
     result); if torch rejects the call it warns once and falls back to the emulation.
+    Runs the ``gem_precision::scaled_mm_nt`` operator (see :mod:`gem_precision.ops`).
     """
+    for name, kind in (("a_kind", a_kind), ("b_kind", b_kind)):
+        if kind not in _KINDS:
+            raise ValueError(f"{name} must be one of {_KINDS}, got {kind!r}")
+    return torch.ops.gem_precision.scaled_mm_nt(
+        a_data, a_scale, a_kind, b_data, b_scale, b_kind, out_dtype, native, bias
+    )
+
+
+_KINDS = ("1x128", "128x128", "tensorwise")
+
+
+def _scaled_mm_nt(a_data, a_scale, a_kind, b_data, b_scale, b_kind, out_dtype, native, bias):
+    """:func:`scaled_mm_nt` on checked arguments: the body of its operator, and what the
+    linear operators call."""
     rows = a_data.shape[0]
     if native:
         # Block-scaled operands: K padded to a multiple of 4 blocks of 128, which also makes
