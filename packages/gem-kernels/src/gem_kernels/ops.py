@@ -40,8 +40,8 @@ chooses between the Triton kernels and the PyTorch reference at run time. A trac
 (``triton_op``) body cannot read tensor values, so the operators stay opaque to Inductor; the
 kernels are hand-fused already. They are defined with ``torch.library.Library`` and get their
 fake and autograd implementations from ``torch.library.register_fake`` / ``register_autograd``
-(see :func:`_operator` for why not ``torch.library.custom_op``). Each backward operator's own
-autograd formula raises: the backward is once-differentiable, as before.
+(``gem_kernels.library.OperatorLibrary`` says why not ``torch.library.custom_op``). Each
+backward operator's own autograd formula raises: the backward is once-differentiable.
 
 What runs at call time, inside the operator (never traced, so never a graph break, in eager
 and compiled code alike): the checks that read offsets values (start at 0, non-decreasing,
@@ -66,6 +66,7 @@ import torch
 
 from gem_kernels import reference
 from gem_kernels.jagged import host_lengths, validate_offsets
+from gem_kernels.library import OperatorLibrary
 
 __all__ = ["BACKENDS", "PRECISIONS", "check_jagged_pair", "check_max_len"]
 
@@ -109,36 +110,9 @@ _BLOCK_BACKWARD_SCHEMA = (
     "SymInt block_size, float rope_theta, float scale, str backend) -> (Tensor, Tensor, Tensor)"
 )
 
-_LIB = torch.library.Library("gem_kernels", "FRAGMENT")  # owns the registrations below
-
-
-def _operator(name: str, schema: str):
-    """Decorator: defines ``gem_kernels::<name>`` with ``schema`` and registers the function as
-    its implementation for every device (it dispatches to Triton or the reference itself).
-
-    Not ``torch.library.custom_op``: that wraps the implementation in ``torch._disable_dynamo``,
-    which imports ``torch._dynamo`` at the first call, and with it ``triton.language`` compiled,
-    after which the Triton interpreter (CPU tests) cannot run in the process; and its wrapper
-    and aliasing check cost host time on every eager call. The operator is the same to the
-    dispatcher, ``opcheck`` and ``torch.compile``."""
-
-    def register(impl: Callable) -> Callable:
-        _LIB.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
-        _LIB.impl(name, impl, "CompositeExplicitAutograd")
-        return impl
-
-    return register
-
-
-def _fake(name: str):
-    """Decorator: the function is the fake (meta) implementation of ``gem_kernels::<name>``."""
-    return torch.library.register_fake(f"gem_kernels::{name}", lib=_LIB)
-
-
-def _autograd(name: str, backward: Callable, setup_context: Callable | None = None) -> None:
-    torch.library.register_autograd(
-        f"gem_kernels::{name}", backward, setup_context=setup_context, lib=_LIB
-    )
+_LIBRARY = OperatorLibrary("gem_kernels")
+_operator, _fake, _autograd = _LIBRARY.operator, _LIBRARY.fake, _LIBRARY.autograd
+_once_differentiable = _LIBRARY.once_differentiable
 
 
 def _qkv_autograd(name: str, *, num_inputs: int, saved: int, options_from: int) -> None:
@@ -162,16 +136,6 @@ def _qkv_autograd(name: str, *, num_inputs: int, saved: int, options_from: int) 
 
     _autograd(name, backward, setup_context)
     _once_differentiable(f"{name}_backward")
-
-
-def _once_differentiable(name: str) -> None:
-    """A backward operator's own gradient is not implemented (the kernels' backward is
-    once-differentiable): differentiating it raises instead of returning nothing."""
-
-    def backward(ctx, *grads):
-        raise RuntimeError(f"gem_kernels::{name} is not differentiable (no double backward)")
-
-    _autograd(name, backward)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,9 +52,10 @@ raise when differentiated: the linears are once-differentiable, as before.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
+from gem_kernels.library import OperatorLibrary
 
 from gem_precision.blockwise import BLOCK, Fp8Operand, _quantize_operand
 from gem_precision.mx import MXTensor, quantize_mx
@@ -93,30 +94,9 @@ _MX_LINEAR_BACKWARD_SCHEMA = (
     "bool need_x, bool need_w, bool need_b, bool native) -> Tensor[]"
 )
 
-_LIB = torch.library.Library("gem_precision", "FRAGMENT")  # owns the registrations below
-
-
-def _operator(name: str, schema: str):
-    """Decorator: defines ``gem_precision::<name>`` with ``schema`` and registers the function
-    as its implementation for every device (it picks its backend itself)."""
-
-    def register(impl: Callable) -> Callable:
-        _LIB.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
-        _LIB.impl(name, impl, "CompositeExplicitAutograd")
-        return impl
-
-    return register
-
-
-def _fake(name: str):
-    """Decorator: the function is the fake (meta) implementation of ``gem_precision::<name>``."""
-    return torch.library.register_fake(f"gem_precision::{name}", lib=_LIB)
-
-
-def _autograd(name: str, backward: Callable, setup_context: Callable | None = None) -> None:
-    torch.library.register_autograd(
-        f"gem_precision::{name}", backward, setup_context=setup_context, lib=_LIB
-    )
+_LIBRARY = OperatorLibrary("gem_precision")
+_operator, _fake, _autograd = _LIBRARY.operator, _LIBRARY.fake, _LIBRARY.autograd
+_once_differentiable = _LIBRARY.once_differentiable
 
 
 def _not_differentiable(name: str) -> None:
@@ -130,16 +110,6 @@ def _not_differentiable(name: str) -> None:
         raise RuntimeError(f"gem_precision::{name} is not differentiable")
 
     _autograd(name, backward, setup_context)
-
-
-def _once_differentiable(name: str) -> None:
-    """A backward operator's own gradient is not implemented: differentiating it raises
-    instead of returning nothing."""
-
-    def backward(ctx, *grads):
-        raise RuntimeError(f"gem_precision::{name} is not differentiable (no double backward)")
-
-    _autograd(name, backward)
 
 
 def _unaliased(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor | None]):
