@@ -40,6 +40,7 @@ __all__ = [
     "Timed",
     "autograd_provider",
     "command_line",
+    "config_variant",
     "fastest",
     "grad_leaves",
     "max_abs_error",
@@ -125,6 +126,25 @@ def tuning_path(machine: str, name: str) -> Path:
     """``benchmarks/results/<machine>/tuning/<name>``: where exploration (``benchmarks/tune/``)
     writes, apart from the benchmarks' results."""
     return RESULTS / machine / "tuning" / name
+
+
+def config_variant(text: str, base: T) -> tuple[str, T]:
+    """``NAME:FIELD=VALUE,...`` (a tuning script's ``--variant``) -> ``(NAME, base with those
+    fields)``; ``base`` is a dataclass, values are parsed by the fields' annotations (bool:
+    ``1`` / ``true`` / ``yes``). A ``ValueError`` names what is wrong."""
+    name, _, changes = text.partition(":")
+    if not name or not changes:
+        raise ValueError(f"--variant must be NAME:FIELD=VALUE[,...], got {text!r}")
+    kinds = {field.name: str(field.type) for field in dataclasses.fields(base)}
+    fields: dict[str, object] = {}
+    for item in changes.split(","):
+        key, _, value = item.partition("=")
+        kind = kinds.get(key)
+        if kind is None:
+            raise ValueError(f"--variant {name}: {key!r} is not a {type(base).__name__} field")
+        parse = {"bool": lambda v: v.lower() in ("1", "true", "yes"), "int": int, "float": float}
+        fields[key] = parse.get(kind.removeprefix("<class '").removesuffix("'>"), str)(value)
+    return name, dataclasses.replace(base, **fields)
 
 
 def require_cuda() -> None:

@@ -46,11 +46,17 @@ from gem_precision import (  # noqa: E402
     quantize_mx_triton,
     quantize_operand,
 )
-from harness import command_line, median_ms, meta, tuning_path, write_results  # noqa: E402
+from harness import (  # noqa: E402
+    command_line,
+    config_variant,
+    median_ms,
+    meta,
+    tuning_path,
+    write_results,
+)
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 FIELDS = ("data", "scale", "data_t", "scale_t")
-_CONFIG_FIELDS = {f.name: f.type for f in dataclasses.fields(OperandKernelConfig)}
 
 #: operand -> (quantize_operand keyword arguments, bytes moved per element of x: 2 read,
 #: 1 per FP8 layout written, 4 per 128 elements for each layout's scales, 4 per 128 rows for
@@ -62,24 +68,6 @@ OPERANDS = {
     "rows": (dict(kind="1x128", cols=False), (3, 4)),
     "w": (dict(kind="128x128"), (4, 0)),
 }
-
-
-def parse_variant(text: str) -> tuple[str, OperandKernelConfig]:
-    """``name:field=value,...`` -> (name, the shipped config with those fields)."""
-    name, _, changes = text.partition(":")
-    if not name or not changes:
-        raise ValueError(f"--variant must be NAME:FIELD=VALUE[,...], got {text!r}")
-    fields = {}
-    for item in changes.split(","):
-        key, _, value = item.partition("=")
-        kind = _CONFIG_FIELDS.get(key)
-        if kind is None:
-            raise ValueError(f"--variant {name}: {key!r} is not an OperandKernelConfig field")
-        if kind in ("bool", bool):
-            fields[key] = value.lower() in ("1", "true", "yes")
-        else:
-            fields[key] = float(value) if kind in ("float", float) else int(value)
-    return name, dataclasses.replace(OperandKernelConfig(), **fields)
 
 
 def parse_sizes(text: str, names: tuple[str, ...]) -> tuple[int, ...]:
@@ -159,7 +147,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     try:
-        variants = dict(parse_variant(text) for text in args.variant)
+        variants = dict(config_variant(text, OperandKernelConfig()) for text in args.variant)
         mx_shape = ("ROWS", "COLS", "WARPS")
         mx_variants = [MxKernelConfig(*parse_sizes(t, mx_shape)) for t in args.mx_variant]
         norm_variants = [parse_sizes(t, ("ROWS", "WARPS")) for t in args.norm_variant]

@@ -17,7 +17,6 @@ is always timed in the same run. What was measured and why the defaults are what
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -26,28 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_gdpa as bench  # noqa: E402
-from harness import Run, require_cuda, tuning_path  # noqa: E402
+from harness import Run, config_variant, require_cuda, tuning_path  # noqa: E402
 
 gt = bench.gt
-
-_FIELDS = {field.name: field.type for field in dataclasses.fields(gt.GdpaTritonConfig)}
-
-
-def parse_variant(text: str, base: gt.GdpaTritonConfig) -> tuple[str, gt.GdpaTritonConfig]:
-    """``name:field=value,...`` -> (name, ``base`` with those fields)."""
-    name, _, changes = text.partition(":")
-    if not name or not changes:
-        raise ValueError(f"--variant must be NAME:FIELD=VALUE[,...], got {text!r}")
-    fields = {}
-    for item in changes.split(","):
-        key, _, value = item.partition("=")
-        if key not in _FIELDS:
-            raise ValueError(f"--variant {name}: {key!r} is not a GdpaTritonConfig field")
-        kind = _FIELDS[key]
-        fields[key] = value if kind in ("str", str) else (
-            value.lower() in ("1", "true") if kind in ("bool", bool) else int(value)
-        )  # fmt: skip
-    return name, dataclasses.replace(base, **fields)
 
 
 def main() -> None:
@@ -63,7 +43,7 @@ def main() -> None:
     args = parser.parse_args()
     base = gt.GDPA_CONFIGS[args.base].config
     try:
-        variants = dict(parse_variant(text, base) for text in args.variant)
+        variants = dict(config_variant(text, base) for text in args.variant)
     except ValueError as error:
         parser.error(str(error))
     require_cuda()
