@@ -60,7 +60,7 @@ def _jfa(max_len: int, batch: int, causal: bool, bias: str | None = None):
     case = bj.Case(batch, max_len, causal, None, "cuda")
     extra = {}
     if bias is not None:
-        rel, jagged = bj._bias_inputs(case, "cuda", jagged=bias == "jagged")
+        rel, jagged = bj.bias_inputs(case, "cuda", jagged=bias == "jagged")
         extra = {"rel": rel} if bias == "rel" else {"jagged": jagged}
     return _fresh_grads(*bj.provider_gem(case, **extra)[1:])
 
