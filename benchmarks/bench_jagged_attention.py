@@ -186,7 +186,6 @@ def bias_inputs(case: Case, device, jagged: bool):
     return rel, torch.randn(H, pairs, generator=gen, device=device, dtype=DTYPE)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Providers: case -> Timed (or raise NotImplementedError: the peer cannot do this case).
 
