@@ -126,6 +126,30 @@ def test_opcheck_gdpa(case):
     _opcheck(torch.ops.gem_kernels.gdpa_backward.default, backward_args)
 
 
+@pytest.mark.parametrize("case", ["self_causal_relu2", "cross_window_silu", "pma_gelu"])
+def test_opcheck_gdpa_fp8(case):
+    """The ``precision`` argument (the FP8 emulation on CPU, bfloat16 inputs)."""
+    q_lengths, k_lengths, act, causal, (left, right) = {
+        "self_causal_relu2": (LENGTHS, None, "relu2", True, (None, None)),
+        "cross_window_silu": (LENGTHS, CROSS_K, "silu", False, (1, 0)),
+        "pma_gelu": (None, CROSS_K, "gelu", False, (None, None)),
+    }[case]
+    gen = torch.Generator().manual_seed(5)
+    keys = k_lengths or q_lengths
+    q = _randn(3 if q_lengths is None else sum(q_lengths), H, D, gen=gen)
+    q = q.bfloat16().detach().requires_grad_(True)
+    k, v = (_randn(sum(keys), H, D, gen=gen).bfloat16().detach().requires_grad_(True)
+            for _ in range(2))  # fmt: skip
+    q_offsets = None if q_lengths is None else offsets_of(q_lengths)
+    k_offsets = None if k_lengths is None else offsets_of(k_lengths)
+    rest = (act, 0.6, causal, left, right, case == "pma_gelu", "auto", "fp8")
+    _opcheck(torch.ops.gem_kernels.gdpa.default, (q, k, v, q_offsets, k_offsets, 5, 5, *rest))
+    out = torch.ops.gem_kernels.gdpa(q, k, v, q_offsets, k_offsets, None, None, *rest)
+    grad_out = torch.randn(out.shape, generator=gen).bfloat16()
+    backward_args = (grad_out, q.detach(), k.detach(), v.detach(), q_offsets, k_offsets, *rest)
+    _opcheck(torch.ops.gem_kernels.gdpa_backward.default, backward_args)
+
+
 @pytest.mark.parametrize("with_positions", [True, False])
 def test_opcheck_block_attention(with_positions):
     gen = torch.Generator().manual_seed(2)
@@ -290,6 +314,35 @@ def test_compile_fullgraph_fp8_matches_eager():
             .bfloat16()
             .requires_grad_(True)
             for i in range(3)
+        ]
+        out = fn(*leaves, offsets)
+        out.float().square().sum().backward()
+        results.append([out, *(t.grad for t in leaves)])
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert dict(counters["graph_break"]) == {}
+
+
+def test_compile_fullgraph_gdpa_fp8_matches_eager():
+    """``gdpa(..., precision="fp8")`` compiles without a graph break (self and PMA calls);
+    forward and gradients equal eager."""
+    from torch._dynamo.utils import counters
+
+    def tower(q, k, v, pma_q, offsets):
+        x = gdpa(q, k, v, offsets, causal=True, activation="relu2", precision="fp8")
+        pooled = gdpa(pma_q, x, x, None, offsets, activation="silu", precision="fp8")
+        return pooled
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(tower, backend="aot_eager", fullgraph=True)
+    offsets = offsets_of(LENGTHS)
+    results = []
+    for fn in (tower, compiled):
+        gen = torch.Generator().manual_seed(6)
+        leaves = [
+            torch.randn(rows, H, D, generator=gen).bfloat16().requires_grad_(True)
+            for rows in (sum(LENGTHS),) * 3 + (2,)
         ]
         out = fn(*leaves, offsets)
         out.float().square().sum().backward()

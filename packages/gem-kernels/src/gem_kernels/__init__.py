@@ -3,12 +3,14 @@
 ``jagged_flash_attention`` runs Triton kernels for CUDA fp16/bf16 inputs and the PyTorch
 reference everywhere else; ``gdpa`` and ``block_attention`` do the same with their own Triton
 kernels. ``gem_kernels.reference`` is the test oracle and the CPU path (with an emulation of
-the FP8 kernels for ``jagged_flash_attention(..., precision="fp8")``).
+the FP8 kernels for ``jagged_flash_attention(..., precision="fp8")`` and
+``gdpa(..., precision="fp8")``).
 """
 
 from gem_kernels.attention import (
     BLOCK_ATTENTION_BACKENDS,
     GDPA_BACKENDS,
+    GDPA_PRECISIONS,
     JFA_BACKENDS,
     JFA_PRECISIONS,
     block_attention,
@@ -25,6 +27,7 @@ from gem_kernels.jagged import (
 __all__ = [
     "BLOCK_ATTENTION_BACKENDS",
     "GDPA_BACKENDS",
+    "GDPA_PRECISIONS",
     "JFA_BACKENDS",
     "JFA_PRECISIONS",
     "block_attention",

@@ -33,11 +33,20 @@ Conventions shared by the kernels:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import triton
 import triton.language as tl
 
 from gem_kernels.reference import _GELU_FAST_COEFFS
+from gem_kernels.triton_loader import interpret_requested, load_kernel_module
+
+# The E4M3 cast (with the interpreter's rounding workaround) is JFA's: loaded from its kernel
+# file in this file's mode (the loader sets TRITON_INTERPRET while executing this file).
+_to_e4m3 = load_kernel_module(
+    Path(__file__).with_name("_jfa_kernels.py"), interpret_requested()
+)._to_e4m3
 
 # Columns of a work-table row (gdpa_triton builds the table).
 TABLE_WIDTH = 12
@@ -58,6 +67,18 @@ _GF1 = tl.constexpr(_GELU_FAST_COEFFS[1])
 _GF2 = tl.constexpr(_GELU_FAST_COEFFS[2])
 _GF3 = tl.constexpr(_GELU_FAST_COEFFS[3])
 _GF4 = tl.constexpr(_GELU_FAST_COEFFS[4])
+
+
+@triton.jit
+def _act_scale(amax):
+    """(scale, 1 / scale) of A's FP8 cast from its non-negative float32 absolute maximum:
+    ``2^(floor(log2 amax) - 7)`` from the exponent bits, clamped to [2^-126, 2^120] (exact, and
+    the same bits as ``reference._pow2_floor_scale``): ``amax / scale`` lies in [128, 256)."""
+    exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 7
+    exponent = tl.minimum(tl.maximum(exponent, 1), 247)
+    scale = (exponent << 23).to(tl.float32, bitcast=True)
+    inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)
+    return scale, inverse
 
 
 @triton.jit
@@ -429,13 +450,22 @@ def _fwd_inner(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr,
+    FP8: tl.constexpr = False, q_scale=1.0, ks_base=0, vs_base=0, num_heads=1,
 ):  # fmt: skip
+    """``FP8``: q, k, v are E4M3 (``q_scale`` the query tile's power-of-two scale, ``ks_base`` /
+    ``vs_base`` the keys' / values' per-token scales, token stride ``num_heads``: every key
+    tile lies inside one quantisation block); A is cast to E4M3 for A V with one power-of-two
+    scale per row of this key tile (``reference.FP8_ACT_TILE`` keys, from the row's maximum:
+    a scale must be constant along the GEMM's reduction)."""
     for start in range(start_n, end_n, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < k_len
         kt = _load_tile(k_base, offs_n, n_ok, stride_kt, offs_d, HEAD_DIM, MASKED, EVEN_D, True)
         v = _load_tile(v_base, offs_n, n_ok, stride_vt, offs_d, HEAD_DIM, MASKED, EVEN_D, False)
-        s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
+        tile_scale = scale
+        if FP8:  # dequantisation folded into the score scale (powers of two: exact)
+            tile_scale = scale * (q_scale * tl.load(ks_base + start * num_heads))
+        s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * tile_scale
         if PACKED:  # noqa: SIM108 (constexpr branch: only one side is compiled)
             p = _act_packed(s, PACKED)
         else:
@@ -446,7 +476,13 @@ def _fwd_inner(
                 HAS_LEFT, HAS_RIGHT,
             )  # fmt: skip
             p = tl.where(visible, p, 0.0)
-        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
+        if FP8:
+            a_scale, a_inv = _act_scale(tl.max(tl.abs(p), 1))
+            a8 = _to_e4m3(p * a_inv[:, None], v.dtype, UPCAST)
+            pv_scale = a_scale * tl.load(vs_base + start * num_heads)
+            acc += _dot(a8, v, None, DOT_PRECISION, UPCAST) * pv_scale[:, None]
+        else:
+            acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
     return acc
 
 
@@ -546,6 +582,7 @@ def gdpa_fwd_kernel(
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     PACKED: tl.constexpr, ONE_LOOP: tl.constexpr = False, KV_TMA: tl.constexpr = False,
     PIPELINE: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False, q_rows=0, k_rows=0,
+    FP8: tl.constexpr = False, qs_ptr=0, ks_ptr=0, vs_ptr=0, num_heads=1,
 ):  # fmt: skip
     """Items are (query tile, head); each loops over the key tiles its rows see.
 
@@ -554,7 +591,10 @@ def gdpa_fwd_kernel(
     that end at the sample's last key, and ``PIPELINE`` overlaps the next tile's ``Q K^T``
     with this tile's activation by hand. ``WARP_SPECIALIZE`` (one loop, contiguous (T, H, D)
     inputs with ``q_rows`` / ``k_rows`` rows, HEAD_DIM a power of two): see
-    :func:`_fwd_ws_loop`; Q is loaded through a whole-tensor descriptor too."""
+    :func:`_fwd_ws_loop`; Q is loaded through a whole-tensor descriptor too.
+
+    ``FP8`` (phased loop only: the host turns the others off): q, k, v are E4M3 with per-token
+    power-of-two scales ``qs_ptr`` / ``ks_ptr`` / ``vs_ptr`` ``(tokens, heads)``."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     USE_ONE_LOOP: tl.constexpr = ONE_LOOP and not HAS_LEFT and not HAS_RIGHT
     WS: tl.constexpr = WARP_SPECIALIZE and USE_ONE_LOOP
@@ -599,6 +639,13 @@ def gdpa_fwd_kernel(
             lo_t, full_lo, full_hi, hi_t, range_lo, range_hi
         )
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        q_scale8 = 1.0
+        ks_base = ks_ptr
+        vs_base = vs_ptr
+        if FP8:
+            q_scale8 = tl.load(qs_ptr + (q_start + m0) * num_heads + head)
+            ks_base = ks_ptr + k_start * num_heads + head
+            vs_base = vs_ptr + k_start * num_heads + head
         if WS:
             acc = _fwd_ws_loop(
                 acc, q, k_all, v_all, k_start.to(tl.int32), (head * HEAD_DIM).to(tl.int32),
@@ -628,18 +675,21 @@ def gdpa_fwd_kernel(
                 shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED,
+                FP8=FP8, q_scale=q_scale8, ks_base=ks_base, vs_base=vs_base, num_heads=num_heads,
             )  # fmt: skip
             acc = _fwd_inner(
                 acc, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m, offs_d,
                 shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_N, ACT, False, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED,
+                FP8=FP8, q_scale=q_scale8, ks_base=ks_base, vs_base=vs_base, num_heads=num_heads,
             )  # fmt: skip
             acc = _fwd_inner(
                 acc, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m, offs_d,
                 shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED,
+                FP8=FP8, q_scale=q_scale8, ks_base=ks_base, vs_base=vs_base, num_heads=num_heads,
             )  # fmt: skip
         if NORMALIZE:
             acc = acc * (1.0 / tl.maximum(k_len, 1).to(tl.float32))
@@ -837,13 +887,27 @@ def _dkdv_inner(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, NO_SCORE_MASK: tl.constexpr,
     dq_base=None, stride_dqt=0, dq_scale=1.0, FUSED_DQ: tl.constexpr = False,
+    FP8: tl.constexpr = False, q8_base=0, do8_base=0, k_scale=1.0, qs_base=0, dos_base=0,
+    num_heads=1,
 ):  # fmt: skip
+    """``FP8``: ``k`` is the E4M3 key tile (scale ``k_scale``); the scores are recomputed from it
+    and the E4M3 queries at ``q8_base`` (the forward's values); dV = A^T dO runs in FP8 with
+    one power-of-two A scale per key of this query tile (``reference.FP8_ACT_TILE`` queries)
+    and the E4M3 dO at ``do8_base``. ``qs_base`` / ``dos_base``: per-token scales of q / dO (token
+    stride ``num_heads``). dA and dK keep the input-precision v, dO and q."""
     for start in range(start_m, end_m, BLOCK_M):
         offs_m = start + tl.arange(0, BLOCK_M)
         m_ok = offs_m < q_len
         qt = _load_tile(q_base, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, MASKED, EVEN_D, True)
         do = _load_tile(do_base, offs_m, m_ok, stride_dot, offs_d, HEAD_DIM, MASKED, EVEN_D, False)
-        st = _dot(k, qt, None, DOT_PRECISION, UPCAST) * scale  # (keys, queries)
+        if FP8:
+            q8t = _load_tile(
+                q8_base, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, MASKED, EVEN_D, True
+            )
+            qk_s = k_scale * tl.load(qs_base + start * num_heads)
+            st = _dot(k, q8t, None, DOT_PRECISION, UPCAST) * (scale * qk_s)
+        else:
+            st = _dot(k, qt, None, DOT_PRECISION, UPCAST) * scale  # (keys, queries)
         dpt = _dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST)
         if PACKED:
             pt, dst = _act_grad_packed(st, dpt, PACKED)
@@ -858,7 +922,16 @@ def _dkdv_inner(
             pt = tl.where(visible, pt, 0.0)
             dst = tl.where(visible, dst, 0.0)
         dst = dst.to(qt.dtype)
-        dv = _dot(pt.to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
+        if FP8:
+            do8 = _load_tile(
+                do8_base, offs_m, m_ok, stride_dot, offs_d, HEAD_DIM, MASKED, EVEN_D, False
+            )
+            a_scale, a_inv = _act_scale(tl.max(tl.abs(pt), 1))
+            a8 = _to_e4m3(pt * a_inv[:, None], do8.dtype, UPCAST)
+            pdo_scale = a_scale * tl.load(dos_base + start * num_heads)
+            dv += _dot(a8, do8, None, DOT_PRECISION, UPCAST) * pdo_scale[:, None]
+        else:
+            dv = _dot(pt.to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
         dk = _dot(dst, tl.trans(qt), dk, DOT_PRECISION, UPCAST)
         if FUSED_DQ:  # this key tile's share of dQ rows, added in float32 (order not fixed)
             dq = _dot(tl.trans(dst), k, None, DOT_PRECISION, UPCAST) * dq_scale
@@ -882,11 +955,16 @@ def gdpa_bwd_dkdv_kernel(
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     PACKED: tl.constexpr, ONE_LOOP: tl.constexpr = False,
     dq_ptr=None, stride_dqt=0, stride_dqh=0, FUSED_DQ: tl.constexpr = False,
+    FP8: tl.constexpr = False, q8_ptr=0, do8_ptr=0, qs_ptr=0, ks_ptr=0, dos_ptr=0, num_heads=1,
 ):  # fmt: skip
     """Items are (key tile, head); each loops over the query tiles that see its keys and
     writes its dK, dV rows once (no atomics). ``FUSED_DQ``: the same loop also adds each
     tile's dQ rows into a zeroed float32 ``dq_ptr`` (atomics; no separate dQ kernel, S and dP
-    computed once)."""
+    computed once).
+
+    ``FP8`` (never fused): ``k_ptr`` holds the E4M3 keys, ``q8_ptr`` / ``do8_ptr`` the E4M3
+    queries / dO (same strides as q / dO), ``qs_ptr`` / ``ks_ptr`` / ``dos_ptr`` their
+    per-token scales ``(tokens, heads)``."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     USE_ONE_LOOP: tl.constexpr = ONE_LOOP and not HAS_LEFT and not HAS_RIGHT
     offs_d = tl.arange(0, BLOCK_D)
@@ -922,6 +1000,17 @@ def gdpa_bwd_dkdv_kernel(
         )
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        q8_base = q8_ptr
+        do8_base = do8_ptr
+        qs_base = qs_ptr
+        dos_base = dos_ptr
+        k_scale8 = 1.0
+        if FP8:
+            q8_base = q8_ptr + q_start * stride_qt + head * stride_qh
+            do8_base = do8_ptr + out_start * stride_dot + head * stride_doh
+            qs_base = qs_ptr + q_start * num_heads + head
+            dos_base = dos_ptr + out_start * num_heads + head
+            k_scale8 = tl.load(ks_ptr + (k_start + n0) * num_heads + head)
         dq_base = dq_ptr
         dq_scale = scale
         if FUSED_DQ:
@@ -934,6 +1023,8 @@ def gdpa_bwd_dkdv_kernel(
                 offs_d, shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, True, dq_base, stride_dqt, dq_scale, FUSED_DQ,
+                FP8=FP8, q8_base=q8_base, do8_base=do8_base, k_scale=k_scale8, qs_base=qs_base,
+                dos_base=dos_base, num_heads=num_heads,
             )  # fmt: skip
         else:
             dk, dv = _dkdv_inner(
@@ -941,18 +1032,24 @@ def gdpa_bwd_dkdv_kernel(
                 shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, False, dq_base, stride_dqt, dq_scale, FUSED_DQ,
+                FP8=FP8, q8_base=q8_base, do8_base=do8_base, k_scale=k_scale8, qs_base=qs_base,
+                dos_base=dos_base, num_heads=num_heads,
             )  # fmt: skip
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, full_lo, full_hi, offs_n,
                 offs_d, shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_M, ACT, False, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, False, dq_base, stride_dqt, dq_scale, FUSED_DQ,
+                FP8=FP8, q8_base=q8_base, do8_base=do8_base, k_scale=k_scale8, qs_base=qs_base,
+                dos_base=dos_base, num_heads=num_heads,
             )  # fmt: skip
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, full_hi, hi_t, offs_n, offs_d,
                 shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, False, dq_base, stride_dqt, dq_scale, FUSED_DQ,
+                FP8=FP8, q8_base=q8_base, do8_base=do8_base, k_scale=k_scale8, qs_base=qs_base,
+                dos_base=dos_base, num_heads=num_heads,
             )  # fmt: skip
         dk_scale = scale
         if NORMALIZE:
@@ -983,13 +1080,24 @@ def _dq_inner(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, NO_SCORE_MASK: tl.constexpr,
+    FP8: tl.constexpr = False, k8_base=0, ks_base=0, q_scale=1.0, num_heads=1,
 ):  # fmt: skip
+    """``FP8``: ``q`` is the E4M3 query tile (scale ``q_scale``); the scores are recomputed from
+    it and the E4M3 keys at ``k8_base`` (per-token scales at ``ks_base``, token stride
+    ``num_heads``); dA and dQ keep the input-precision v, dO and k."""
     for start in range(start_n, end_n, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < k_len
         kt = _load_tile(k_base, offs_n, n_ok, stride_kt, offs_d, HEAD_DIM, MASKED, EVEN_D, True)
         vt = _load_tile(v_base, offs_n, n_ok, stride_vt, offs_d, HEAD_DIM, MASKED, EVEN_D, True)
-        s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
+        if FP8:
+            k8t = _load_tile(
+                k8_base, offs_n, n_ok, stride_kt, offs_d, HEAD_DIM, MASKED, EVEN_D, True
+            )
+            qk_s = q_scale * tl.load(ks_base + start * num_heads)
+            s = _dot(q, k8t, None, DOT_PRECISION, UPCAST) * (scale * qk_s)
+        else:
+            s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
         dp = _dot(do, vt, None, DOT_PRECISION, UPCAST)
         if PACKED:
             ds = _ds_packed(s, dp, PACKED)
@@ -1018,10 +1126,14 @@ def gdpa_bwd_dq_kernel(
     BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     PACKED: tl.constexpr, ONE_LOOP: tl.constexpr = False,
+    FP8: tl.constexpr = False, k8_ptr=0, qs_ptr=0, ks_ptr=0, num_heads=1,
 ):  # fmt: skip
     """Items are (query tile, head); each loops over the key tiles its rows see (or the
     item's key range). dQ rows go to ``dst_start``: for PMA that is a partial buffer with one
-    row block per (sample, key chunk) that the host sums (deterministic, no atomics)."""
+    row block per (sample, key chunk) that the host sums (deterministic, no atomics).
+
+    ``FP8``: ``q_ptr`` holds the E4M3 queries, ``k8_ptr`` the E4M3 keys (same strides as k),
+    ``qs_ptr`` / ``ks_ptr`` their per-token scales ``(tokens, heads)``."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     USE_ONE_LOOP: tl.constexpr = ONE_LOOP and not HAS_LEFT and not HAS_RIGHT
     offs_d = tl.arange(0, BLOCK_D)
@@ -1056,12 +1168,20 @@ def gdpa_bwd_dq_kernel(
             lo_t, full_lo, full_hi, hi_t, range_lo, range_hi
         )
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        k8_base = k8_ptr
+        ks_base = ks_ptr
+        q_scale8 = 1.0
+        if FP8:
+            k8_base = k8_ptr + k_start * stride_kt + head * stride_kh
+            ks_base = ks_ptr + k_start * num_heads + head
+            q_scale8 = tl.load(qs_ptr + (q_start + m0) * num_heads + head)
         if USE_ONE_LOOP:  # every key tile in one loop, loads masked, no score mask
             dq = _dq_inner(
                 dq, q, do, k_base, v_base, stride_kt, stride_vt, lo_t, hi_t, offs_m, offs_d,
                 shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, True,
+                FP8=FP8, k8_base=k8_base, ks_base=ks_base, q_scale=q_scale8, num_heads=num_heads,
             )  # fmt: skip
         else:
             dq = _dq_inner(
@@ -1069,18 +1189,21 @@ def gdpa_bwd_dq_kernel(
                 shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, False,
+                FP8=FP8, k8_base=k8_base, ks_base=ks_base, q_scale=q_scale8, num_heads=num_heads,
             )  # fmt: skip
             dq = _dq_inner(
                 dq, q, do, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m, offs_d,
                 shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_N, ACT, False, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, False,
+                FP8=FP8, k8_base=k8_base, ks_base=ks_base, q_scale=q_scale8, num_heads=num_heads,
             )  # fmt: skip
             dq = _dq_inner(
                 dq, q, do, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m, offs_d,
                 shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, False,
+                FP8=FP8, k8_base=k8_base, ks_base=ks_base, q_scale=q_scale8, num_heads=num_heads,
             )  # fmt: skip
         dq_scale = scale
         if NORMALIZE:

@@ -42,19 +42,23 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _to_e4m3(x, dtype, INTERPRETED: tl.constexpr):
-    """Non-negative float32 ``x`` (at most 448) cast to E4M3 ``dtype``, rounded to nearest.
+    """float32 ``x`` (``|x|`` at most 448) cast to E4M3 ``dtype``, rounded to nearest even.
 
     ``INTERPRETED`` (the kernels' ``UPCAST``, set only under the interpreter): the Triton 3.8
     interpreter's float32 -> float8 cast loses the carry of a mantissa round-up into the exponent
     (125.7 -> 64) and rounds ties away from zero, so the value is first rounded to an E4M3 value
     in float32 (Veltkamp's split to 4 significant bits; below 2^-6, E4M3's subnormal spacing
-    2^-9 via the float32 spacing at 2^14), which the cast then keeps exactly. Compiled kernels
-    use the hardware's round-to-nearest-even cast."""
+    2^-9 via the float32 spacing at 2^14), which the cast then keeps exactly. The magnitude is
+    rounded and the sign put back (the subnormal trick needs |x| + 2^14 inside [2^14, 2^15)).
+    Compiled kernels use the hardware's round-to-nearest-even cast. Shared with the GDPA
+    kernels (``_gdpa_kernels.py`` loads it from this file in the same mode)."""
     if INTERPRETED:
-        t = x * 1048577.0  # 2^20 + 1: keeps 24 - 20 = 4 significant bits
-        normal = t - (t - x)
-        tiny = (x + 16384.0) - 16384.0
-        x = tl.where(x < 0.015625, tiny, normal)
+        a = tl.abs(x)
+        t = a * 1048577.0  # 2^20 + 1: keeps 24 - 20 = 4 significant bits
+        normal = t - (t - a)
+        tiny = (a + 16384.0) - 16384.0
+        a = tl.where(a < 0.015625, tiny, normal)
+        x = tl.where(x < 0.0, -a, a)
     return x.to(dtype)
 
 

@@ -32,6 +32,7 @@ from gem_kernels.jagged import _check_offsets_layout
 __all__ = [
     "BLOCK_ATTENTION_BACKENDS",
     "GDPA_BACKENDS",
+    "GDPA_PRECISIONS",
     "JFA_BACKENDS",
     "JFA_PRECISIONS",
     "block_attention",
@@ -47,6 +48,9 @@ JFA_PRECISIONS = ops.PRECISIONS
 
 #: Accepted values of ``gdpa(backend=...)``.
 GDPA_BACKENDS = ops.BACKENDS
+
+#: Accepted values of ``gdpa(precision=...)``.
+GDPA_PRECISIONS = ops.PRECISIONS
 
 #: Accepted values of ``block_attention(backend=...)``.
 BLOCK_ATTENTION_BACKENDS = ops.BACKENDS
@@ -311,6 +315,7 @@ def gdpa(
     window: tuple[int | None, int | None] | None = None,
     normalize_by_length: bool = False,
     backend: str = "auto",
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """Generalized dot-product attention: ``act(scale * Q K^T) V`` per sample, no softmax.
 
@@ -337,6 +342,13 @@ def gdpa(
             both compute the same function. ``"triton"``: the kernels or a ``ValueError``
             saying why they cannot run (CPU tensors only under ``TRITON_INTERPRET=1``; float32
             runs with IEEE-exact dot products). ``"reference"``: always the PyTorch reference.
+        precision: ``"bf16"`` (default): GEMMs on the input dtype's operands. ``"fp8"``
+            (float16/bfloat16 inputs): q, k, v quantised to E4M3 in blocks of
+            ``reference.FP8_BLOCK`` tokens with power-of-two scales; Q K^T, A V (A divided by a
+            power-of-two scale per query row from a bound on |A|) and the backward's Q K^T
+            recompute and dV = A^T dO (A scaled per key) run in FP8 with float32
+            accumulation, dA = dO V^T, dQ and dK in the input precision. The reference backend
+            runs an emulation with the kernels' numerics (``reference.gdpa_fp8_backward``).
 
     Returns:
         Output in q's dtype: ``(Tq, H, D)``, or ``(B * Nq, H, D)`` in PMA mode.
@@ -363,9 +375,10 @@ def gdpa(
     _check_bool(normalize_by_length, "normalize_by_length")
     left, right = _window_sides(_check_window(window))
     _check_backend(backend, GDPA_BACKENDS)
+    _check_precision(precision, q)
     return _GDPA_OP(
         q, k, v, q_offsets, k_offsets, max_q, max_k, activation, resolved_scale, causal, left,
-        right, normalize_by_length, backend,
+        right, normalize_by_length, backend, precision,
     )  # fmt: skip
 
 

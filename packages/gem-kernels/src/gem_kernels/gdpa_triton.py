@@ -34,6 +34,14 @@ call costs one lengths copy to the host and a dictionary lookup. Host time matte
 forward takes ~0.15 ms on an H200, and an eager call whose host work is longer is bound by it
 (see docs/kernel-tuning.md).
 
+``precision="fp8"``: the host quantises q, k, v (the backward q, k and dO) with
+:func:`gem_kernels.reference.gdpa_fp8_operands` (the emulation's values) and runs the phased
+forward and the split (deterministic) backward with ``FP8=True``. A's E4M3 scales are made in
+the kernels, per row of a ``reference.FP8_ACT_TILE``-key tile (and for dV per key of a query
+tile as long), the tile the config is set to along those reductions. The one-loop, pipelined,
+warp-specialised, short-KV, streamed-PMA and fused-backward variants have no FP8 mode: FP8
+calls run the phased kernels whatever the config says.
+
 CPU tensors run under the Triton interpreter when ``TRITON_INTERPRET=1`` is set at call time.
 """
 
@@ -49,6 +57,7 @@ import numpy as np
 import torch
 
 from gem_kernels import _triton_host as host
+from gem_kernels import reference
 from gem_kernels.triton_loader import load_kernel_module
 
 __all__ = [
@@ -392,20 +401,19 @@ def _kernels(interpret: bool) -> ModuleType:
     return load_kernel_module(_KERNEL_FILE, interpret)
 
 
-def triton_unsupported_reason(q: torch.Tensor) -> str | None:
+def triton_unsupported_reason(q: torch.Tensor, *, precision: str = "bf16") -> str | None:
     """Why the Triton path cannot run this call, or ``None`` when it can.
 
     The Triton path takes float16/bfloat16/float32 on CUDA (float32 with IEEE-exact dot
     products), or CPU tensors when ``TRITON_INTERPRET=1`` is set; head_dim up to
-    ``MAX_TRITON_HEAD_DIM`` (128 for float32).
+    ``MAX_TRITON_HEAD_DIM`` (128 for float32); ``precision="fp8"`` float16/bfloat16 only.
     """
-    return host.unsupported_reason(
-        q,
-        MAX_TRITON_HEAD_DIM,
-        f"float32 with head_dim {q.shape[2]} > 128 needs more shared memory than a GPU has"
-        if q.dtype == torch.float32 and q.shape[2] > 128
-        else None,
-    )
+    extra = None
+    if q.dtype == torch.float32 and q.shape[2] > 128:
+        extra = f"float32 with head_dim {q.shape[2]} > 128 needs more shared memory than a GPU has"
+    elif precision == "fp8" and q.dtype not in (torch.float16, torch.bfloat16):
+        extra = f"precision='fp8' takes float16/bfloat16 inputs, got {q.dtype}"
+    return host.unsupported_reason(q, MAX_TRITON_HEAD_DIM, extra)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -691,8 +699,11 @@ class _Plan:
     dq_partial_blocks: int = 0  # PMA: dQ row blocks (one per (sample, key chunk)) to sum
 
 
-def _pma_block_m(num_queries: int, config: GdpaTritonConfig) -> int:
-    return min(config.fwd_block_m, max(16, 1 << max(0, num_queries - 1).bit_length()))
+def _pma_block_m(num_queries: int, config: GdpaTritonConfig, fp8_compiled: bool = False) -> int:
+    """PMA query tile: Nq padded to a power of two (at least 16; 32 for compiled FP8, whose
+    A^T dO MMA reduces over these rows, 32 per instruction), at most ``fwd_block_m``."""
+    least = 32 if fp8_compiled else 16
+    return min(config.fwd_block_m, max(least, 1 << max(0, num_queries - 1).bit_length()))
 
 
 def _plan(s: _Samples, heads, left, right, config, device, with_backward, interpret, pma_m=0):
@@ -828,6 +839,13 @@ class _Launch:
     config: GdpaTritonConfig
     interpret: bool
     descriptor_layout: bool  # q, k, v readable through whole-tensor descriptors
+    fp8: bool = False
+    q_lengths: torch.Tensor | None = None  # host lengths, kept for the FP8 quantisation
+    k_lengths: torch.Tensor | None = None
+
+
+def _fp8_compiled(launch: _Launch) -> bool:
+    return launch.fp8 and not launch.interpret
 
 
 def _packed_mode(q: torch.Tensor, launch: _Launch) -> int:
@@ -847,16 +865,45 @@ def _packed_mode(q: torch.Tensor, launch: _Launch) -> int:
 
 def _flags(q: torch.Tensor, launch: _Launch) -> dict:
     head_dim = q.shape[2]
+    block_d = host.padded_block(head_dim)
+    if launch.fp8 and not launch.interpret:
+        # FP8 MMAs reduce at least 32 elements per instruction (Hopper's wgmma k = 32): the
+        # Q K^T operands are padded with zeros from head_dim 16 to 32.
+        block_d = max(block_d, 32)
     return {
-        "PACKED": _packed_mode(q, launch),
+        "PACKED": 0 if launch.fp8 else _packed_mode(q, launch),
         "HEAD_DIM": head_dim,
-        "BLOCK_D": host.padded_block(head_dim),
+        "BLOCK_D": block_d,
         "ACT": launch.activation,
         "HAS_LEFT": launch.left is not None,
         "HAS_RIGHT": launch.right is not None,
         "NORMALIZE": launch.normalize,
         **host.dot_flags(q, launch.interpret),
+        # The interpreter multiplies float8 operands through float32 (exact products) and
+        # needs the E4M3 rounding workaround (``_to_e4m3``).
+        **({"UPCAST": True} if launch.fp8 and launch.interpret else {}),
     }
+
+
+@dataclass(frozen=True)
+class _Fp8Operands:
+    """E4M3 q, k, v of an FP8 call with their per-token scales ``(tokens, heads)``
+    (``reference.gdpa_fp8_operands``)."""
+
+    q8: torch.Tensor
+    k8: torch.Tensor
+    v8: torch.Tensor | None
+    q_scale: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor | None
+
+
+def _fp8_operands(q, k, v, launch: _Launch) -> _Fp8Operands:
+    """``v=None`` (the backward, whose dA = dO V^T reads the input-precision v): no v8."""
+    (q8, q_scale), (k8, k_scale), (v8, v_scale) = reference.gdpa_fp8_operands(
+        q, k, v, launch.q_lengths, launch.k_lengths
+    )
+    return _Fp8Operands(q8, k8, v8, q_scale, k_scale, v_scale)
 
 
 def descriptor_layout(q, k, v, *, interpret: bool) -> bool:
@@ -884,6 +931,14 @@ def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tens
     if plan.fwd_partial_rows:  # PMA split-KV: one float32 Nq-row block per (sample, chunk)
         rows = plan.fwd_partial_rows * launch.num_queries
         partial = torch.empty((rows, heads, q.shape[2]), dtype=torch.float32, device=q.device)
+    fp8 = {}
+    if launch.fp8:  # E4M3 copies with the strides of the (contiguous) inputs
+        ops8 = _fp8_operands(q, k, v, launch)
+        q, k, v = ops8.q8, ops8.k8, ops8.v8
+        fp8 = dict(
+            FP8=True, qs_ptr=ops8.q_scale, ks_ptr=ops8.k_scale, vs_ptr=ops8.v_scale,
+            num_heads=heads,
+        )  # fmt: skip
     common = (
         q, k, v, out, plan.fwd, plan.fwd.shape[0],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -898,8 +953,9 @@ def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tens
         )  # fmt: skip
     elif launch.num_queries is not None:
         kernels.gdpa_fwd_kernel[(plan.fwd_grid,)](
-            *common, BLOCK_M=_pma_block_m(launch.num_queries, cfg), BLOCK_N=cfg.pma_block_n,
-            num_warps=cfg.pma_warps, num_stages=cfg.pma_stages, **_flags(q, launch),
+            *common, BLOCK_M=_pma_block_m(launch.num_queries, cfg, _fp8_compiled(launch)),
+            BLOCK_N=cfg.pma_block_n,
+            num_warps=cfg.pma_warps, num_stages=cfg.pma_stages, **_flags(q, launch), **fp8,
         )  # fmt: skip
     else:
         one_loop = cfg.fwd_loop != "phased"
@@ -911,7 +967,7 @@ def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tens
             *common, BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, ONE_LOOP=one_loop,
             KV_TMA=tma, PIPELINE=pipeline, WARP_SPECIALIZE=ws, q_rows=q.shape[0],
-            k_rows=k.shape[0], **flags,
+            k_rows=k.shape[0], **flags, **fp8,
         )  # fmt: skip
     if plan.fwd_combine is not None:
         # Per sample: sum of its chunks' Nq x H x D blocks (normalisation is in the partials).
@@ -964,9 +1020,12 @@ def _segment_sum(src: torch.Tensor, dst: torch.Tensor, combine: torch.Tensor, la
 def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
     cfg = launch.config
     kernels = _kernels(launch.interpret)
-    grad_out = host.unit_stride(grad_out)
+    # FP8: contiguous like q, k, v, so that the E4M3 copy of dO shares its strides.
+    grad_out = grad_out.contiguous() if launch.fp8 else host.unit_stride(grad_out)
     flags = _flags(q, launch)
-    pma_m = 0 if launch.num_queries is None else _pma_block_m(launch.num_queries, cfg)
+    pma_m = 0
+    if launch.num_queries is not None:
+        pma_m = _pma_block_m(launch.num_queries, cfg, _fp8_compiled(launch))
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     # Under torch.use_deterministic_algorithms(True) dQ comes from its own kernel (a fixed
@@ -985,9 +1044,27 @@ def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
         shape = (plan.dkdv_partial_rows, *k.shape[1:])
         dk_part = torch.empty(shape, dtype=torch.float32, device=k.device)
         dv_part = torch.empty(shape, dtype=torch.float32, device=k.device)
+    # FP8: the kernels recompute the scores from the forward's E4M3 q and k (with q's and k's
+    # strides: all contiguous) and take dO in E4M3 for dV = A^T dO.
+    dkdv_fp8, dq_fp8, k_scores, q_scores = {}, {}, k, q
+    if launch.fp8:
+        ops8 = _fp8_operands(q, k, None, launch)
+        out_lengths = launch.q_lengths
+        if launch.num_queries is not None:  # PMA: Nq dO rows per sample
+            out_lengths = torch.full_like(launch.k_lengths, launch.num_queries)
+        do8, do_scale = reference.quantize_fp8_blocks(grad_out, out_lengths)
+        k_scores, q_scores = ops8.k8, ops8.q8
+        heads = q.shape[1]
+        dkdv_fp8 = dict(
+            FP8=True, q8_ptr=ops8.q8, do8_ptr=do8, qs_ptr=ops8.q_scale, ks_ptr=ops8.k_scale,
+            dos_ptr=do_scale, num_heads=heads,
+        )  # fmt: skip
+        dq_fp8 = dict(
+            FP8=True, k8_ptr=ops8.k8, qs_ptr=ops8.q_scale, ks_ptr=ops8.k_scale, num_heads=heads
+        )
     if plan.dkdv_grid > 0:
         kernels.gdpa_bwd_dkdv_kernel[(plan.dkdv_grid,)](
-            q, k, v, grad_out, dk, dv, plan.dkdv, plan.dkdv.shape[0],
+            q, k_scores, v, grad_out, dk, dv, plan.dkdv, plan.dkdv.shape[0],
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1),
             dv.stride(0), dv.stride(1), launch.left or 0, launch.right or 0, launch.scale,
@@ -996,18 +1073,18 @@ def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
             num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
             ONE_LOOP=one_loop, dq_ptr=dq_rows,
             stride_dqt=dq_rows.stride(0), stride_dqh=dq_rows.stride(1), FUSED_DQ=fused_dq,
-            **flags,
+            **flags, **dkdv_fp8,
         )  # fmt: skip
     if plan.dq_grid > 0 and not fused_dq:
         kernels.gdpa_bwd_dq_kernel[(plan.dq_grid,)](
-            q, k, v, grad_out, dq_rows, plan.dq, plan.dq.shape[0],
+            q_scores, k, v, grad_out, dq_rows, plan.dq, plan.dq.shape[0],
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dq_rows.stride(0), dq_rows.stride(1),
             launch.left or 0, launch.right or 0, launch.scale,
             BLOCK_M=pma_m or cfg.dq_block_m,
             BLOCK_N=cfg.pma_dq_block_n if pma_m else cfg.dq_block_n,
             num_warps=cfg.pma_warps if pma_m else cfg.bwd_warps,
-            num_stages=cfg.bwd_stages, ONE_LOOP=one_loop, **flags,
+            num_stages=cfg.bwd_stages, ONE_LOOP=one_loop, **flags, **dq_fp8,
         )  # fmt: skip
     if plan.dkdv_combine is not None:
         width = k.shape[1] * k.shape[2]
@@ -1061,7 +1138,7 @@ def _resolve_window(causal: bool, window) -> tuple[int | None, int | None]:
 
 def _prepare(
     q, k, v, q_lengths, k_lengths, *, activation, scale, causal, window, normalize_by_length,
-    config, with_backward,
+    config, with_backward, precision="bf16",
 ):  # fmt: skip
     """Config, launch parameters and plan of a call, and its tensors as the kernels take them:
     ``(q, k, v, plan, launch, out_rows)``."""
@@ -1103,6 +1180,11 @@ def _prepare(
     if self_attention:
         # Self-attention never takes the short-KV forward (its KV is as long as its queries).
         config = _without_short_kv(config)
+    fp8 = precision == "fp8"
+    if fp8:
+        config = _fp8_config(config, pma)
+        # The kernels address the E4M3 copies with the inputs' strides.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     launch = _Launch(
         scale=1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale),
         left=left,
@@ -1113,8 +1195,11 @@ def _prepare(
         config=config,
         interpret=interpret,
         descriptor_layout=whole_tensor_descriptors,
+        fp8=fp8,
+        q_lengths=q_host if fp8 else None,
+        k_lengths=k_host if fp8 else None,
     )
-    pma_m = _pma_block_m(q.shape[0], config) if pma else 0
+    pma_m = _pma_block_m(q.shape[0], config, _fp8_compiled(launch)) if pma else 0
     plan = _cached_plan(
         q_host, k_host, q.shape[0] if pma else None, q.shape[1], left, right, config, q.device,
         with_backward, interpret, pma_m,
@@ -1136,6 +1221,7 @@ def gdpa_from_lengths(
     window: tuple[int | None, int | None] | None = None,
     normalize_by_length: bool = False,
     config: GdpaTritonConfig | None = None,
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """Triton GDPA from per-sample lengths (CPU tensors: no device sync needed).
 
@@ -1150,7 +1236,7 @@ def gdpa_from_lengths(
     q, k, v, plan, launch, out_rows = _prepare(
         q, k, v, q_lengths, k_lengths, activation=activation, scale=scale, causal=causal,
         window=window, normalize_by_length=normalize_by_length, config=config,
-        with_backward=needs_grad,
+        with_backward=needs_grad, precision=precision,
     )  # fmt: skip
     if not needs_grad:  # inference: no autograd node to build
         return _forward(q, k, v, plan, launch, out_rows)
@@ -1170,12 +1256,13 @@ def forward_from_lengths(
     window: tuple[int | None, int | None] | None = None,
     normalize_by_length: bool = False,
     config: GdpaTritonConfig | None = None,
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """The kernels' forward without autograd (the operator's forward)."""
     q, k, v, plan, launch, out_rows = _prepare(
         q, k, v, q_lengths, k_lengths, activation=activation, scale=scale, causal=causal,
         window=window, normalize_by_length=normalize_by_length, config=config,
-        with_backward=False,
+        with_backward=False, precision=precision,
     )  # fmt: skip
     return _forward(q, k, v, plan, launch, out_rows)
 
@@ -1194,13 +1281,14 @@ def backward_from_lengths(
     window: tuple[int | None, int | None] | None = None,
     normalize_by_length: bool = False,
     config: GdpaTritonConfig | None = None,
+    precision: str = "bf16",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)``: the kernels :class:`GdpaFunction` runs in its backward, on
     the same prepared inputs (GDPA's backward needs no saved forward output)."""
     q, k, v, plan, launch, _ = _prepare(
         q, k, v, q_lengths, k_lengths, activation=activation, scale=scale, causal=causal,
         window=window, normalize_by_length=normalize_by_length, config=config,
-        with_backward=True,
+        with_backward=True, precision=precision,
     )  # fmt: skip
     return _backward(grad_out, q, k, v, plan, launch)
 
@@ -1208,6 +1296,40 @@ def backward_from_lengths(
 @functools.lru_cache(maxsize=32)
 def _without_short_kv(config: GdpaTritonConfig) -> GdpaTritonConfig:
     return replace(config, short_kv_max=0)
+
+
+@functools.lru_cache(maxsize=32)
+def _fp8_config(config: GdpaTritonConfig, pma: bool) -> GdpaTritonConfig:
+    """``config`` for an FP8 call (``pma``: PMA broadcast).
+
+    Only the phased forward and the split backward have an FP8 mode, so the other loop
+    variants, the short-KV and streamed PMA forwards and gelu packing are switched off. A's
+    E4M3 scale is per row of a key tile (A V) and per key of a query tile (dV = A^T dO): those
+    tiles are set to ``reference.FP8_ACT_TILE`` (``fwd_block_n``, ``pma_block_n``,
+    ``dkdv_block_m``; PMA's query tile via ``fwd_block_m``), so that the emulation groups A
+    as the kernels do whatever the config (and the FP8 MMAs reduce at least 32 rows). q, k,
+    v and dO carry one scale per ``reference.FP8_BLOCK`` tokens: every other tile must fit
+    in one block (tiles are powers of two from 16 that start at multiples of their size
+    within a sample, so a size up to FP8_BLOCK does)."""
+    sizes = {
+        "fwd_block_m": config.fwd_block_m,
+        "dkdv_block_n": config.dkdv_block_n,
+        "dq_block_m": config.dq_block_m,
+        "dq_block_n": config.dq_block_n,
+        "pma_dq_block_n": config.pma_dq_block_n,
+    }
+    for name, size in sizes.items():
+        if size > reference.FP8_BLOCK:
+            raise ValueError(
+                f"config.{name}={size} is larger than the FP8 quantisation block "
+                f"({reference.FP8_BLOCK} tokens) that precision='fp8' needs"
+            )
+    tile = reference.FP8_ACT_TILE
+    return replace(
+        config, fwd_loop="phased", bwd_loop="phased", short_kv_max=0, pma_stream=False,
+        packed_gelu=False, fwd_block_n=tile, pma_block_n=tile, dkdv_block_m=tile,
+        fwd_block_m=tile if pma else config.fwd_block_m,
+    )  # fmt: skip
 
 
 def gdpa_triton(
@@ -1223,6 +1345,7 @@ def gdpa_triton(
     window: tuple[int | None, int | None] | None = None,
     normalize_by_length: bool = False,
     config: GdpaTritonConfig | None = None,
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """Triton GDPA from offsets; same semantics as :func:`gem_kernels.gdpa`.
 
@@ -1241,4 +1364,5 @@ def gdpa_triton(
         window=window,
         normalize_by_length=normalize_by_length,
         config=config,
+        precision=precision,
     )

@@ -17,10 +17,10 @@ scale, causal, window_left, window_right, backend,          given
 precision)``
 ``gdpa(q, k, v, q_offsets, k_offsets, max_q, max_k,         ``(Tq, H, D)``, PMA ``(B * Nq, H, D)``
 activation, scale, causal, window_left, window_right,
-normalize_by_length, backend)``
+normalize_by_length, backend, precision)``
 ``gdpa_backward(grad_out, q, k, v, q_offsets, k_offsets,    ``(dq, dk, dv)``
 activation, scale, causal, window_left, window_right,
-normalize_by_length, backend)``
+normalize_by_length, backend, precision)``
 ``block_attention(q, k, v, offsets, positions, max_len,     ``(T, H, D)``
 block_size, rope_theta, scale, backend)``
 ``block_attention_backward(grad_out, q, k, v, offsets,      ``(dq, dk, dv)``
@@ -73,7 +73,7 @@ __all__ = ["BACKENDS", "PRECISIONS", "check_jagged_pair", "check_max_len"]
 #: Accepted ``backend`` values of every operator (and public function).
 BACKENDS = ("auto", "triton", "reference")
 
-#: Accepted ``precision`` values of the jagged flash attention operators: the GEMM operand
+#: Accepted ``precision`` values of the jagged flash attention and GDPA operators: the GEMM operand
 #: format (``"fp8"``: E4M3 with power-of-two block scales, see ``reference.FP8_BLOCK``).
 PRECISIONS = ("bf16", "fp8")
 
@@ -94,12 +94,13 @@ _JFA_BACKWARD_SCHEMA = (
 _GDPA_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor? q_offsets, Tensor? k_offsets, SymInt? max_q, "
     "SymInt? max_k, str activation, float scale, bool causal, SymInt? window_left, "
-    "SymInt? window_right, bool normalize_by_length, str backend) -> Tensor"
+    'SymInt? window_right, bool normalize_by_length, str backend, str precision="bf16") '
+    "-> Tensor"
 )
 _GDPA_BACKWARD_SCHEMA = (
     "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? q_offsets, Tensor? k_offsets, "
     "str activation, float scale, bool causal, SymInt? window_left, SymInt? window_right, "
-    "bool normalize_by_length, str backend) -> (Tensor, Tensor, Tensor)"
+    'bool normalize_by_length, str backend, str precision="bf16") -> (Tensor, Tensor, Tensor)'
 )
 _BLOCK_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor offsets, Tensor? positions, SymInt? max_len, "
@@ -420,15 +421,18 @@ def _gdpa_lengths(q, k, q_offsets, k_offsets, max_q, max_k):
     return q_lengths, None if k_offsets is None else k_lengths
 
 
-def _gdpa_triton(backend, q) -> ModuleType | None:
-    return _triton_module(backend, q, "gdpa_triton", lambda m: m.triton_unsupported_reason(q))
+def _gdpa_triton(backend, q, precision="bf16") -> ModuleType | None:
+    return _triton_module(
+        backend, q, "gdpa_triton", lambda m: m.triton_unsupported_reason(q, precision=precision)
+    )
 
 
 @_operator("gdpa", _GDPA_SCHEMA)
 def _gdpa(
     q, k, v, q_offsets, k_offsets, max_q, max_k, activation, scale, causal, window_left,
-    window_right, normalize_by_length, backend,
+    window_right, normalize_by_length, backend, precision="bf16",
 ):  # fmt: skip
+    _check_precision(precision, q)
     q_lengths, k_lengths = _gdpa_lengths(q, k, q_offsets, k_offsets, max_q, max_k)
     options = dict(
         activation=activation,
@@ -437,10 +441,12 @@ def _gdpa(
         window=_window(window_left, window_right),
         normalize_by_length=normalize_by_length,
     )
-    triton = _gdpa_triton(backend, q)
+    triton = _gdpa_triton(backend, q, precision)
     if triton is not None:
-        return triton.forward_from_lengths(q, k, v, q_lengths, k_lengths, **options)
-    return reference.gdpa_reference(q, k, v, q_offsets, k_offsets, **options)
+        return triton.forward_from_lengths(
+            q, k, v, q_lengths, k_lengths, precision=precision, **options
+        )
+    return reference.gdpa_reference(q, k, v, q_offsets, k_offsets, precision=precision, **options)
 
 
 @_fake("gdpa")
@@ -453,8 +459,9 @@ def _gdpa_fake(q, k, v, q_offsets, k_offsets, *_):
 @_operator("gdpa_backward", _GDPA_BACKWARD_SCHEMA)
 def _gdpa_backward_impl(
     grad_out, q, k, v, q_offsets, k_offsets, activation, scale, causal, window_left,
-    window_right, normalize_by_length, backend,
+    window_right, normalize_by_length, backend, precision="bf16",
 ):  # fmt: skip
+    _check_precision(precision, q)
     options = dict(
         activation=activation,
         scale=scale,
@@ -462,13 +469,21 @@ def _gdpa_backward_impl(
         window=_window(window_left, window_right),
         normalize_by_length=normalize_by_length,
     )
-    triton = _gdpa_triton(backend, q)
+    triton = _gdpa_triton(backend, q, precision)
     if triton is not None:
         q_lengths = None if q_offsets is None else host_lengths(q_offsets)
         k_lengths = None if k_offsets is None else host_lengths(k_offsets)
-        return tuple(
-            _fresh(triton.backward_from_lengths(grad_out, q, k, v, q_lengths, k_lengths, **options))
+        grads = triton.backward_from_lengths(
+            grad_out, q, k, v, q_lengths, k_lengths, precision=precision, **options
         )
+        return tuple(_fresh(grads))
+    if precision == "fp8":
+        # The emulation's own backward (autograd over its forward would differentiate every
+        # FP8 rounding as the identity).
+        grads = reference.gdpa_fp8_backward(
+            grad_out.contiguous(), q, k, v, q_offsets, k_offsets, **options
+        )
+        return tuple(_fresh(grads))
 
     def forward(q, k, v):
         return reference.gdpa_reference(q, k, v, q_offsets, k_offsets, **options)
@@ -476,8 +491,8 @@ def _gdpa_backward_impl(
     return tuple(_fresh(_reference_grads(forward, (q, k, v), grad_out)))
 
 
-# Saved: q, k, v, q_offsets, k_offsets; passed on: activation .. backend (not max_q, max_k).
-_qkv_autograd("gdpa", num_inputs=14, saved=5, options_from=7)
+# Saved: q, k, v, q_offsets, k_offsets; passed on: activation .. precision (not max_q, max_k).
+_qkv_autograd("gdpa", num_inputs=15, saved=5, options_from=7)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from gem_kernels.jagged import host_offsets
 
 __all__ = [
     "DEFAULT_SCORE_BUDGET",
+    "FP8_ACT_TILE",
     "FP8_BLOCK",
     "FP8_MAX",
     "FP8_P_SCALE",
@@ -48,7 +49,10 @@ __all__ = [
     "rope_tables",
     "block_attention_reference",
     "compute_dtype",
+    "gdpa_act_and_grad",
     "gdpa_activation",
+    "gdpa_fp8_backward",
+    "gdpa_fp8_operands",
     "gdpa_reference",
     "gelu_fast",
     "jagged_flash_attention_fp8_backward",
@@ -767,6 +771,305 @@ class _Fp8AttentionFunction(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------
+# GDPA FP8 emulation (``gdpa(..., precision="fp8")``): the numerics of the FP8 GDPA kernels.
+#
+# q, k, v (and dO) are quantised as for JFA (``quantize_fp8_blocks``; PMA's Nq shared queries as
+# one sample). A = act(scale * Q K^T) has no fixed range (silu, gelu, identity grow like |s|,
+# relu2 like s^2), so the A V and A^T dO GEMMs scale A dynamically: one power of two per query
+# row and FP8_ACT_TILE-key tile (A V), per key and FP8_ACT_TILE-query tile (dV), from the
+# tile's absolute maximum. The scale must be constant along the GEMM's reduction, so its
+# granularity is the kernels' tile along it; FP8 calls fix that tile at FP8_ACT_TILE, and the
+# emulation groups keys / queries the same way (tiles start at each sample's first row), so it
+# matches every tile config the kernels accept.
+
+#: Keys per A scale in the forward's A V (and queries per A scale in the backward's
+#: dV = A^T dO): the FP8 kernels' tile along those reductions (``fwd_block_n``,
+#: ``pma_block_n``, ``dkdv_block_m``) is set to it.
+FP8_ACT_TILE = 64
+
+
+def _pow2_floor_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``2^(floor(log2 amax) - 7)`` for non-negative float32 ``amax``, from its exponent bits
+    (exact; exponents clamped to [-126, 120], so 0 gives 2^-126): ``amax / scale`` lies in
+    [128, 256), inside E4M3's range with the row's largest values in its top binades. The
+    kernels compute the same bits (``_act_scale`` in ``_gdpa_kernels.py``)."""
+    bits = amax.float().contiguous().view(torch.int32)
+    exponent = (((bits >> 23) & 0xFF) - 7).clamp(1, 247)
+    return (exponent << 23).view(torch.float32)
+
+
+def _quantize_act(a: torch.Tensor, tile: int = FP8_ACT_TILE) -> torch.Tensor:
+    """A ``(..., rows, n)`` through E4M3 with one power-of-two scale per row and ``tile``
+    columns (columns from 0), as float32 (dequantised: exact)."""
+    n = a.shape[-1]
+    padded = -(-n // tile) * tile
+    grouped = F.pad(a, (0, padded - n)).unflatten(-1, (padded // tile, tile))
+    scale = _pow2_floor_scale(grouped.abs().amax(-1, keepdim=True))
+    return ((grouped / scale).to(_FP8).float() * scale).flatten(-2)[..., :n]
+
+
+def gdpa_act_and_grad(s: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(act(s), act'(s))`` element-wise in ``s``'s dtype, the formulas of the GDPA kernels."""
+    if activation == "silu":
+        sig = torch.sigmoid(s)
+        return s * sig, sig * (1.0 + s * (1.0 - sig))
+    if activation == "gelu":
+        cdf = 0.5 * (1.0 + torch.erf(s * 0.7071067811865476))
+        return s * cdf, cdf + s * (0.3989422804014327 * torch.exp(-0.5 * s * s))
+    if activation == "gelu_tanh":
+        s2 = s * s
+        sig = torch.sigmoid(1.5957691216057308 * s * (1.0 + 0.044715 * s2))
+        return s * sig, sig + s * sig * (1.0 - sig) * (1.5957691216057308 * (1.0 + 0.134145 * s2))
+    if activation == "gelu_fast":
+        t = s.clamp(-GELU_FAST_CLAMP, GELU_FAST_CLAMP)
+        t2 = t * t
+        poly = torch.full_like(t, _GELU_FAST_COEFFS[-1])
+        dpoly = torch.full_like(t, 4.0 * _GELU_FAST_COEFFS[4])
+        for coeff in reversed(_GELU_FAST_COEFFS[:-1]):
+            poly = poly * t2 + coeff
+        for power in (3, 2, 1):
+            dpoly = dpoly * t2 + power * _GELU_FAST_COEFFS[power]
+        raw = 0.5 + t * poly
+        cdf = raw.clamp(0.0, 1.0)
+        inside = (raw > 0.0) & (raw < 1.0)
+        return s * cdf, cdf + torch.where(inside, s * (poly + 2.0 * t2 * dpoly), 0.0)
+    if activation == "relu2":
+        r = s.clamp_min(0.0)
+        return r * r, 2.0 * r
+    return s, torch.ones_like(s)
+
+
+@dataclass
+class _GdpaFp8Problem:
+    """One FP8 GDPA call: sample geometry and E4M3 operands (head-major float32)."""
+
+    q_lengths: torch.Tensor  # (B,) queries per sample (Nq for PMA)
+    k_lengths: torch.Tensor
+    q_starts: torch.Tensor  # (B,) first row in q (0 for PMA)
+    k_starts: torch.Tensor
+    out_starts: torch.Tensor  # (B,) first row of the sample's output / dO
+    out_rows: int
+    q8: torch.Tensor  # (H, Tq, D) dequantised E4M3 values
+    k8: torch.Tensor  # (H, Tk, D)
+    v8: torch.Tensor  # (H, Tk, D)
+    scale: float
+    activation: str
+    causal: bool
+    window: Window | None
+    normalize_by_length: bool
+    score_budget: int
+
+    def samples(self) -> Iterator[tuple[int, int, int, int, int, int]]:
+        """``(q0, lq, k0, lk, o0, rows_per_chunk)`` of the samples with queries and keys."""
+        heads = self.q8.shape[0]
+        for b in range(self.k_lengths.numel()):
+            lq, lk = int(self.q_lengths[b]), int(self.k_lengths[b])
+            if lq > 0 and lk > 0:
+                # Row chunks of whole FP8_ACT_TILE-query tiles (dV's A scales span them).
+                rows = self.score_budget // (heads * lk) // FP8_ACT_TILE * FP8_ACT_TILE
+                rows = max(FP8_ACT_TILE, rows)
+                yield (
+                    int(self.q_starts[b]), lq, int(self.k_starts[b]), lk, int(self.out_starts[b]),
+                    rows,
+                )  # fmt: skip
+
+    def scores(self, q0, lq, k0, lk, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores ``(H, r, lk)`` of query rows ``rows`` of a sample and the visibility."""
+        s = torch.matmul(self.q8[:, q0 + rows], self.k8[:, k0 : k0 + lk].transpose(-1, -2))
+        s = s * self.scale
+        _record_scores(s)
+        keys = torch.arange(lk, device=s.device)[None, :]
+        aligned = (rows + (lk - lq))[:, None]
+        mask = torch.ones(rows.numel(), lk, dtype=torch.bool, device=s.device)
+        if self.causal:
+            mask = mask & (keys <= aligned)
+        if self.window is not None:
+            left, right = self.window
+            if left is not None:
+                mask = mask & (keys >= aligned - left)
+            if right is not None:
+                mask = mask & (keys <= aligned + right)
+        return s, mask
+
+
+def _gdpa_geometry(q, q_offsets, k_offsets):
+    """``(q_lengths, k_lengths, q_starts, k_starts, out_starts, out_lengths, out_rows)``."""
+    if q_offsets is None:  # PMA: every sample reads the same Nq rows
+        k_lengths, k_starts = _lengths_and_starts(k_offsets)
+        batch, nq = k_lengths.numel(), q.shape[0]
+        q_lengths = torch.full((batch,), nq, dtype=torch.int64)
+        q_starts = torch.zeros(batch, dtype=torch.int64)
+        return q_lengths, k_lengths, q_starts, k_starts, q_starts + torch.arange(batch) * nq, (
+            q_lengths
+        ), batch * nq  # fmt: skip
+    q_lengths, q_starts = _lengths_and_starts(q_offsets)
+    k_lengths, k_starts = _lengths_and_starts(q_offsets if k_offsets is None else k_offsets)
+    return q_lengths, k_lengths, q_starts, k_starts, q_starts, q_lengths, q.shape[0]
+
+
+def gdpa_fp8_operands(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    q_lengths: torch.Tensor | None,
+    k_lengths: torch.Tensor | None,
+) -> tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...]:
+    """E4M3 copies and per-token scales ``((q8, q_scale), (k8, k_scale), (v8, v_scale))`` of an
+    FP8 GDPA call (:func:`quantize_fp8_blocks`; ``v=None`` gives ``(None, None)`` for v).
+    ``q_lengths`` / ``k_lengths``: host ``(B,)`` lengths; ``q_lengths=None``: PMA, whose ``Nq``
+    shared queries are one sample; ``k_lengths=None``: self-attention. The emulation and the
+    Triton host code both call it."""
+    if k_lengths is None:
+        k_lengths = q_lengths
+    own_q = torch.tensor([q.shape[0]]) if q_lengths is None else q_lengths
+    return (
+        quantize_fp8_blocks(q, own_q),
+        quantize_fp8_blocks(k, k_lengths),
+        (None, None) if v is None else quantize_fp8_blocks(v, k_lengths),
+    )
+
+
+def _gdpa_fp8_problem(
+    q, k, v, q_offsets, k_offsets, *, activation, scale, causal, window, normalize_by_length,
+    score_budget,
+) -> _GdpaFp8Problem:  # fmt: skip
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    q_lengths, k_lengths, q_starts, k_starts, out_starts, _, out_rows = _gdpa_geometry(
+        q, q_offsets, k_offsets
+    )
+    (q8, q_scale), (k8, k_scale), (v8, v_scale) = gdpa_fp8_operands(
+        q, k, v, None if q_offsets is None else q_lengths, k_lengths
+    )
+    return _GdpaFp8Problem(
+        q_lengths=q_lengths,
+        k_lengths=k_lengths,
+        q_starts=q_starts,
+        k_starts=k_starts,
+        out_starts=out_starts,
+        out_rows=out_rows,
+        q8=(q8.float() * q_scale[..., None]).transpose(0, 1),
+        k8=(k8.float() * k_scale[..., None]).transpose(0, 1),
+        v8=(v8.float() * v_scale[..., None]).transpose(0, 1),
+        scale=scale,
+        activation=activation,
+        causal=causal,
+        window=window,
+        normalize_by_length=normalize_by_length,
+        score_budget=score_budget,
+    )
+
+
+def _gdpa_fp8_forward(
+    q, k, v, q_offsets, k_offsets, *, activation, scale, causal, window, normalize_by_length,
+    score_budget,
+) -> torch.Tensor:  # fmt: skip
+    """FP8 emulation of the GDPA forward, ``(out_rows, H, D)`` in q's dtype.
+
+    As the kernels: scores from the E4M3 q and k in float32, A = act(s) (0 where masked), A
+    through E4M3 with a power-of-two scale per row and ``FP8_ACT_TILE`` keys, A V from the
+    E4M3 v accumulated in float32, then times 1 / k_len under ``normalize_by_length``."""
+    problem = _gdpa_fp8_problem(
+        q, k, v, q_offsets, k_offsets, activation=activation, scale=scale, causal=causal,
+        window=window, normalize_by_length=normalize_by_length, score_budget=score_budget,
+    )  # fmt: skip
+    v8 = problem.v8
+    heads, head_dim = q.shape[1], q.shape[2]
+    out = torch.zeros(heads, problem.out_rows, head_dim, dtype=torch.float32, device=q.device)
+    for q0, lq, k0, lk, o0, chunk in problem.samples():
+        for r0 in range(0, lq, chunk):
+            rows = torch.arange(r0, min(lq, r0 + chunk), device=q.device)
+            s, mask = problem.scores(q0, lq, k0, lk, rows)
+            a = torch.where(mask, gdpa_act_and_grad(s, activation)[0], 0.0)
+            acc = torch.matmul(_quantize_act(a), v8[:, k0 : k0 + lk])
+            if normalize_by_length:
+                acc = acc * (1.0 / lk)
+            out[:, o0 + rows] = acc
+    return out.transpose(0, 1).to(q.dtype).contiguous()
+
+
+def gdpa_fp8_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor | None,
+    k_offsets: torch.Tensor | None = None,
+    *,
+    activation: str = "silu",
+    scale: float | None = None,
+    causal: bool = False,
+    window: Window | None = None,
+    normalize_by_length: bool = False,
+    score_budget: int = DEFAULT_SCORE_BUDGET,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP8 emulation of the GDPA backward: ``(dq, dk, dv)``.
+
+    Scores recomputed from the E4M3 q and k (the forward's); dV = A^T dO in FP8 (A scaled per
+    key and ``FP8_ACT_TILE`` queries of the sample, dO in blocks of its output rows like q);
+    dA = dO V^T in
+    float32 from the input-precision dO and V; dS = dA act'(s), rounded to the input dtype;
+    dQ = dS K and dK = dS^T Q on the input-precision K and Q, as the bf16 kernels.
+    Deterministic (PMA: dQ summed over the samples in order)."""
+    problem = _gdpa_fp8_problem(
+        q, k, v, q_offsets, k_offsets, activation=activation, scale=scale, causal=causal,
+        window=window, normalize_by_length=normalize_by_length, score_budget=score_budget,
+    )  # fmt: skip
+    low = q.dtype
+    out_lengths = _gdpa_geometry(q, q_offsets, k_offsets)[5]
+    do8 = _dequantized(grad_out, out_lengths)
+    q_heads = q.float().transpose(0, 1)
+    k_heads = k.float().transpose(0, 1)
+    v_heads = v.float().transpose(0, 1)
+    do_heads = grad_out.float().transpose(0, 1)
+    dq = torch.zeros_like(q_heads)
+    dk = torch.zeros_like(k_heads)
+    dv = torch.zeros_like(v_heads)
+    for q0, lq, k0, lk, o0, chunk in problem.samples():
+        keys = slice(k0, k0 + lk)
+        norm = 1.0 / lk if normalize_by_length else 1.0
+        dk_sample = torch.zeros_like(k_heads[:, keys])
+        dv_sample = torch.zeros_like(v_heads[:, keys])
+        for r0 in range(0, lq, chunk):
+            rows = torch.arange(r0, min(lq, r0 + chunk), device=q.device)
+            s, mask = problem.scores(q0, lq, k0, lk, rows)
+            a, g = gdpa_act_and_grad(s, activation)
+            a = torch.where(mask, a, 0.0)
+            do = do_heads[:, o0 + rows]
+            da = torch.matmul(do, v_heads[:, keys].transpose(-1, -2))
+            ds = torch.where(mask, da * g, 0.0).to(low).float()
+            a8_t = _quantize_act(a.transpose(-1, -2))  # (H, lk, r), query tiles from r0
+            dv_sample += torch.matmul(a8_t, do8[:, o0 + rows])
+            dk_sample += torch.matmul(ds.transpose(-1, -2), q_heads[:, q0 + rows])
+            dq[:, q0 + rows] += torch.matmul(ds, k_heads[:, keys]) * (problem.scale * norm)
+        dk[:, keys] = dk_sample * (problem.scale * norm)
+        dv[:, keys] = dv_sample * norm
+    return (
+        dq.transpose(0, 1).to(q.dtype),
+        dk.transpose(0, 1).to(k.dtype),
+        dv.transpose(0, 1).to(v.dtype),
+    )
+
+
+class _GdpaFp8Function(torch.autograd.Function):
+    """Autograd of the GDPA FP8 emulation for direct calls of the reference (the operators
+    call the forward and :func:`gdpa_fp8_backward` themselves)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_offsets, k_offsets, options):
+        ctx.save_for_backward(q, k, v)
+        ctx.offsets = (q_offsets, k_offsets)
+        ctx.options = options
+        return _gdpa_fp8_forward(q, k, v, q_offsets, k_offsets, **options)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        grads = gdpa_fp8_backward(grad_out.contiguous(), q, k, v, *ctx.offsets, **ctx.options)
+        return (*grads, None, None, None)
+
+
+# ---------------------------------------------------------------------------------------------
 # Reference entry points (validated input; see gem_kernels.attention for the public API).
 
 
@@ -842,13 +1145,24 @@ def gdpa_reference(
     window: Window | None = None,
     normalize_by_length: bool = False,
     score_budget: int = DEFAULT_SCORE_BUDGET,
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """Generalized dot-product attention ``act(scale * Q K^T) V`` per sample, no softmax.
 
     Same semantics as :func:`gem_kernels.gdpa` without input checks. ``q_offsets=None`` with
     ``k_offsets`` given broadcasts the ``Nq`` rows of q to every sample (PMA); the output is then
-    ``(B * Nq, H, D)``, sample-major.
+    ``(B * Nq, H, D)``, sample-major. ``precision="fp8"`` (float16/bfloat16 inputs): the
+    emulation of the FP8 kernels (see :func:`gdpa_fp8_operands`; differentiable, its backward
+    is :func:`gdpa_fp8_backward`).
     """
+    if precision == "fp8":
+        if q_offsets is None and k_offsets is None:
+            raise ValueError("gdpa_reference needs q_offsets or k_offsets")
+        options = dict(
+            activation=activation, scale=scale, causal=causal, window=window,
+            normalize_by_length=normalize_by_length, score_budget=score_budget,
+        )  # fmt: skip
+        return _GdpaFp8Function.apply(q, k, v, q_offsets, k_offsets, options)
     dtype = compute_dtype(q.dtype)
     if q_offsets is None:
         if k_offsets is None:

@@ -1,0 +1,383 @@
+"""``gdpa(..., precision="fp8")``: the FP8 emulation and the FP8 Triton kernels.
+
+As in ``test_kernels_jfa_fp8.py``: errors are measured against the naive float64 oracle on the
+same bfloat16 inputs, as the relative Frobenius norm of the difference, per output and per
+gradient, and FP8 mode is bounded by a ratio to the bf16 path's error on the same call (the
+PyTorch reference for the emulation, the bf16 Triton kernels for the FP8 kernels). The bounds
+are about 1.5x the largest ratio measured on these shapes (docs/kernel-tuning.md).
+
+A = act(scale * Q K^T) goes to E4M3 with a power-of-two scale per query row and
+``reference.FP8_ACT_TILE`` keys (A V), per key and as many queries (dV = A^T dO), from the
+tile's maximum; FP8 calls fix the kernels' tile along those reductions at that size, so the
+kernels and the emulation round the same values and on float16 inputs agree to float32
+summation order whatever the other tiles of the config.
+
+The kernels run under the Triton interpreter with 16-row tiles (lengths 0, 1, 17, 40 cross tile
+edges; 130 crosses a 128-token quantisation block).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gem_kernels import gdpa, gdpa_triton, reference
+from gem_kernels.gdpa_triton import GdpaTritonConfig, backward_from_lengths, forward_from_lengths
+from kernels_naive import naive_gdpa, offsets_of
+
+H, D = 2, 16
+SELF = [0, 1, 17, 40]
+CROSS_Q = [0, 3, 9, 40, 6]
+CROSS_K = [3, 0, 17, 20, 33]  # Lk = 0 with Lq > 0; Lq > Lk: causal rows that see no key
+PMA_Q = 5
+PMA_K = [0, 1, 17, 40]
+GRADS = ("q", "k", "v")
+
+# name -> (q lengths (None: PMA with PMA_Q shared queries), k lengths or None, options)
+CASES = {
+    "self_causal_silu": (SELF, None, {"causal": True, "activation": "silu"}),
+    "self_identity": (SELF, None, {"activation": "identity"}),
+    "cross_window_relu2": (CROSS_Q, CROSS_K, {"window": (6, 2), "activation": "relu2"}),
+    "cross_causal_gelu_fast": (CROSS_Q, CROSS_K, {"causal": True, "activation": "gelu_fast"}),
+    "pma_normalized_gelu": (None, PMA_K, {"normalize_by_length": True, "activation": "gelu"}),
+    "pma_window_gelu_tanh": (None, PMA_K, {"window": (2, 1), "activation": "gelu_tanh"}),
+}
+
+#: Largest FP8 / bf16 error ratio allowed, per output and gradient (measured maxima in the
+#: comments; see docs/kernel-tuning.md).
+#: Against the reference's bf16 path (float32 math, only the output rounded): measured up to
+#: 39.9 / 23.1 / 22.4 / 39.3 (out, dq, dk, dv; identity's dq and dk 1.4: its dS = dA has no
+#: quantised factor).
+EMULATION_RATIO = {"out": 60.0, "q": 35.0, "k": 34.0, "v": 60.0}
+#: Against the bf16 kernels (A and dS rounded to bf16, under the interpreter truncated):
+#: measured up to 9.8 / 8.9 / 5.9 / 9.1.
+KERNEL_RATIO = {"out": 15.0, "q": 14.0, "k": 9.0, "v": 14.0}
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _inputs(q_lengths, k_lengths, *, seed, dtype=torch.bfloat16):
+    gen = torch.Generator().manual_seed(seed)
+    k_lengths = k_lengths or q_lengths
+    rows = PMA_Q if q_lengths is None else sum(q_lengths)
+    out_rows = PMA_Q * len(k_lengths) if q_lengths is None else rows
+    tensors = {
+        "q": torch.randn(rows, H, D, generator=gen),
+        "k": torch.randn(sum(k_lengths), H, D, generator=gen),
+        "v": torch.randn(sum(k_lengths), H, D, generator=gen),
+    }
+    grad_out = torch.randn(out_rows, H, D, generator=gen).to(dtype)
+    return {n: t.to(dtype) for n, t in tensors.items()}, grad_out
+
+
+def _run(fn, tensors, grad_out):
+    """``fn(**leaves)``'s output and the gradients of its inputs, as float64."""
+    leaves = {n: t.clone().requires_grad_(True) for n, t in tensors.items()}
+    out = fn(**leaves)
+    out.backward(grad_out.to(out.dtype))
+    return {"out": out.detach().double()} | {n: leaves[n].grad.double() for n in leaves}
+
+
+def _oracle(q_lengths, k_lengths, options, tensors, grad_out):
+    k_lengths = k_lengths or q_lengths
+    pma = q_lengths is None
+    q_rows = [PMA_Q] * len(k_lengths) if pma else q_lengths
+
+    def fn(q, k, v):
+        return naive_gdpa(q, k, v, q_rows, k_lengths, scale=D**-0.5, broadcast=pma, **options)
+
+    return _run(fn, {n: t.double() for n, t in tensors.items()}, grad_out.double())
+
+
+def _offsets(q_lengths, k_lengths):
+    return (
+        None if q_lengths is None else offsets_of(q_lengths),
+        None if k_lengths is None else offsets_of(k_lengths),
+    )
+
+
+def _public(q_lengths, k_lengths, options, **call):
+    def fn(q, k, v):
+        return gdpa(q, k, v, *_offsets(q_lengths, k_lengths), **options, **call)
+
+    return fn
+
+
+def _errors(got, oracle):
+    return {n: ((got[n] - oracle[n]).norm() / oracle[n].norm()).item() for n in got}
+
+
+def _check_ratios(fp8, bf16, bounds, label):
+    for name, err in fp8.items():
+        ratio = err / bf16[name]
+        assert math.isfinite(err) and ratio <= bounds[name], (
+            f"{label}: {name} FP8 error {err:.3e} is {ratio:.1f}x the bf16 error "
+            f"{bf16[name]:.3e} (bound {bounds[name]}x)"
+        )
+
+
+def _lengths(q_lengths, k_lengths):
+    return (
+        None if q_lengths is None else torch.tensor(q_lengths),
+        None if k_lengths is None else torch.tensor(k_lengths),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks.
+
+
+def test_precision_is_validated():
+    q = torch.randn(5, H, D, dtype=torch.bfloat16)
+    offsets = offsets_of([2, 3])
+    with pytest.raises(ValueError, match="precision must be one of"):
+        gdpa(q, q, q, offsets, precision="fp16")
+    with pytest.raises(ValueError, match=r"precision='fp8' takes float16/bfloat16"):
+        gdpa(q.float(), q.float(), q.float(), offsets, precision="fp8")
+    with pytest.raises(ValueError, match="precision must be one of"):  # the operator itself
+        torch.ops.gem_kernels.gdpa(
+            q, q, q, offsets, None, None, None, "silu", 0.25, False, None, None, False, "auto",
+            "e5",
+        )  # fmt: skip
+
+
+def test_fp8_config_tiles_must_fit_a_quantisation_block(interpret):
+    q = torch.randn(5, H, D, dtype=torch.float16)
+    config = GdpaTritonConfig(dkdv_block_n=256)
+    with pytest.raises(ValueError, match="dkdv_block_n=256 is larger than the FP8"):
+        forward_from_lengths(q, q, q, torch.tensor([5]), config=config, precision="fp8")
+
+
+def test_triton_backend_rejects_fp8_of_float32(interpret):
+    reason = gdpa_triton.triton_unsupported_reason(torch.zeros(1, 1, 16), precision="fp8")
+    assert "float16/bfloat16" in reason
+
+
+def test_fp8_runs_only_the_converted_kernels():
+    """Loop variants without an FP8 mode (one loop, pipelined, warp-specialised, fused
+    backward, short-KV and streamed PMA forwards, gelu packing) are switched off, and the tiles
+    along A's FP8 GEMM reductions are FP8_ACT_TILE."""
+    config = gdpa_triton.GDPA_CONFIGS["d128_long"].config
+    fp8 = gdpa_triton._fp8_config(config, False)
+    assert (fp8.fwd_loop, fp8.bwd_loop, fp8.short_kv_max, fp8.pma_stream, fp8.packed_gelu) == (
+        "phased", "phased", 0, False, False,
+    )  # fmt: skip
+    tile = reference.FP8_ACT_TILE
+    assert (fp8.fwd_block_n, fp8.pma_block_n, fp8.dkdv_block_m) == (tile, tile, tile)
+    assert fp8.fwd_block_m == config.fwd_block_m
+    # PMA: the query tile (A^T dO reduces over it) is Nq padded up to FP8_ACT_TILE, at least
+    # 32 rows compiled (an FP8 MMA reduces 32).
+    pma = gdpa_triton._fp8_config(gdpa_triton.GDPA_CONFIGS["d128_masked"].config, True)
+    assert gdpa_triton._pma_block_m(5, pma, True) == 32
+    assert gdpa_triton._pma_block_m(5, pma, False) == 16
+    assert gdpa_triton._pma_block_m(300, pma, True) == tile
+
+
+# ---------------------------------------------------------------------------------------------
+# A's quantisation.
+
+
+def test_act_scale_is_the_power_of_two_below_the_maximum():
+    amax = torch.tensor([0.0, 1e-45, 1e-40, 2.0**-120, 1.0, 1.5, 255.9, 256.0, 3e38])
+    scale = reference._pow2_floor_scale(amax)
+    exponent = torch.log2(scale.double())
+    assert torch.equal(exponent, exponent.round())
+    normal = amax >= 2.0**-119
+    ratio = amax[normal] / scale[normal]
+    assert torch.all((ratio >= 128) & (ratio < 256))
+    assert torch.all(scale[~normal] == 2.0**-126)  # zero and tiny rows: any scale is exact
+    assert scale[-1] == 2.0**120
+
+
+@pytest.mark.parametrize("activation", ["relu2", "silu"])
+def test_act_scaled_per_row_and_tile_never_overflows(activation):
+    """A from a large token (x64: relu2's A grows 4096x) through E4M3: finite, and each entry
+    within E4M3's relative rounding of its exact value or below the tile's subnormal range."""
+    gen = torch.Generator().manual_seed(12)
+    q, k = torch.randn(70, 1, D, generator=gen), torch.randn(150, 1, D, generator=gen)
+    k[3] *= 64.0
+    s = torch.einsum("ihd,jhd->hij", q, k) * D**-0.5
+    a = reference.gdpa_act_and_grad(s, activation)[0]
+    a8 = reference._quantize_act(a)
+    assert torch.isfinite(a8).all()
+    tile_max = F.pad(a.abs(), (0, 42)).unflatten(-1, (3, 64)).amax(-1)
+    floor = tile_max.repeat_interleave(64, -1)[..., :150] * 2.0**-15
+    assert torch.all((a8 - a).abs() <= torch.maximum(a.abs() * 2.0**-4, floor))
+
+
+def test_dynamic_act_scale_beats_a_row_bound_on_outliers():
+    """The measured reason for per-tile scales (docs/kernel-tuning.md): with relu2, causal, and
+    one query and one key token 128x larger, a per-row scale from the Cauchy-Schwarz bound
+    (|s_ij| <= scale |q_i| max_j |k_j|, squared) is far above the rows' real maxima where the
+    large key is masked or orthogonal, and leaves their A in E4M3's subnormals; the tile
+    maximum does not (A V error measured 0.29-0.92x the bound's over seeds 0-3, 0.29 here)."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(512, 64, generator=gen).bfloat16().double() for _ in range(3))
+    k[7] *= 128.0
+    q[3] *= 128.0
+    hidden = torch.ones(512, 512, dtype=torch.bool).triu(1)
+    a = torch.relu(q @ k.T * 64**-0.5).square().masked_fill(hidden, 0.0)
+    exact = a @ v
+    bound = (64**-0.5 * q.norm(dim=1) * k.norm(dim=1).max()).square()
+    row_scale = reference._pow2_scale(bound.float()).double()[:, None]
+    by_bound = (a / row_scale).float().to(torch.float8_e4m3fn).double() * row_scale
+    dynamic = reference._quantize_act(a.float()).double()
+
+    def error(a8):
+        return ((a8 @ v - exact).norm() / exact.norm()).item()
+
+    assert error(dynamic) < 0.5 * error(by_bound)
+
+
+def test_act_and_grad_match_the_activations():
+    s = torch.linspace(-6.0, 6.0, 2001, dtype=torch.float64)
+    for name, act in reference.GDPA_ACTIVATIONS.items():
+        leaf = s.clone().requires_grad_(True)
+        act(leaf).sum().backward()
+        a, g = reference.gdpa_act_and_grad(s, name)
+        torch.testing.assert_close(a, act(s), msg=name)
+        torch.testing.assert_close(g, leaf.grad, rtol=1e-6, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# The emulation (reference backend) against the float64 oracle.
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_emulation_error_ratio_to_bf16(case):
+    q_lengths, k_lengths, options = CASES[case]
+    tensors, grad_out = _inputs(q_lengths, k_lengths, seed=1)
+    oracle = _oracle(q_lengths, k_lengths, options, tensors, grad_out)
+    bf16 = _errors(_run(_public(q_lengths, k_lengths, options, backend="reference"), tensors,
+                        grad_out), oracle)  # fmt: skip
+    fp8 = _errors(_run(_public(q_lengths, k_lengths, options, backend="reference",
+                               precision="fp8"), tensors, grad_out), oracle)  # fmt: skip
+    _check_ratios(fp8, bf16, EMULATION_RATIO, case)
+
+
+def test_emulation_long_sample_crosses_quantisation_blocks():
+    lengths, options = [300, 1, 0, 129], {"causal": True, "activation": "relu2"}
+    tensors, grad_out = _inputs(lengths, None, seed=2)
+    oracle = _oracle(lengths, None, options, tensors, grad_out)
+    bf16 = _errors(_run(_public(lengths, None, options, backend="reference"), tensors,
+                        grad_out), oracle)  # fmt: skip
+    fp8 = _errors(_run(_public(lengths, None, options, backend="reference", precision="fp8"),
+                       tensors, grad_out), oracle)  # fmt: skip
+    _check_ratios(fp8, bf16, EMULATION_RATIO, "long")
+
+
+def test_emulation_rows_without_keys_are_zero():
+    q_lengths, k_lengths = [4, 5, 2], [0, 2, 2]  # sample 0 has no keys; causal hides more
+    tensors, grad_out = _inputs(q_lengths, k_lengths, seed=3)
+    fn = _public(q_lengths, k_lengths, {"causal": True}, precision="fp8")
+    got = _run(fn, tensors, grad_out)
+    no_key = torch.tensor([1] * 4 + [1, 1, 1, 0, 0] + [0, 0], dtype=torch.bool)
+    assert torch.equal(got["out"][no_key], torch.zeros_like(got["out"][no_key]))
+    assert torch.equal(got["q"][no_key], torch.zeros_like(got["q"][no_key]))
+    assert all(torch.isfinite(g).all() for g in got.values())
+
+
+def test_emulation_is_deterministic():
+    tensors, grad_out = _inputs(None, PMA_K, seed=4)
+    fn = _public(None, PMA_K, {"activation": "relu2"}, precision="fp8")
+    first, second = _run(fn, tensors, grad_out), _run(fn, tensors, grad_out)
+    for name in first:
+        assert torch.equal(first[name], second[name])
+
+
+# ---------------------------------------------------------------------------------------------
+# The FP8 Triton kernels (interpreter).
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernels_error_ratio_to_bf16_kernels(interpret, case):
+    q_lengths, k_lengths, options = CASES[case]
+    tensors, grad_out = _inputs(q_lengths, k_lengths, seed=5)
+    oracle = _oracle(q_lengths, k_lengths, options, tensors, grad_out)
+    bf16 = _errors(_run(_public(q_lengths, k_lengths, options, backend="triton"), tensors,
+                        grad_out), oracle)  # fmt: skip
+    fp8 = _errors(_run(_public(q_lengths, k_lengths, options, backend="triton",
+                               precision="fp8"), tensors, grad_out), oracle)  # fmt: skip
+    _check_ratios(fp8, bf16, KERNEL_RATIO, case)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("tiles", [16, 32])
+def test_kernels_match_emulation(interpret, case, tiles):
+    """The same roundings as the emulation for any tile config: forward and gradients equal up
+    to float32 summation order (float16 inputs: the interpreter truncates float32 -> bfloat16
+    casts, which the dS rounding would otherwise add)."""
+    q_lengths, k_lengths, options = CASES[case]
+    tensors, grad_out = _inputs(q_lengths, k_lengths, seed=6, dtype=torch.float16)
+    q, k, v = tensors["q"], tensors["k"], tensors["v"]
+    config = GdpaTritonConfig(
+        fwd_block_m=tiles, fwd_block_n=16, dkdv_block_n=tiles, dkdv_block_m=16,
+        dq_block_m=16, dq_block_n=tiles, pma_block_n=tiles, pma_kv_chunk=32,
+        pma_dq_block_n=16, dkdv_q_chunk=32, fwd_warps=1, bwd_warps=1, pma_warps=1,
+    )  # fmt: skip
+    call = dict(scale=D**-0.5, precision="fp8", **options)
+    lengths = _lengths(q_lengths, k_lengths)
+    out = forward_from_lengths(q, k, v, *lengths, config=config, **call)
+    want = reference.gdpa_reference(q, k, v, *_offsets(q_lengths, k_lengths), **call)
+    torch.testing.assert_close(out, want, rtol=1e-3, atol=1e-3)
+    grads = backward_from_lengths(grad_out, q, k, v, *lengths, config=config, **call)
+    backward = {n: value for n, value in call.items() if n != "precision"}
+    ref_grads = reference.gdpa_fp8_backward(
+        grad_out, q, k, v, *_offsets(q_lengths, k_lengths), **backward
+    )
+    for name, got, ref in zip(GRADS, grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3, msg=name)
+
+
+@pytest.mark.parametrize("pma", [False, True])
+def test_kernels_match_emulation_across_act_tiles(interpret, pma):
+    """Rows over several FP8_ACT_TILE-key tiles (A V) and keys over several query tiles (dV),
+    a quantisation-block edge at 128, a large token; PMA with Nq > FP8_ACT_TILE."""
+    gen = torch.Generator().manual_seed(13)
+    k_lengths = [130, 1, 0, 70]
+    q_rows = 70 if pma else sum(k_lengths)
+    q, k, v = (torch.randn(rows, H, D, generator=gen).half() for rows in (q_rows, 201, 201))
+    k[40] *= 8.0
+    out_rows = 70 * len(k_lengths) if pma else q_rows
+    grad_out = torch.randn(out_rows, H, D, generator=gen).half()
+    q_lengths = None if pma else k_lengths
+    call = dict(activation="relu2", causal=not pma, precision="fp8")
+    lengths = _lengths(q_lengths, None if not pma else k_lengths)
+    offsets = _offsets(q_lengths, None if not pma else k_lengths)
+    out = forward_from_lengths(q, k, v, *lengths, **call)
+    want = reference.gdpa_reference(q, k, v, *offsets, **call)
+    torch.testing.assert_close(out, want, rtol=1e-3, atol=1e-3)
+    grads = backward_from_lengths(grad_out, q, k, v, *lengths, **call)
+    backward = {n: value for n, value in call.items() if n != "precision"}
+    ref_grads = reference.gdpa_fp8_backward(grad_out, q, k, v, *offsets, **backward)
+    for name, got, ref in zip(GRADS, grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3, msg=name)
+
+
+def test_kernels_long_sample_and_rows_without_keys(interpret):
+    q_lengths, k_lengths = [130, 5, 3], [140, 0, 2]
+    tensors, grad_out = _inputs(q_lengths, k_lengths, seed=8)
+    options = {"causal": True, "activation": "silu"}
+    oracle = _oracle(q_lengths, k_lengths, options, tensors, grad_out)
+    got = _run(_public(q_lengths, k_lengths, options, backend="triton", precision="fp8"),
+               tensors, grad_out)  # fmt: skip
+    bf16 = _errors(_run(_public(q_lengths, k_lengths, options, backend="triton"), tensors,
+                        grad_out), oracle)  # fmt: skip
+    _check_ratios(_errors(got, oracle), bf16, KERNEL_RATIO, "long")
+    no_key = torch.zeros(138, dtype=torch.bool)
+    no_key[130:136] = True  # sample 1 (no keys) and row 0 of sample 2 (causal, Lq > Lk)
+    assert torch.equal(got["out"][no_key], torch.zeros_like(got["out"][no_key]))
+    assert torch.equal(got["q"][no_key], torch.zeros_like(got["q"][no_key]))
+
+
+def test_kernels_backward_is_deterministic(interpret):
+    tensors, grad_out = _inputs(CROSS_Q, CROSS_K, seed=9)
+    fn = _public(CROSS_Q, CROSS_K, {"window": (4, None)}, backend="triton", precision="fp8")
+    first, second = _run(fn, tensors, grad_out), _run(fn, tensors, grad_out)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
