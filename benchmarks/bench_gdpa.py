@@ -15,7 +15,8 @@ Protocol (shared/BENCHMARKS.md and issue 4): H=4, D=128, bf16, activation ``gelu
   ~2^18 tokens), with ``max_over_mean``: the modelled max/mean work of the forward's persistent
   programs (``gdpa_triton.schedule_loads``);
 * ``gem-identity`` / ``gem-silu``: the self B128xL4096 forward with cheaper activations (what
-  the activation costs).
+  the activation costs);
+* ``gem-fp8``: gem with ``precision="fp8"`` on every self / cross / PMA shape.
 
 TFLOP/s count useful work: ``4 * H * D * sum(Lq * Lk)`` forward, x3.5 for forward+backward.
 Peers, measured in the same run: ``compile_padded`` (``torch.compile`` of padded activation
@@ -133,16 +134,19 @@ class Case:
 # Providers: (fwd_fn, fwd_bwd_fn, grad_leaves) or raise NotImplementedError.
 
 
-def provider_gem(case: Case, config=None, activation=ACT):
+def provider_gem(case: Case, config=None, activation=ACT, precision="bf16"):
     """gem through the public entry point (each call gets the default configuration of its
     lengths and masks), or with ``config`` through ``gdpa_from_lengths`` (tuning scripts)."""
 
     def call(q, k, v):
         if config is None:
-            return gdpa(q, k, v, case.q_off, case.k_off, activation=activation, backend="triton")
+            return gdpa(q, k, v, case.q_off, case.k_off, activation=activation, backend="triton",
+                        precision=precision)  # fmt: skip
         q_len = None if case.kind == "pma" else case.q_lengths
         k_len = None if case.kind == "self" else case.k_lengths
-        return gt.gdpa_from_lengths(q, k, v, q_len, k_len, activation=activation, config=config)
+        return gt.gdpa_from_lengths(
+            q, k, v, q_len, k_len, activation=activation, config=config, precision=precision
+        )
 
     return autograd_provider(call, (case.q, case.k, case.v), case.grad)
 
@@ -360,6 +364,11 @@ def _shapes(kinds) -> list[tuple[str, int, int]]:
     return shapes + [(k, b, n) for k in ("cross", "pma") if k in kinds for b, n in ASYM_SHAPES]
 
 
+def provider_fp8(case: Case):
+    """gem with ``precision="fp8"`` (issue 29): E4M3 Q, K, V and activation tiles."""
+    return provider_gem(case, precision="fp8")
+
+
 def flops_of(case: Case) -> dict[str, float]:
     return {"fwd": case.fwd_flops, "fwd_bwd": 3.5 * case.fwd_flops}
 
@@ -378,9 +387,10 @@ def _warm_job(job) -> str:
             check(device, only=spec[1])
             return "ok"
         case = skew_case(device) if spec == "skew" else Case(*spec, device)
-        fwd, fwd_bwd, _ = provider_gem(case, activation=activation)
-        fwd()
-        fwd_bwd()
+        for precision in ("bf16", "fp8"):
+            fwd, fwd_bwd, _ = provider_gem(case, activation=activation, precision=precision)
+            fwd()
+            fwd_bwd()
         torch.cuda.synchronize()
         return "ok"
     except Exception as error:  # noqa: BLE001 - the timed run reports it again
@@ -453,7 +463,7 @@ def main() -> None:
         if run.over_budget(f"{kind}/B{batch}xL{max_len}"):
             break
         case = Case(kind, batch, max_len, device)
-        providers = {"gem": provider_gem, **{p: PEERS[p] for p in peers}}
+        providers = {"gem": provider_gem, "gem-fp8": provider_fp8, **{p: PEERS[p] for p in peers}}
         run.measure(case, providers, flops=flops_of(case),
                     bytes_moved={"fwd": case.bytes} if kind == "pma" else None)  # fmt: skip
         if kind == "pma":  # kernel time without the host overhead that bounds eager calls
