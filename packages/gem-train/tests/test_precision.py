@@ -120,11 +120,11 @@ def test_fp8_default_keeps_the_task_heads_bf16():
 
 
 def test_fp8_attention_runs_the_matched_layers_in_fp8(small_config, tmp_path):
-    """``precision.fp8_attention`` switches the matched self-attention layers to JFA's FP8 mode
-    (the CPU runs its emulation): they train to finite losses that differ from bf16's."""
+    """``precision.fp8_attention`` switches the matched attention modules (a JFA layer and the
+    GDPA pooling) to FP8 (the CPU runs the emulation): finite losses that differ from bf16's."""
     import dataclasses
 
-    from gem_model import JaggedSelfAttentionLayer
+    from gem_model import AttentionPrecision
     from gem_train import Trainer
     from gem_train.cli import prepare_data
 
@@ -135,12 +135,17 @@ def test_fp8_attention_runs_the_matched_layers_in_fp8(small_config, tmp_path):
         model=dataclasses.replace(small_config.model, num_sequence_layers=2),
     )
     losses = {}
-    for name, patterns in (("bf16", ()), ("fp8", ("sequence_layers.1",))):
+    for name, patterns in (("bf16", ()), ("fp8", ("sequence_layers.1", "pma"))):
         config = apply_overrides(base, [f"precision.fp8_attention={','.join(patterns)}"])
         trainer = Trainer(config, train_data, output_dir=tmp_path / name)
-        layers = [m for m in trainer.model.modules() if isinstance(m, JaggedSelfAttentionLayer)]
-        assert [m.precision for m in layers] == ["bf16", name]
-        assert [n for n in trainer.precision_converted if "sequence" in n] == list(patterns)
+        precisions = {
+            n.rsplit("module.", 1)[-1]: m.precision  # the name inside the DMP / DDP wrappers
+            for n, m in trainer.model.named_modules()
+            if isinstance(m, AttentionPrecision)
+        }
+        fp8 = {n for n, precision in precisions.items() if precision == "fp8"}
+        assert fp8 == set(patterns), precisions
+        assert [n for n in trainer.precision_converted if n in patterns] == list(patterns)
         losses[name] = trainer.fit(progress=False)
     assert all(torch.isfinite(torch.tensor(v)).all() for v in losses.values())
     assert losses["fp8"] != losses["bf16"]

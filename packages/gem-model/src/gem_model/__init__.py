@@ -5,6 +5,7 @@ from gem_model.dhen import AttentionExpert, CrossExpert, DHENLayer, DotProductEx
 from gem_model.flops import ModelFlops, model_flops
 from gem_model.model import REGION_SCOPE_PREFIX, GemModel
 from gem_model.sequence import (
+    AttentionPrecision,
     CandidateCrossAttention,
     HistoryFeatureCrossAttention,
     JaggedSelfAttentionLayer,
@@ -23,6 +24,7 @@ __all__ = [
     "MLPExpert",
     "CrossExpert",
     "DotProductExpert",
+    "AttentionPrecision",
     "HistoryFeatureCrossAttention",
     "JaggedSelfAttentionLayer",
     "PoolingByMultiheadAttention",

@@ -18,6 +18,7 @@ from torch.nn import functional as F
 
 __all__ = [
     "ATTENTION_PRECISIONS",
+    "AttentionPrecision",
     "JaggedSelfAttentionLayer",
     "HistoryFeatureCrossAttention",
     "PoolingByMultiheadAttention",
@@ -26,7 +27,7 @@ __all__ = [
     "swiglu_hidden_dim",
 ]
 
-#: Values of ``JaggedSelfAttentionLayer.precision``: the GEMM precision of its attention.
+#: Values of ``AttentionPrecision.precision``: the GEMM precision of an attention kernel.
 ATTENTION_PRECISIONS = ("bf16", "fp8")
 
 # JFA's Triton kernels take rel_pos_bias tables of up to this many buckets.
@@ -76,7 +77,38 @@ def _cast(dtype: torch.dtype | None, *tensors: torch.Tensor) -> tuple[torch.Tens
     return tuple(t.to(dtype) for t in tensors)
 
 
-class JaggedSelfAttentionLayer(nn.Module):
+class AttentionPrecision:
+    """The ``precision`` attribute of the sequence tower's attention modules, set by a precision
+    policy (gem-train's ``precision.fp8_attention``): ``"bf16"`` (default) or ``"fp8"``, the
+    kernels' FP8 mode (E4M3 Q, K, V with power-of-two block scales, fp32 accumulation;
+    ``gem_kernels.jagged_flash_attention`` / ``gdpa(precision=...)``). FP8 quantises from
+    16-bit inputs, so float32 q, k, v are handed over in bfloat16."""
+
+    _precision = "bf16"
+
+    @property
+    def precision(self) -> str:
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: str) -> None:
+        if value not in ATTENTION_PRECISIONS:
+            raise ValueError(f"precision must be one of {ATTENTION_PRECISIONS}, got {value!r}")
+        self._check_precision(value)
+        self._precision = value
+
+    def _check_precision(self, value: str) -> None:
+        """Raises a ``ValueError`` when this module's kernel has no ``value`` mode."""
+
+    def _kernel_inputs(self, dtype: torch.dtype | None, *tensors: torch.Tensor):
+        """q, k, v as the kernel takes them: the attention dtype, bfloat16 for float32 in FP8."""
+        tensors = _cast(dtype, *tensors)
+        if self._precision == "fp8" and tensors[0].dtype == torch.float32:
+            return tuple(t.to(torch.bfloat16) for t in tensors)
+        return tensors
+
+
+class JaggedSelfAttentionLayer(AttentionPrecision, nn.Module):
     """Pre-norm transformer layer: causal softmax attention over each history, then an FFN.
 
     ``kind="jagged_flash"`` sees the last ``window + 1`` events up to each query (``window=0``:
@@ -85,10 +117,7 @@ class JaggedSelfAttentionLayer(nn.Module):
     distance, added inside JFA) or ``"none"``. ``kind="block"`` is full attention inside
     64-token blocks with RoPE fused into the kernel.
 
-    ``precision`` (an attribute too, set by a precision policy such as gem-train's
-    ``precision.fp8_attention``): ``"bf16"`` or, for ``"jagged_flash"``, ``"fp8"``: JFA's FP8
-    mode (E4M3 Q, K, V with power-of-two block scales, fp32 accumulation). FP8 quantises from
-    16-bit inputs, so float32 q, k, v are handed over in bfloat16.
+    ``precision`` (:class:`AttentionPrecision`): ``"fp8"`` needs ``"jagged_flash"``.
     """
 
     def __init__(
@@ -125,17 +154,9 @@ class JaggedSelfAttentionLayer(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
-    @property
-    def precision(self) -> str:
-        return self._precision
-
-    @precision.setter
-    def precision(self, value: str) -> None:
-        if value not in ATTENTION_PRECISIONS:
-            raise ValueError(f"precision must be one of {ATTENTION_PRECISIONS}, got {value!r}")
+    def _check_precision(self, value: str) -> None:
         if value == "fp8" and self.kind != "jagged_flash":
             raise ValueError(f"precision='fp8' needs kind='jagged_flash', got {self.kind!r}")
-        self._precision = value
 
     def forward(
         self,
@@ -154,9 +175,7 @@ class JaggedSelfAttentionLayer(nn.Module):
                 raise ValueError("position='rope' needs the tokens' positions")
             tables = (self.rope_cos, self.rope_sin)
             q, k = apply_rope(q, positions, tables=tables), apply_rope(k, positions, tables=tables)
-        q, k, v = _cast(self.attention_dtype, q, k, v)
-        if self.precision == "fp8" and q.dtype == torch.float32:
-            q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+        q, k, v = self._kernel_inputs(self.attention_dtype, q, k, v)
         if self.kind == "block":
             attended = block_attention(q, k, v, offsets, max_len)
         else:
@@ -175,7 +194,7 @@ class JaggedSelfAttentionLayer(nn.Module):
         return tokens + self.ffn(tokens)
 
 
-class HistoryFeatureCrossAttention(nn.Module):
+class HistoryFeatureCrossAttention(AttentionPrecision, nn.Module):
     """GEM's user x ad cross-attention: every history event (long, jagged queries) attends over
     its sample's non-sequence feature tokens (short keys and values: the ad, the pooled sparse
     features, the dense projection) through GDPA cross, and the result is added to the event.
@@ -212,7 +231,7 @@ class HistoryFeatureCrossAttention(nn.Module):
             .view(batch_size * num_features, 2, self.num_heads, head_dim)
             .unbind(1)
         )
-        q, k, v = _cast(self.attention_dtype, q, k, v)
+        q, k, v = self._kernel_inputs(self.attention_dtype, q, k, v)
         feature_offsets = torch.arange(
             0, (batch_size + 1) * num_features, num_features, device=offsets.device
         ).to(offsets.dtype)
@@ -226,11 +245,12 @@ class HistoryFeatureCrossAttention(nn.Module):
             max_k=num_features,
             activation=self.activation,
             normalize_by_length=True,
+            precision=self.precision,
         )
         return tokens + self.out(attended.reshape(-1, dim).to(tokens.dtype))
 
 
-class PoolingByMultiheadAttention(nn.Module):
+class PoolingByMultiheadAttention(AttentionPrecision, nn.Module):
     """PMA: a few learned queries, shared by every sample, pool its whole history.
 
     Uses GDPA (element-wise activation, normalised by the history length), so the
@@ -260,7 +280,7 @@ class PoolingByMultiheadAttention(nn.Module):
         head_dim = dim // self.num_heads
         q = self.q_proj(self.queries).view(num_queries, self.num_heads, head_dim)
         k, v = self.kv_proj(tokens).view(-1, 2, self.num_heads, head_dim).unbind(1)
-        q, k, v = _cast(self.attention_dtype, q, k, v)
+        q, k, v = self._kernel_inputs(self.attention_dtype, q, k, v)
         pooled = gdpa(
             q,
             k,
@@ -269,12 +289,13 @@ class PoolingByMultiheadAttention(nn.Module):
             max_k=max_len,
             activation=self.activation,
             normalize_by_length=True,
+            precision=self.precision,
         )
         batch_size = offsets.numel() - 1
         return self.out(pooled.reshape(batch_size, num_queries, dim).to(tokens.dtype))
 
 
-class CandidateCrossAttention(nn.Module):
+class CandidateCrossAttention(AttentionPrecision, nn.Module):
     """The candidate ad (one query per sample) attends over its user's history via GDPA.
 
     The attended values are summed, not averaged over the history length: a few
@@ -315,7 +336,7 @@ class CandidateCrossAttention(nn.Module):
         normed = self.key_norm(tokens)
         k = self.qk_proj(normed).view(-1, self.num_heads, head_dim)
         v = self.v_proj(normed).view(-1, self.num_heads, head_dim)
-        q, k, v = _cast(self.attention_dtype, q, k, v)
+        q, k, v = self._kernel_inputs(self.attention_dtype, q, k, v)
         one_query_each = torch.arange(batch_size + 1, device=offsets.device, dtype=offsets.dtype)
         attended = gdpa(
             q,
@@ -327,5 +348,6 @@ class CandidateCrossAttention(nn.Module):
             max_k=max_len,
             activation=self.activation,
             normalize_by_length=False,
+            precision=self.precision,
         )
         return self.out(attended.reshape(batch_size, dim).to(tokens.dtype))

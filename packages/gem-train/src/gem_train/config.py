@@ -209,12 +209,12 @@ class PrecisionConfig:
     tensorwise: bool = False
     """FP8 only: one scale per tensor instead of 1x128 / 128x128 tiles."""
     fp8_attention: tuple[str, ...] = ()
-    """Glob patterns of the model's self-attention layers whose JFA runs in FP8
-    (``gem_kernels.jagged_flash_attention(precision="fp8")``: E4M3 Q, K, V with power-of-two
-    block scales, fp32 accumulation), e.g. ``sequence_layers.*`` or ``sequence_layers.0``.
-    Independent of ``mode``; each pattern must match at least one
-    ``gem_model.JaggedSelfAttentionLayer`` of kind 'jagged_flash'. Not yet measured on a GPU
-    (speed or NE)."""
+    """Glob patterns of the model's attention modules whose kernels run in FP8
+    (``gem_kernels`` ``precision="fp8"``: E4M3 Q, K, V with power-of-two block scales, fp32
+    accumulation): ``sequence_layers.<i>`` (JFA), ``history_cross``, ``pma``,
+    ``cross_attention`` (GDPA), e.g. ``sequence_layers.*`` or ``*``. Independent of ``mode``;
+    each pattern must match at least one ``gem_model.AttentionPrecision`` module ('block'
+    self-attention has no FP8 mode). Not yet measured on a GPU (speed or NE)."""
     saved_activations: str = "none"
     """'none' (autograd keeps activations as they are) or 'mx': the training forward runs
     under ``gem_precision.mx_saved_activations``, so activations saved for backward (>= 1024

@@ -7,7 +7,7 @@ import dataclasses
 import fnmatch
 
 import torch
-from gem_model import JaggedSelfAttentionLayer
+from gem_model import AttentionPrecision
 from gem_precision import (
     Fp8Recipe,
     PrecisionPolicy,
@@ -52,8 +52,8 @@ def apply_precision(model: nn.Module, config: PrecisionConfig, device: torch.dev
     - ``'fp8'`` swaps in ``Fp8Linear``; the ``bf16_layers`` stay bf16 GEMMs (autocast on CUDA,
       ``Bf16GemmLinear`` on the CPU).
 
-    The self-attention layers matched by ``fp8_attention`` run JFA in FP8, whatever the mode
-    (their names are returned too). Embedding tables keep their precision.
+    The attention modules matched by ``fp8_attention`` run their kernels in FP8, whatever the
+    mode (their names are returned too). Embedding tables keep their precision.
     """
     attention = _apply_fp8_attention(model, config.fp8_attention)
     if config.mode == "fp32":
@@ -72,11 +72,11 @@ def apply_precision(model: nn.Module, config: PrecisionConfig, device: torch.dev
 
 
 def _apply_fp8_attention(model: nn.Module, patterns: tuple[str, ...]) -> list[str]:
-    """Sets ``precision='fp8'`` on the self-attention layers whose names match ``patterns``."""
+    """Sets ``precision='fp8'`` on the attention modules whose names match ``patterns``."""
     layers = {
         name: module
         for name, module in model.named_modules()
-        if isinstance(module, JaggedSelfAttentionLayer)
+        if isinstance(module, AttentionPrecision)
     }
     chosen = []
     for pattern in patterns:
@@ -84,7 +84,7 @@ def _apply_fp8_attention(model: nn.Module, patterns: tuple[str, ...]) -> list[st
         if layers and not matched:  # (a model without a sequence tower has none to match)
             raise ValueError(
                 f"precision.fp8_attention pattern {pattern!r} matches none of the model's "
-                f"self-attention layers {sorted(layers)}"
+                f"attention modules {sorted(layers)}"
             )
         chosen += [name for name in matched if name not in chosen]
     for name in chosen:
