@@ -18,13 +18,17 @@ task on the same held-out users. Only the numerics of the dense ``nn.Linear`` GE
   same quantised operands (the same Triton kernels), but the GEMMs dequantised and multiplied in
   float32 instead of ``torch._scaled_mm``, which separates the native GEMM's numerics from the
   rest of the GPU path;
+* ``bf16-attention`` / ``gem-fp8-attention``: bf16 GEMMs, the attention kernels on bfloat16
+  inputs, and in the second every attention module in FP8 (``precision.fp8_attention=*``,
+  issue 29; the CPU runs the kernels' emulation);
 * ``fp32``: the unchanged model, for reference;
 * ``bf16-repeat``: ``bf16`` run again, the run-to-run noise floor (zero on a deterministic
   device; on a GPU, atomics in the embedding and attention backward make runs differ).
 
 The same layers are converted in every non-fp32 provider: all linears with
 ``min(in, out) >= 16`` (the 1-wide task-head outputs and the 8-wide dense-feature projection
-stay float32). Embeddings and attention kernels are float32 throughout.
+stay float32). Embeddings are float32 throughout, and the attention kernels too except in the
+attention pair.
 
 Usage (from the workspace root; the FP8 emulation is slow: 150 steps of all providers took 37
 minutes on a loaded 2-core CPU, 600 steps of bf16 + gem + fp32 about 5 minutes on an idle one):
@@ -70,7 +74,17 @@ PROVIDERS: dict[str, list[str]] = {
     "gem-sr": [*_ALL_FP8, "precision.stochastic_rounding_grads=true"],
     "gem-bf16wgrad": [*_ALL_FP8, "precision.wgrad_in_bf16=true"],
     "gem-all-fp8-emulated": _ALL_FP8,
+    # Issue 29: FP8 attention against bf16 attention (bf16 GEMMs in both).
+    "bf16-attention": ["precision.mode=bf16", "model.attention_dtype=bfloat16"],
+    "gem-fp8-attention": [
+        "precision.mode=bf16",
+        "model.attention_dtype=bfloat16",
+        "precision.fp8_attention=*",
+    ],
 }
+# Not in the default run: the noise floor and the emulated GEMMs only tell something on a GPU;
+# the attention pair is its own comparison (--providers bf16-attention,gem-fp8-attention).
+_NOT_DEFAULT = ("bf16-repeat", "gem-all-fp8-emulated", "bf16-attention", "gem-fp8-attention")
 # Environment of a provider's run (set around it, restored after).
 PROVIDER_ENV: dict[str, dict[str, str]] = {
     "gem-all-fp8-emulated": {"GEM_PRECISION_GEMM": "emulated"}
@@ -101,7 +115,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument(  # bf16-repeat and the emulated GEMMs only tell something on a GPU
         "--providers",
-        default=",".join(p for p in PROVIDERS if p not in ("bf16-repeat", "gem-all-fp8-emulated")),
+        default=",".join(p for p in PROVIDERS if p not in _NOT_DEFAULT),
     )
     parser.add_argument("--data-dir", default=str(ROOT / "data" / "fp8_quality"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/cpu/fp8_quality.json"))
@@ -217,7 +231,7 @@ def main() -> None:
         )
         print(
             f"{provider:>14}: NE ctr {metrics['ne_ctr']:.5f} cvr {metrics['ne_cvr']:.5f} "
-            f"({converted[provider]} linears converted, {train_s:.0f} s)",
+            f"({converted[provider]} layers converted, {train_s:.0f} s)",
             flush=True,
         )
 
