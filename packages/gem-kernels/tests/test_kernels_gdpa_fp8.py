@@ -18,11 +18,10 @@ edges; 130 crosses a 128-token quantisation block).
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
+from fp8_checks import check_ratios, rel_errors, run_with_grads
 from gem_kernels import gdpa, gdpa_triton, reference
 from gem_kernels.gdpa_triton import GdpaTritonConfig, backward_from_lengths, forward_from_lengths
 from kernels_naive import naive_gdpa, offsets_of
@@ -75,14 +74,6 @@ def _inputs(q_lengths, k_lengths, *, seed, dtype=torch.bfloat16):
     return {n: t.to(dtype) for n, t in tensors.items()}, grad_out
 
 
-def _run(fn, tensors, grad_out):
-    """``fn(**leaves)``'s output and the gradients of its inputs, as float64."""
-    leaves = {n: t.clone().requires_grad_(True) for n, t in tensors.items()}
-    out = fn(**leaves)
-    out.backward(grad_out.to(out.dtype))
-    return {"out": out.detach().double()} | {n: leaves[n].grad.double() for n in leaves}
-
-
 def _oracle(q_lengths, k_lengths, options, tensors, grad_out):
     k_lengths = k_lengths or q_lengths
     pma = q_lengths is None
@@ -91,7 +82,7 @@ def _oracle(q_lengths, k_lengths, options, tensors, grad_out):
     def fn(q, k, v):
         return naive_gdpa(q, k, v, q_rows, k_lengths, scale=D**-0.5, broadcast=pma, **options)
 
-    return _run(fn, {n: t.double() for n, t in tensors.items()}, grad_out.double())
+    return run_with_grads(fn, {n: t.double() for n, t in tensors.items()}, grad_out.double())
 
 
 def _offsets(q_lengths, k_lengths):
@@ -106,19 +97,6 @@ def _public(q_lengths, k_lengths, options, **call):
         return gdpa(q, k, v, *_offsets(q_lengths, k_lengths), **options, **call)
 
     return fn
-
-
-def _errors(got, oracle):
-    return {n: ((got[n] - oracle[n]).norm() / oracle[n].norm()).item() for n in got}
-
-
-def _check_ratios(fp8, bf16, bounds, label):
-    for name, err in fp8.items():
-        ratio = err / bf16[name]
-        assert math.isfinite(err) and ratio <= bounds[name], (
-            f"{label}: {name} FP8 error {err:.3e} is {ratio:.1f}x the bf16 error "
-            f"{bf16[name]:.3e} (bound {bounds[name]}x)"
-        )
 
 
 def _lengths(q_lengths, k_lengths):
@@ -253,29 +231,29 @@ def test_emulation_error_ratio_to_bf16(case):
     q_lengths, k_lengths, options = CASES[case]
     tensors, grad_out = _inputs(q_lengths, k_lengths, seed=1)
     oracle = _oracle(q_lengths, k_lengths, options, tensors, grad_out)
-    bf16 = _errors(_run(_public(q_lengths, k_lengths, options, backend="reference"), tensors,
+    bf16 = rel_errors(run_with_grads(_public(q_lengths, k_lengths, options, backend="reference"), tensors,
                         grad_out), oracle)  # fmt: skip
-    fp8 = _errors(_run(_public(q_lengths, k_lengths, options, backend="reference",
+    fp8 = rel_errors(run_with_grads(_public(q_lengths, k_lengths, options, backend="reference",
                                precision="fp8"), tensors, grad_out), oracle)  # fmt: skip
-    _check_ratios(fp8, bf16, EMULATION_RATIO, case)
+    check_ratios(fp8, bf16, EMULATION_RATIO, case)
 
 
 def test_emulation_long_sample_crosses_quantisation_blocks():
     lengths, options = [300, 1, 0, 129], {"causal": True, "activation": "relu2"}
     tensors, grad_out = _inputs(lengths, None, seed=2)
     oracle = _oracle(lengths, None, options, tensors, grad_out)
-    bf16 = _errors(_run(_public(lengths, None, options, backend="reference"), tensors,
+    bf16 = rel_errors(run_with_grads(_public(lengths, None, options, backend="reference"), tensors,
                         grad_out), oracle)  # fmt: skip
-    fp8 = _errors(_run(_public(lengths, None, options, backend="reference", precision="fp8"),
+    fp8 = rel_errors(run_with_grads(_public(lengths, None, options, backend="reference", precision="fp8"),
                        tensors, grad_out), oracle)  # fmt: skip
-    _check_ratios(fp8, bf16, EMULATION_RATIO, "long")
+    check_ratios(fp8, bf16, EMULATION_RATIO, "long")
 
 
 def test_emulation_rows_without_keys_are_zero():
     q_lengths, k_lengths = [4, 5, 2], [0, 2, 2]  # sample 0 has no keys; causal hides more
     tensors, grad_out = _inputs(q_lengths, k_lengths, seed=3)
     fn = _public(q_lengths, k_lengths, {"causal": True}, precision="fp8")
-    got = _run(fn, tensors, grad_out)
+    got = run_with_grads(fn, tensors, grad_out)
     no_key = torch.tensor([1] * 4 + [1, 1, 1, 0, 0] + [0, 0], dtype=torch.bool)
     assert torch.equal(got["out"][no_key], torch.zeros_like(got["out"][no_key]))
     assert torch.equal(got["q"][no_key], torch.zeros_like(got["q"][no_key]))
@@ -285,7 +263,7 @@ def test_emulation_rows_without_keys_are_zero():
 def test_emulation_is_deterministic():
     tensors, grad_out = _inputs(None, PMA_K, seed=4)
     fn = _public(None, PMA_K, {"activation": "relu2"}, precision="fp8")
-    first, second = _run(fn, tensors, grad_out), _run(fn, tensors, grad_out)
+    first, second = run_with_grads(fn, tensors, grad_out), run_with_grads(fn, tensors, grad_out)
     for name in first:
         assert torch.equal(first[name], second[name])
 
@@ -299,11 +277,11 @@ def test_kernels_error_ratio_to_bf16_kernels(interpret, case):
     q_lengths, k_lengths, options = CASES[case]
     tensors, grad_out = _inputs(q_lengths, k_lengths, seed=5)
     oracle = _oracle(q_lengths, k_lengths, options, tensors, grad_out)
-    bf16 = _errors(_run(_public(q_lengths, k_lengths, options, backend="triton"), tensors,
+    bf16 = rel_errors(run_with_grads(_public(q_lengths, k_lengths, options, backend="triton"), tensors,
                         grad_out), oracle)  # fmt: skip
-    fp8 = _errors(_run(_public(q_lengths, k_lengths, options, backend="triton",
+    fp8 = rel_errors(run_with_grads(_public(q_lengths, k_lengths, options, backend="triton",
                                precision="fp8"), tensors, grad_out), oracle)  # fmt: skip
-    _check_ratios(fp8, bf16, KERNEL_RATIO, case)
+    check_ratios(fp8, bf16, KERNEL_RATIO, case)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -364,11 +342,11 @@ def test_kernels_long_sample_and_rows_without_keys(interpret):
     tensors, grad_out = _inputs(q_lengths, k_lengths, seed=8)
     options = {"causal": True, "activation": "silu"}
     oracle = _oracle(q_lengths, k_lengths, options, tensors, grad_out)
-    got = _run(_public(q_lengths, k_lengths, options, backend="triton", precision="fp8"),
+    got = run_with_grads(_public(q_lengths, k_lengths, options, backend="triton", precision="fp8"),
                tensors, grad_out)  # fmt: skip
-    bf16 = _errors(_run(_public(q_lengths, k_lengths, options, backend="triton"), tensors,
+    bf16 = rel_errors(run_with_grads(_public(q_lengths, k_lengths, options, backend="triton"), tensors,
                         grad_out), oracle)  # fmt: skip
-    _check_ratios(_errors(got, oracle), bf16, KERNEL_RATIO, "long")
+    check_ratios(rel_errors(got, oracle), bf16, KERNEL_RATIO, "long")
     no_key = torch.zeros(138, dtype=torch.bool)
     no_key[130:136] = True  # sample 1 (no keys) and row 0 of sample 2 (causal, Lq > Lk)
     assert torch.equal(got["out"][no_key], torch.zeros_like(got["out"][no_key]))
@@ -378,6 +356,6 @@ def test_kernels_long_sample_and_rows_without_keys(interpret):
 def test_kernels_backward_is_deterministic(interpret):
     tensors, grad_out = _inputs(CROSS_Q, CROSS_K, seed=9)
     fn = _public(CROSS_Q, CROSS_K, {"window": (4, None)}, backend="triton", precision="fp8")
-    first, second = _run(fn, tensors, grad_out), _run(fn, tensors, grad_out)
+    first, second = run_with_grads(fn, tensors, grad_out), run_with_grads(fn, tensors, grad_out)
     for name in first:
         assert torch.equal(first[name], second[name]), name

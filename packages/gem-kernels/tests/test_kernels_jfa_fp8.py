@@ -20,6 +20,7 @@ import math
 
 import pytest
 import torch
+from fp8_checks import check_ratios, rel_errors, run_with_grads
 from gem_kernels import jagged_flash_attention, jfa_triton, reference
 from gem_kernels.jfa_triton import JfaTritonConfig, backward_from_lengths, forward_from_lengths
 from kernels_naive import naive_jfa, offsets_of
@@ -72,14 +73,6 @@ def _inputs(q_lengths, k_lengths, biases, *, seed, dtype=torch.bfloat16):
     return {n: t.to(dtype) for n, t in tensors.items()}, grad_out
 
 
-def _run(fn, tensors, grad_out):
-    """``fn(**leaves)``'s output and the gradients of its inputs, as float64."""
-    leaves = {n: t.clone().requires_grad_(True) for n, t in tensors.items()}
-    out = fn(**leaves)
-    out.backward(grad_out.to(out.dtype))
-    return {"out": out.detach().double()} | {n: leaves[n].grad.double() for n in leaves}
-
-
 def _oracle(q_lengths, k_lengths, options, tensors, grad_out):
     k_lengths = k_lengths or q_lengths
 
@@ -87,7 +80,7 @@ def _oracle(q_lengths, k_lengths, options, tensors, grad_out):
         return naive_jfa(q, k, v, q_lengths, k_lengths, rel_pos_bias=rel_pos_bias,
                          jagged_bias=jagged_bias, scale=D**-0.5, **options)  # fmt: skip
 
-    return _run(fn, {n: t.double() for n, t in tensors.items()}, grad_out.double())
+    return run_with_grads(fn, {n: t.double() for n, t in tensors.items()}, grad_out.double())
 
 
 def _public(q_lengths, k_lengths, options, **call):
@@ -98,19 +91,6 @@ def _public(q_lengths, k_lengths, options, **call):
                                       **biases, **call)  # fmt: skip
 
     return fn
-
-
-def _errors(got, oracle):
-    return {n: ((got[n] - oracle[n]).norm() / oracle[n].norm()).item() for n in got}
-
-
-def _check_ratios(fp8, bf16, bounds, label):
-    for name, err in fp8.items():
-        ratio = err / bf16[name]
-        assert math.isfinite(err) and ratio <= bounds[name], (
-            f"{label}: {name} FP8 error {err:.3e} is {ratio:.1f}x the bf16 error "
-            f"{bf16[name]:.3e} (bound {bounds[name]}x)"
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,29 +162,29 @@ def test_emulation_error_ratio_to_bf16(case):
     q_lengths, k_lengths, options, biases = CASES[case]
     tensors, grad_out = _inputs(q_lengths, k_lengths, biases, seed=1)
     oracle = _oracle(q_lengths, k_lengths, options, tensors, grad_out)
-    bf16 = _errors(_run(_public(q_lengths, k_lengths, options, backend="reference"), tensors,
+    bf16 = rel_errors(run_with_grads(_public(q_lengths, k_lengths, options, backend="reference"), tensors,
                         grad_out), oracle)  # fmt: skip
-    fp8 = _errors(_run(_public(q_lengths, k_lengths, options, backend="reference",
+    fp8 = rel_errors(run_with_grads(_public(q_lengths, k_lengths, options, backend="reference",
                                precision="fp8"), tensors, grad_out), oracle)  # fmt: skip
-    _check_ratios(fp8, bf16, EMULATION_RATIO, case)
+    check_ratios(fp8, bf16, EMULATION_RATIO, case)
 
 
 def test_emulation_long_sample_crosses_quantisation_blocks():
     lengths = [300, 1, 0, 129]
     tensors, grad_out = _inputs(lengths, None, (), seed=2)
     oracle = _oracle(lengths, None, {"causal": True}, tensors, grad_out)
-    bf16 = _errors(_run(_public(lengths, None, {"causal": True}, backend="reference"), tensors,
+    bf16 = rel_errors(run_with_grads(_public(lengths, None, {"causal": True}, backend="reference"), tensors,
                         grad_out), oracle)  # fmt: skip
-    fp8 = _errors(_run(_public(lengths, None, {"causal": True}, backend="reference",
+    fp8 = rel_errors(run_with_grads(_public(lengths, None, {"causal": True}, backend="reference",
                                precision="fp8"), tensors, grad_out), oracle)  # fmt: skip
-    _check_ratios(fp8, bf16, EMULATION_RATIO, "long")
+    check_ratios(fp8, bf16, EMULATION_RATIO, "long")
 
 
 def test_emulation_rows_without_keys_are_zero():
     q_lengths, k_lengths = [4, 5, 2], [0, 2, 2]  # sample 0 has no keys; causal hides more
     tensors, grad_out = _inputs(q_lengths, k_lengths, (), seed=3)
     fn = _public(q_lengths, k_lengths, {"causal": True}, precision="fp8")
-    got = _run(fn, tensors, grad_out)
+    got = run_with_grads(fn, tensors, grad_out)
     no_key = torch.tensor([1] * 4 + [1, 1, 1, 0, 0] + [0, 0], dtype=torch.bool)
     assert torch.equal(got["out"][no_key], torch.zeros_like(got["out"][no_key]))
     assert torch.equal(got["q"][no_key], torch.zeros_like(got["q"][no_key]))
@@ -214,7 +194,7 @@ def test_emulation_rows_without_keys_are_zero():
 def test_emulation_is_deterministic():
     tensors, grad_out = _inputs(SELF, None, ("rel",), seed=4)
     fn = _public(SELF, None, {"causal": True}, precision="fp8")
-    first, second = _run(fn, tensors, grad_out), _run(fn, tensors, grad_out)
+    first, second = run_with_grads(fn, tensors, grad_out), run_with_grads(fn, tensors, grad_out)
     for name in first:
         assert torch.equal(first[name], second[name])
 
@@ -228,11 +208,11 @@ def test_kernels_error_ratio_to_bf16_kernels(interpret, case):
     q_lengths, k_lengths, options, biases = CASES[case]
     tensors, grad_out = _inputs(q_lengths, k_lengths, biases, seed=5)
     oracle = _oracle(q_lengths, k_lengths, options, tensors, grad_out)
-    bf16 = _errors(_run(_public(q_lengths, k_lengths, options, backend="triton"), tensors,
+    bf16 = rel_errors(run_with_grads(_public(q_lengths, k_lengths, options, backend="triton"), tensors,
                         grad_out), oracle)  # fmt: skip
-    fp8 = _errors(_run(_public(q_lengths, k_lengths, options, backend="triton",
+    fp8 = rel_errors(run_with_grads(_public(q_lengths, k_lengths, options, backend="triton",
                                precision="fp8"), tensors, grad_out), oracle)  # fmt: skip
-    _check_ratios(fp8, bf16, KERNEL_RATIO, case)
+    check_ratios(fp8, bf16, KERNEL_RATIO, case)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -291,11 +271,11 @@ def test_kernels_long_sample_and_rows_without_keys(interpret):
     tensors, grad_out = _inputs(q_lengths, k_lengths, (), seed=8)
     options = {"causal": True}
     oracle = _oracle(q_lengths, k_lengths, options, tensors, grad_out)
-    got = _run(_public(q_lengths, k_lengths, options, backend="triton", precision="fp8"),
+    got = run_with_grads(_public(q_lengths, k_lengths, options, backend="triton", precision="fp8"),
                tensors, grad_out)  # fmt: skip
-    bf16 = _errors(_run(_public(q_lengths, k_lengths, options, backend="triton"), tensors,
+    bf16 = rel_errors(run_with_grads(_public(q_lengths, k_lengths, options, backend="triton"), tensors,
                         grad_out), oracle)  # fmt: skip
-    _check_ratios(_errors(got, oracle), bf16, KERNEL_RATIO, "long")
+    check_ratios(rel_errors(got, oracle), bf16, KERNEL_RATIO, "long")
     no_key = torch.zeros(138, dtype=torch.bool)
     no_key[130:136] = True  # sample 1 (no keys) and row 0 of sample 2 (causal, Lq > Lk)
     assert torch.equal(got["out"][no_key], torch.zeros_like(got["out"][no_key]))
@@ -305,7 +285,7 @@ def test_kernels_long_sample_and_rows_without_keys(interpret):
 def test_kernels_backward_is_deterministic(interpret):
     tensors, grad_out = _inputs(CROSS_Q, CROSS_K, ("jagged",), seed=9)
     fn = _public(CROSS_Q, CROSS_K, {"window": (4, None)}, backend="triton", precision="fp8")
-    first, second = _run(fn, tensors, grad_out), _run(fn, tensors, grad_out)
+    first, second = run_with_grads(fn, tensors, grad_out), run_with_grads(fn, tensors, grad_out)
     for name in first:
         assert torch.equal(first[name], second[name]), name
 
@@ -368,7 +348,7 @@ def test_fp8_backward_keeps_dp_and_ds_in_bf16_by_measured_error():
 
     def errors(**variant):
         got = _dense_fp8_attention(q, k, v, grad_out, **variant)
-        return _errors(got, oracle)
+        return rel_errors(got, oracle)
 
     shipped = errors()
     # P's scale: 2^8 (shipped), E4M3's max and none measure the same.
