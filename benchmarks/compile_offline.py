@@ -106,6 +106,7 @@ PRESETS = {
             PACKED=1,
             ONE_LOOP=True,
             FUSED_DQ=True,
+            FP8=False,
         ),  # fmt: skip
         {"items_ptr": "i64", "dkp_ptr": "fp32", "dvp_ptr": "fp32", "dq_ptr": "fp32", "*": "bf16"},
         8,
@@ -116,13 +117,18 @@ PRESETS = {
 
 def _load_module(path: Path) -> types.ModuleType:
     """The kernel file as a module. gem-kernels' kernels import one constant from its reference
-    module, which imports torch: it is read from the source instead, so no torch is needed."""
+    module, which imports torch: it is read from the source instead, so no torch is needed
+    (the torch-free ``triton_loader`` is imported as it is)."""
     if "gem_kernels.reference" not in sys.modules and "gem_kernels" in path.parts:
         source = (path.parent / "reference.py").read_text()
         found = re.search(r"_GELU_FAST_COEFFS\s*=\s*(\([^)]*\))", source, re.S)
         stub = types.ModuleType("gem_kernels.reference")
         stub._GELU_FAST_COEFFS = ast.literal_eval(found.group(1))
-        sys.modules.setdefault("gem_kernels", types.ModuleType("gem_kernels"))
+        # A bare package (its __init__ imports torch) whose torch-free submodules, such as
+        # triton_loader, still import from the source folder.
+        package = types.ModuleType("gem_kernels")
+        package.__path__ = [str(path.parent)]
+        sys.modules.setdefault("gem_kernels", package)
         sys.modules["gem_kernels.reference"] = stub
     spec = importlib.util.spec_from_file_location(f"offline_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)

@@ -643,7 +643,7 @@ def gdpa_fwd_kernel(
         ks_base = ks_ptr
         vs_base = vs_ptr
         if FP8:
-            q_scale8 = tl.load(qs_ptr + (q_start + m0) * num_heads + head)
+            q_scale8 = tl.load(qs_ptr + (q_start + m0) * num_heads + head).to(tl.float32)
             ks_base = ks_ptr + k_start * num_heads + head
             vs_base = vs_ptr + k_start * num_heads + head
         if WS:
@@ -1010,7 +1010,7 @@ def gdpa_bwd_dkdv_kernel(
             do8_base = do8_ptr + out_start * stride_dot + head * stride_doh
             qs_base = qs_ptr + q_start * num_heads + head
             dos_base = dos_ptr + out_start * num_heads + head
-            k_scale8 = tl.load(ks_ptr + (k_start + n0) * num_heads + head)
+            k_scale8 = tl.load(ks_ptr + (k_start + n0) * num_heads + head).to(tl.float32)
         dq_base = dq_ptr
         dq_scale = scale
         if FUSED_DQ:
@@ -1174,7 +1174,7 @@ def gdpa_bwd_dq_kernel(
         if FP8:
             k8_base = k8_ptr + k_start * stride_kt + head * stride_kh
             ks_base = ks_ptr + k_start * num_heads + head
-            q_scale8 = tl.load(qs_ptr + (q_start + m0) * num_heads + head)
+            q_scale8 = tl.load(qs_ptr + (q_start + m0) * num_heads + head).to(tl.float32)
         if USE_ONE_LOOP:  # every key tile in one loop, loads masked, no score mask
             dq = _dq_inner(
                 dq, q, do, k_base, v_base, stride_kt, stride_vt, lo_t, hi_t, offs_m, offs_d,
