@@ -10,6 +10,7 @@ shared memory); other Triton versions generate different code.
     python benchmarks/compile_offline.py dy            # the dy quantise tile kernel (4 warps)
     python benchmarks/compile_offline.py gdpa_dkdv     # GDPA's fused dK/dV/dQ backward
     python benchmarks/compile_offline.py mx_dequant    # MX (1x32, E4M3) -> bfloat16
+    python benchmarks/compile_offline.py jfa_dkdv_fp8  # JFA's FP8 dK/dV (also *_fwd_fp8, gdpa_*)
     python benchmarks/compile_offline.py dy --warps 8 --set COLSUM=False
 
 Spills inside an inner loop cost every iteration: ``spills_in_innermost_loops`` counts them
@@ -113,6 +114,58 @@ PRESETS = {
         3,
     ),
 }
+
+# The FP8 attention kernels (precision="fp8") at the tiles their default configurations give:
+# operands in E4M3 (V and dO of JFA stored K-major), per-token float32 scales.
+_JFA = "packages/gem-kernels/src/gem_kernels/_jfa_kernels.py"
+_GDPA = "packages/gem-kernels/src/gem_kernels/_gdpa_kernels.py"
+_FP8_POINTERS = {
+    "tiles_ptr": "i32", "items_ptr": "i64", "lse_ptr": "fp32", "delta_ptr": "fp32",
+    "rs_ptr": "fp32", "rel_partial_ptr": "fp32", "part_ptr": "fp32", "dkp_ptr": "fp32",
+    "dvp_ptr": "fp32", "qs_ptr": "fp32", "ks_ptr": "fp32", "vs_ptr": "fp32", "dos_ptr": "fp32",
+    "*": "bf16",
+}  # fmt: skip
+_JFA_FP8 = dict(
+    HEAD_DIM=128, BLOCK_D=128, HAS_LEFT=False, HAS_RIGHT=True, HAS_REL=False, HAS_JAGGED=False,
+    DOT_PRECISION="ieee", UPCAST=False, STRIP_P=0, STRIP_W=1, FP8=True,
+)  # fmt: skip
+_GDPA_FP8 = dict(
+    HEAD_DIM=128, BLOCK_D=128, ACT=3, HAS_LEFT=False, HAS_RIGHT=False, NORMALIZE=False,
+    DOT_PRECISION="ieee", UPCAST=False, PACKED=0, ONE_LOOP=False, FP8=True,
+)  # fmt: skip
+
+
+def _e4m3(*names: str) -> dict:
+    return dict(_FP8_POINTERS, **dict.fromkeys(names, "fp8e4nv"))
+
+
+PRESETS |= {
+    "jfa_fwd_fp8": (
+        _JFA, "jfa_fwd_kernel", dict(_JFA_FP8, BLOCK_M=128, BLOCK_N=128, ONE_LOOP=True),
+        _e4m3("q_ptr", "k_ptr", "v_ptr"), 8, 3,
+    ),
+    "jfa_dkdv_fp8": (
+        _JFA, "jfa_bwd_dkdv_kernel",
+        dict(_JFA_FP8, BLOCK_M=64, BLOCK_N=128, DIAG_W=256, BUCKETS_PAD=16, FUSED_DQ=False),
+        _e4m3("k_ptr", "q8_ptr", "do8_ptr"), 8, 3,
+    ),
+    "jfa_dq_fp8": (
+        _JFA, "jfa_bwd_dq_kernel", dict(_JFA_FP8, BLOCK_M=128, BLOCK_N=64),
+        _e4m3("q_ptr", "k8_ptr"), 8, 3,
+    ),
+    "gdpa_fwd_fp8": (
+        _GDPA, "gdpa_fwd_kernel", dict(_GDPA_FP8, BLOCK_M=128, BLOCK_N=64),
+        _e4m3("q_ptr", "k_ptr", "v_ptr"), 8, 3,
+    ),
+    "gdpa_dkdv_fp8": (
+        _GDPA, "gdpa_bwd_dkdv_kernel", dict(_GDPA_FP8, BLOCK_M=64, BLOCK_N=128, FUSED_DQ=False),
+        _e4m3("k_ptr", "q8_ptr", "do8_ptr"), 8, 3,
+    ),
+    "gdpa_dq_fp8": (
+        _GDPA, "gdpa_bwd_dq_kernel", dict(_GDPA_FP8, BLOCK_M=128, BLOCK_N=64),
+        dict(_e4m3("q_ptr", "k8_ptr"), dq_ptr="fp32"), 8, 3,
+    ),
+}  # fmt: skip
 
 
 def _load_module(path: Path) -> types.ModuleType:
