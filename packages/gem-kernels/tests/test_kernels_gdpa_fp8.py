@@ -60,41 +60,42 @@ def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def _inputs(q_lengths, k_lengths, *, seed, dtype=torch.bfloat16):
+def _inputs(q_lengths, k_lengths, *, seed, dtype=torch.bfloat16, heads=H, dim=D, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     k_lengths = k_lengths or q_lengths
     rows = PMA_Q if q_lengths is None else sum(q_lengths)
     out_rows = PMA_Q * len(k_lengths) if q_lengths is None else rows
     tensors = {
-        "q": torch.randn(rows, H, D, generator=gen),
-        "k": torch.randn(sum(k_lengths), H, D, generator=gen),
-        "v": torch.randn(sum(k_lengths), H, D, generator=gen),
+        "q": torch.randn(rows, heads, dim, generator=gen),
+        "k": torch.randn(sum(k_lengths), heads, dim, generator=gen),
+        "v": torch.randn(sum(k_lengths), heads, dim, generator=gen),
     }
-    grad_out = torch.randn(out_rows, H, D, generator=gen).to(dtype)
-    return {n: t.to(dtype) for n, t in tensors.items()}, grad_out
+    grad_out = torch.randn(out_rows, heads, dim, generator=gen).to(device, dtype)
+    return {n: t.to(device, dtype) for n, t in tensors.items()}, grad_out
 
 
 def _oracle(q_lengths, k_lengths, options, tensors, grad_out):
     k_lengths = k_lengths or q_lengths
     pma = q_lengths is None
     q_rows = [PMA_Q] * len(k_lengths) if pma else q_lengths
+    scale = tensors["q"].shape[-1] ** -0.5
 
     def fn(q, k, v):
-        return naive_gdpa(q, k, v, q_rows, k_lengths, scale=D**-0.5, broadcast=pma, **options)
+        return naive_gdpa(q, k, v, q_rows, k_lengths, scale=scale, broadcast=pma, **options)
 
     return run_with_grads(fn, {n: t.double() for n, t in tensors.items()}, grad_out.double())
 
 
-def _offsets(q_lengths, k_lengths):
+def _offsets(q_lengths, k_lengths, device="cpu"):
     return (
-        None if q_lengths is None else offsets_of(q_lengths),
-        None if k_lengths is None else offsets_of(k_lengths),
+        None if q_lengths is None else offsets_of(q_lengths).to(device),
+        None if k_lengths is None else offsets_of(k_lengths).to(device),
     )
 
 
 def _public(q_lengths, k_lengths, options, **call):
     def fn(q, k, v):
-        return gdpa(q, k, v, *_offsets(q_lengths, k_lengths), **options, **call)
+        return gdpa(q, k, v, *_offsets(q_lengths, k_lengths, q.device), **options, **call)
 
     return fn
 
@@ -359,3 +360,45 @@ def test_kernels_backward_is_deterministic(interpret):
     first, second = run_with_grads(fn, tensors, grad_out), run_with_grads(fn, tensors, grad_out)
     for name in first:
         assert torch.equal(first[name], second[name]), name
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled FP8 kernels on a GPU, at the model's head size.
+
+GPU_SELF = [1, 130, 0, 257, 700, 129]
+GPU_CASES = {
+    "self_causal_silu": (GPU_SELF, None, {"causal": True, "activation": "silu"}),
+    "self_window_gelu_fast": (
+        GPU_SELF,
+        None,
+        {"causal": True, "window": (256, 0), "activation": "gelu_fast"},
+    ),
+    "cross_relu2": ([5, 300, 0, 64], [130, 200, 7, 0], {"activation": "relu2"}),
+    "pma_normalized_gelu": (
+        None,
+        [130, 0, 700, 3],
+        {"normalize_by_length": True, "activation": "gelu"},
+    ),
+}
+#: Against the bf16 kernels on the GPU (E4M3's 3 mantissa bits against bfloat16's 7: about
+#: 2^4 expected where the quantised GEMMs dominate).
+GPU_KERNEL_RATIO = dict.fromkeys(("out", "q", "k", "v"), 32.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_gpu_kernels_error_ratio_to_bf16_kernels(case):
+    q_lengths, k_lengths, options = GPU_CASES[case]
+    tensors, grad_out = _inputs(q_lengths, k_lengths, seed=11, heads=4, dim=128, device="cuda")
+    cpu = {n: t.cpu() for n, t in tensors.items()}
+    oracle = _oracle(q_lengths, k_lengths, options, cpu, grad_out.cpu())
+
+    def errors(**call):
+        got = run_with_grads(_public(q_lengths, k_lengths, options, backend="triton", **call),
+                             tensors, grad_out)  # fmt: skip
+        return rel_errors({n: t.cpu() for n, t in got.items()}, oracle)
+
+    bf16, fp8 = errors(), errors(precision="fp8")
+    print(case, {n: f"{fp8[n]:.2e} ({fp8[n] / bf16[n]:.1f}x)" for n in fp8})
+    check_ratios(fp8, bf16, GPU_KERNEL_RATIO, case)

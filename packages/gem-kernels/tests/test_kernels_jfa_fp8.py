@@ -56,39 +56,40 @@ def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def _inputs(q_lengths, k_lengths, biases, *, seed, dtype=torch.bfloat16):
+def _inputs(q_lengths, k_lengths, biases, *, seed, dtype=torch.bfloat16, heads=H, dim=D,
+            device="cpu"):  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     k_lengths = k_lengths or q_lengths
     tensors = {
-        "q": torch.randn(sum(q_lengths), H, D, generator=gen),
-        "k": torch.randn(sum(k_lengths), H, D, generator=gen),
-        "v": torch.randn(sum(k_lengths), H, D, generator=gen),
+        "q": torch.randn(sum(q_lengths), heads, dim, generator=gen),
+        "k": torch.randn(sum(k_lengths), heads, dim, generator=gen),
+        "v": torch.randn(sum(k_lengths), heads, dim, generator=gen),
     }
     if "rel" in biases:
-        tensors["rel_pos_bias"] = torch.randn(H, 11, generator=gen)
+        tensors["rel_pos_bias"] = torch.randn(heads, 11, generator=gen)
     if "jagged" in biases:
         pairs = sum(a * b for a, b in zip(q_lengths, k_lengths, strict=True))
-        tensors["jagged_bias"] = torch.randn(H, pairs, generator=gen)
-    grad_out = torch.randn(sum(q_lengths), H, D, generator=gen).to(dtype)
-    return {n: t.to(dtype) for n, t in tensors.items()}, grad_out
+        tensors["jagged_bias"] = torch.randn(heads, pairs, generator=gen)
+    grad_out = torch.randn(sum(q_lengths), heads, dim, generator=gen).to(device, dtype)
+    return {n: t.to(device, dtype) for n, t in tensors.items()}, grad_out
 
 
 def _oracle(q_lengths, k_lengths, options, tensors, grad_out):
     k_lengths = k_lengths or q_lengths
+    dim = tensors["q"].shape[-1]
 
     def fn(q, k, v, rel_pos_bias=None, jagged_bias=None):
         return naive_jfa(q, k, v, q_lengths, k_lengths, rel_pos_bias=rel_pos_bias,
-                         jagged_bias=jagged_bias, scale=D**-0.5, **options)  # fmt: skip
+                         jagged_bias=jagged_bias, scale=dim**-0.5, **options)  # fmt: skip
 
     return run_with_grads(fn, {n: t.double() for n, t in tensors.items()}, grad_out.double())
 
 
 def _public(q_lengths, k_lengths, options, **call):
-    k_offsets = None if k_lengths is None else offsets_of(k_lengths)
-
     def fn(q, k, v, **biases):
-        return jagged_flash_attention(q, k, v, offsets_of(q_lengths), k_offsets, **options,
-                                      **biases, **call)  # fmt: skip
+        k_offsets = None if k_lengths is None else offsets_of(k_lengths).to(q.device)
+        return jagged_flash_attention(q, k, v, offsets_of(q_lengths).to(q.device), k_offsets,
+                                      **options, **biases, **call)  # fmt: skip
 
     return fn
 
@@ -361,3 +362,38 @@ def test_fp8_backward_keeps_dp_and_ds_in_bf16_by_measured_error():
         worse = errors(**variant)
         for name in ("q", "k"):
             assert worse[name] > 1.1 * shipped[name], (variant, name, worse[name], shipped[name])
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled FP8 kernels on a GPU, at the model's head size.
+
+GPU_SELF = [1, 130, 0, 257, 700, 129]
+GPU_CASES = {
+    "self": (GPU_SELF, None, {}, ()),
+    "self_causal_rel": (GPU_SELF, None, {"causal": True}, ("rel",)),
+    "self_window": (GPU_SELF, None, {"causal": True, "window": (256, 0)}, ()),
+    "cross_causal_jagged": ([5, 300, 0, 64], [130, 200, 7, 0], {"causal": True}, ("jagged",)),
+}
+#: Against the bf16 kernels on the GPU (E4M3's 3 mantissa bits against bfloat16's 7: about
+#: 2^4 expected where the quantised GEMMs dominate).
+GPU_KERNEL_RATIO = dict.fromkeys(("out", "q", "k", "v", "rel_pos_bias", "jagged_bias"), 32.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_gpu_kernels_error_ratio_to_bf16_kernels(case):
+    q_lengths, k_lengths, options, biases = GPU_CASES[case]
+    tensors, grad_out = _inputs(q_lengths, k_lengths, biases, seed=11, heads=4, dim=128,
+                                device="cuda")  # fmt: skip
+    cpu = {n: t.cpu() for n, t in tensors.items()}
+    oracle = _oracle(q_lengths, k_lengths, options, cpu, grad_out.cpu())
+
+    def errors(**call):
+        got = run_with_grads(_public(q_lengths, k_lengths, options, backend="triton", **call),
+                             tensors, grad_out)  # fmt: skip
+        return rel_errors({n: t.cpu() for n, t in got.items()}, oracle)
+
+    bf16, fp8 = errors(), errors(precision="fp8")
+    print(case, {n: f"{fp8[n]:.2e} ({fp8[n] / bf16[n]:.1f}x)" for n in fp8})
+    check_ratios(fp8, bf16, GPU_KERNEL_RATIO, case)
