@@ -1,4 +1,4 @@
-"""Lint, per-package tests, integration tests, wheels and the GPU test session.
+"""Lint, per-package tests, integration tests, wheels and the GPU test sessions.
 
 Every `tests(<package>)` session installs ONLY that package (plus the workspace
 packages it declares, recursively) into a fresh environment, pinned to the
@@ -9,11 +9,13 @@ built wheels instead of the source trees: what `pip install gem-<x>` would get.
     uv run --extra cpu nox                 # lint + every package + integration + wheels (CPU)
     uv run --extra cpu nox -s "tests(gem-data)"
     uv run --extra cpu nox -s wheels       # build every wheel + sdist; each alone + its README example
-    python -m nox -s gpu                   # on the GPU machine, with its own interpreter
+    python -m nox -s "gpu(hopper)"         # on an H100 / H200, with the machine's interpreter
+    python -m nox -s "gpu(blackwell)"      # on a B200 (`-s gpu` runs both, one after the other)
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
@@ -267,11 +269,74 @@ def _install_wheel_alone(
         session.log(f"{name}: README example ran in {time.perf_counter() - start:.1f} s")
 
 
-@nox.session(python=False)
-def gpu(session: nox.Session) -> None:
-    """`gpu`-marked tests with the interpreter already on a GPU machine: no install, no network."""
+def _load_gpu_capability():
+    """``tests/support/gpu_capability.py`` (plain Python): the GPU types and the markers."""
+    path = ROOT / "tests" / "support" / "gpu_capability.py"
+    spec = importlib.util.spec_from_file_location("gpu_capability", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+GPU = _load_gpu_capability()
+
+_GPU_PROBE = """
+import torch
+if torch.cuda.is_available():
+    major, minor = torch.cuda.get_device_capability()
+    print(f"visible GPU: {major} {minor} {torch.cuda.get_device_name()}")
+else:
+    print("visible GPU: none")
+"""
+
+
+@nox.session(venv_backend="none")
+@nox.parametrize("arch", list(GPU.GPU_ARCHS), ids=list(GPU.GPU_ARCHS))
+def gpu(session: nox.Session, arch: str) -> None:
+    """The `gpu` tests that one GPU type runs, with the GPU machine's own interpreter (no install).
+
+    The interpreter running nox runs pytest, the workspace's sources on its path: nothing is
+    installed and nothing is fetched.
+
+    `hopper` (sm_90) runs every `gpu` test, `blackwell` (sm_100) all but those marked `hopper`
+    (``tests/support/gpu_capability.py`` has the markers and what they need). First it asks the
+    interpreter for the visible GPU; on one of another type it says which tests are deselected
+    or will skip and why, then runs what that GPU can: a test marked for a capability the GPU
+    lacks skips with the reason (root ``conftest.py``), in pytest's ``-ra`` summary."""
     source_dirs = [str(ROOT / "packages" / name / "src") for name in PACKAGES]
     env = {"PYTHONPATH": os.pathsep.join([*source_dirs, os.environ.get("PYTHONPATH", "")])}
-    session.run(
-        sys.executable, "-m", "pytest", "-m", "gpu", "packages", "tests", *session.posargs, env=env
+    target = GPU.GPU_ARCHS[arch]
+    probe = session.run(sys.executable, "-c", _GPU_PROBE, env=env, silent=True)
+    if probe is None:  # --install-only: nothing to install here
+        return
+    found = re.search(r"^visible GPU: (\d+) (\d+) (.+)$", probe, re.M)
+    if not found:
+        session.error(f"no CUDA device visible to {sys.executable}: every gpu test would skip")
+    capability, name = (int(found[1]), int(found[2])), found[3].strip()
+    session.log(
+        f"{name}, {GPU.sm(capability)}; gpu({arch}) is for {GPU.sm(target.capability)} and "
+        f"runs pytest -m {target.marker_expression!r}"
     )
+    if capability[0] != target.capability[0]:
+        session.warn(
+            f"this GPU is {GPU.sm(capability)}, not {arch} ({GPU.sm(target.capability)}): "
+            "it runs what it can; what it leaves out follows"
+        )
+    own = [other for other, kind in GPU.GPU_ARCHS.items() if kind.capability[0] == capability[0]]
+    for marker, requirement in GPU.CAPABILITY_MARKERS.items():
+        unmet = GPU.unmet(marker, capability)
+        if marker in target.deselect:
+            note = (
+                f"deselected: tests marked {marker!r}, which need {GPU.needs(marker)} "
+                f"({requirement.why})"
+            )
+            if unmet is None and own:  # this GPU could run them
+                session.warn(f'{note}; this GPU has it: nox -s "gpu({own[0]})" runs them')
+            else:
+                session.log(note)
+        elif unmet is not None:
+            session.warn(f"will skip: tests marked {marker!r}: {unmet}")
+    session.run(
+        sys.executable, "-m", "pytest", "-m", target.marker_expression, "packages", "tests",
+        *session.posargs, env=env,
+    )  # fmt: skip

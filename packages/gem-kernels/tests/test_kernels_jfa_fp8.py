@@ -380,6 +380,7 @@ GPU_KERNEL_RATIO = dict.fromkeys(("out", "q", "k", "v", "rel_pos_bias", "jagged_
 
 
 @pytest.mark.gpu
+@pytest.mark.sm89
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("case", GPU_CASES)
 def test_gpu_kernels_error_ratio_to_bf16_kernels(case):

@@ -257,6 +257,7 @@ def test_stochastic_rounding_offsets_of_the_two_layouts():
 
 
 @pytest.mark.gpu
+@pytest.mark.sm89
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("per_sm", [None, 0.01, 0.1], ids=["default", "one_ahead", "tenth"])
 def test_cuda_l2_prefetch_bit_exact(per_sm):
@@ -286,6 +287,7 @@ def test_cuda_l2_prefetch_bit_exact(per_sm):
 
 
 @pytest.mark.gpu
+@pytest.mark.sm89
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
 def test_cuda_kernel_bit_exact(in_dtype):

@@ -155,6 +155,7 @@ def _cuda_module_input_grad_error(dtype=torch.float32) -> float:
 
 
 @pytest.mark.gpu
+@pytest.mark.sm89
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_unfused_module_matches_cpu(monkeypatch):
     """Norm in PyTorch + Fp8Linear on CUDA against the CPU emulation."""
@@ -163,6 +164,7 @@ def test_cuda_unfused_module_matches_cpu(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.sm89
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_fused_path_matches_cpu(dtype):

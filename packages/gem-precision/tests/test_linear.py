@@ -223,6 +223,7 @@ def test_tiny_training_run_matches_fp32():
 
 
 @pytest.mark.gpu
+@pytest.mark.sm89
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_matches_cpu_emulation():
     """The Hadamard recipe on a GPU: rotated operands, native GEMMs on Hopper / Blackwell (a

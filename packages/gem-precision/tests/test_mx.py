@@ -424,6 +424,7 @@ def test_empty_tensor():
 
 
 @pytest.mark.gpu
+@pytest.mark.sm89
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("elem_dtype", ELEM_DTYPES)
 @pytest.mark.parametrize("rounding", ROUNDINGS)

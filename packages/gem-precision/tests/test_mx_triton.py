@@ -126,6 +126,7 @@ def test_cpu_without_interpreter_is_refused(monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.sm89
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("square", [False, True])
 def test_cuda_kernels_bit_exact(square):

@@ -182,6 +182,7 @@ def test_bad_arguments():
 
 
 @pytest.mark.gpu
+@pytest.mark.sm89
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_allocator_sees_the_saving():
     """The memory held between forward and backward drops by about the counted bytes."""

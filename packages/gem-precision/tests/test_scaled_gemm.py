@@ -277,6 +277,7 @@ def test_recipe_validation():
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
     "m,k,n", [(256, 256, 512), (208, 384, 320), (128, 640, 256), (512, 512, 384)]
@@ -339,6 +340,7 @@ def test_padding_for_native_block_scaled_gemms_keeps_the_product():
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("m", [301, 1000, 4099])
 def test_cuda_ragged_rows_match_emulation(m, monkeypatch):
