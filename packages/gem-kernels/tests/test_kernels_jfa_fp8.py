@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 from fp8_checks import check_ratios, rel_errors, run_with_grads
-from gem_kernels import jagged_flash_attention, jfa_triton, reference
+from gem_kernels import fp8_quantize, jagged_flash_attention, jfa_triton, reference
 from gem_kernels.jfa_triton import JfaTritonConfig, backward_from_lengths, forward_from_lengths
 from kernels_naive import naive_jfa, offsets_of
 
@@ -152,6 +152,29 @@ def test_quantize_fp8_blocks_power_of_two_scales_per_sample_block():
     # The stored values are torch's E4M3 rounding of x / scale, exactly.
     want = (x.float() / scale[..., None]).to(torch.float8_e4m3fn)
     assert torch.equal(x8.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [16, 24])
+def test_quantize_kernel_is_bit_identical_to_the_reference(interpret, dtype, dim):
+    """The Triton quantisation (the kernels' operands) against the PyTorch one (the
+    emulation's): the same E4M3 bytes and scales, on blocks that cross 128, empty samples, a
+    zero block, maxima at and just above a power-of-two multiple of 448, a strided input."""
+    lengths = torch.tensor([0, 1, 127, 128, 129, 300, 0, 5])
+    gen = torch.Generator().manual_seed(9)
+    wide = torch.randn(int(lengths.sum()), 3, dim + 8, generator=gen) * 4.0
+    x = wide[:, :, :dim]  # token and head strides that are not the contiguous ones
+    x[1:128, 1] = 0.0  # sample 2's only block, head 1: zeros
+    x[128, 0, 0] = 448.0 * 2.0**-3  # sample 3's block 0: amax exactly 56, scale 2^-3
+    x[256, 2, 1] = -448.0 * 2.0**5 * (1 + 2.0**-7)  # sample 4's block 0: just above, 2^6
+    x[300:310] *= 1e-3
+    x = x.to(dtype)
+    got8, got_scale = fp8_quantize.quantize_fp8_blocks(x, lengths, interpret=True)
+    want8, want_scale = reference.quantize_fp8_blocks(x, lengths)
+    assert torch.equal(got_scale, want_scale)
+    assert torch.equal(got8.view(torch.uint8), want8.view(torch.uint8))
+    assert want_scale[128, 0] == 2.0**-3 and want_scale[256, 2] == 2.0**6
+    assert torch.all(want_scale[1:128, 1] == 1.0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -58,6 +58,7 @@ import torch
 
 from gem_kernels import _triton_host as host
 from gem_kernels import reference
+from gem_kernels.fp8_quantize import quantize_fp8_blocks
 from gem_kernels.triton_loader import load_kernel_module
 
 __all__ = [
@@ -901,8 +902,9 @@ class _Fp8Operands:
 def _fp8_operands(q, k, v, launch: _Launch) -> _Fp8Operands:
     """``v=None`` (the backward, whose dA = dO V^T reads the input-precision v): no v8."""
     (q8, q_scale), (k8, k_scale), (v8, v_scale) = reference.gdpa_fp8_operands(
-        q, k, v, launch.q_lengths, launch.k_lengths
-    )
+        q, k, v, launch.q_lengths, launch.k_lengths,
+        quantize=functools.partial(quantize_fp8_blocks, interpret=launch.interpret),
+    )  # fmt: skip
     return _Fp8Operands(q8, k8, v8, q_scale, k_scale, v_scale)
 
 
@@ -1052,7 +1054,7 @@ def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
         out_lengths = launch.q_lengths
         if launch.num_queries is not None:  # PMA: Nq dO rows per sample
             out_lengths = torch.full_like(launch.k_lengths, launch.num_queries)
-        do8, do_scale = reference.quantize_fp8_blocks(grad_out, out_lengths)
+        do8, do_scale = quantize_fp8_blocks(grad_out, out_lengths, interpret=launch.interpret)
         k_scores, q_scores = ops8.k8, ops8.q8
         heads = q.shape[1]
         dkdv_fp8 = dict(

@@ -38,6 +38,7 @@ import torch
 
 from gem_kernels import _triton_host as host
 from gem_kernels import reference
+from gem_kernels.fp8_quantize import quantize_fp8_blocks
 from gem_kernels.triton_loader import load_kernel_module
 
 __all__ = [
@@ -451,7 +452,7 @@ class _Launch:
 
 @dataclass(frozen=True)
 class _Fp8Operands:
-    """E4M3 q, k and v of an FP8 call (``reference.quantize_fp8_blocks``: the emulation's
+    """E4M3 q, k and v of an FP8 call (``fp8_quantize.quantize_fp8_blocks``: the emulation's
     values) and their per-token scales ``(tokens, heads)`` float32. v is stored keys-contiguous
     (a ``(Tk, H, D)`` view of an ``(H, D, Tk)`` tensor): Hopper's FP8 MMA reads both operands
     K-major, and P V reduces over the keys (as Triton's FP8 attention tutorial stores V)."""
@@ -470,9 +471,9 @@ def _keys_contiguous(x8: torch.Tensor) -> torch.Tensor:
 
 
 def _fp8_operands(q, k, v, launch: _Launch) -> _Fp8Operands:
-    q8, q_scale = reference.quantize_fp8_blocks(q, launch.q_lengths)
-    k8, k_scale = reference.quantize_fp8_blocks(k, launch.k_lengths)
-    v8, v_scale = reference.quantize_fp8_blocks(v, launch.k_lengths)
+    q8, q_scale = quantize_fp8_blocks(q, launch.q_lengths, interpret=launch.interpret)
+    k8, k_scale = quantize_fp8_blocks(k, launch.k_lengths, interpret=launch.interpret)
+    v8, v_scale = quantize_fp8_blocks(v, launch.k_lengths, interpret=launch.interpret)
     return _Fp8Operands(q8, k8, _keys_contiguous(v8), q_scale, k_scale, v_scale)
 
 
@@ -604,9 +605,9 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
     dkdv_fp8, dq_fp8, k_scores = {}, {}, k
     q_scores = q
     if launch.fp8:
-        q8, q_scale = reference.quantize_fp8_blocks(q, launch.q_lengths)
-        k8, k_scale = reference.quantize_fp8_blocks(k, launch.k_lengths)
-        do8, do_scale = reference.quantize_fp8_blocks(grad_out, launch.q_lengths)
+        q8, q_scale = quantize_fp8_blocks(q, launch.q_lengths, interpret=launch.interpret)
+        k8, k_scale = quantize_fp8_blocks(k, launch.k_lengths, interpret=launch.interpret)
+        do8, do_scale = quantize_fp8_blocks(grad_out, launch.q_lengths, interpret=launch.interpret)
         do8 = _keys_contiguous(do8)
         k_scores, q_scores = k8, q8
         dkdv_fp8 = dict(

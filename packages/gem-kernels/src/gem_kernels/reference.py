@@ -508,11 +508,16 @@ _FP8 = torch.float8_e4m3fn
 
 
 def _pow2_scale(amax: torch.Tensor) -> torch.Tensor:
-    """Smallest power of two ``s`` with ``amax / s <= FP8_MAX`` (1 for zero blocks), as float32;
-    exponents clamped to [-126, 127] (normal float32, inside E8M0's range)."""
-    mantissa, exponent = torch.frexp(amax.float() / FP8_MAX)
+    """Smallest power of two ``s`` with ``amax / s <= FP8_MAX``, as float32; exponents clamped
+    to [-126, 127] (normal float32, inside E8M0's range). 1 for a maximum that is zero, below
+    float32's smallest normal (the block then rounds to zeros) or not finite: the rule of the
+    Triton quantisation (:mod:`gem_kernels.fp8_quantize`), which reads the exponent bits."""
+    amax = amax.float()
+    mantissa, exponent = torch.frexp(amax / FP8_MAX)
     # frexp: x = m * 2^e, m in [0.5, 1); an exact power of two (m = 0.5) needs e - 1.
     exponent = (exponent - (mantissa == 0.5).to(exponent.dtype)).clamp(-126, 127)
+    tiny = amax < torch.finfo(torch.float32).tiny
+    exponent = torch.where(tiny | ~torch.isfinite(amax), 0, exponent)
     # Built from the exponent bits: exact, unlike a float pow.
     return ((exponent.to(torch.int32) + 127) << 23).view(torch.float32)
 
@@ -913,19 +918,21 @@ def gdpa_fp8_operands(
     v: torch.Tensor | None,
     q_lengths: torch.Tensor | None,
     k_lengths: torch.Tensor | None,
+    quantize: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[tuple[torch.Tensor | None, torch.Tensor | None], ...]:
     """E4M3 copies and per-token scales ``((q8, q_scale), (k8, k_scale), (v8, v_scale))`` of an
     FP8 GDPA call (:func:`quantize_fp8_blocks`; ``v=None`` gives ``(None, None)`` for v).
     ``q_lengths`` / ``k_lengths``: host ``(B,)`` lengths; ``q_lengths=None``: PMA, whose ``Nq``
     shared queries are one sample; ``k_lengths=None``: self-attention. The emulation and the
-    Triton host code both call it."""
+    Triton host code both call it; the latter passes its kernel as ``quantize``."""
+    quantize = quantize or quantize_fp8_blocks
     if k_lengths is None:
         k_lengths = q_lengths
     own_q = torch.tensor([q.shape[0]]) if q_lengths is None else q_lengths
     return (
-        quantize_fp8_blocks(q, own_q),
-        quantize_fp8_blocks(k, k_lengths),
-        (None, None) if v is None else quantize_fp8_blocks(v, k_lengths),
+        quantize(q, own_q),
+        quantize(k, k_lengths),
+        (None, None) if v is None else quantize(v, k_lengths),
     )
 
 
