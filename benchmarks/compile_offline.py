@@ -235,7 +235,7 @@ def compile_sm90(path, kernel, constexprs, pointer_types, warps, stages) -> dict
         key: sum(bool(re.search(pattern, line)) for line in lines)
         for key, pattern in {
             "BAR.SYNC": r"\bBAR\.SYNC", "STS": r"\bSTS\b", "LDS": r"\bLDS\b", "SHFL": r"\bSHFL",
-            "HGMMA": r"\bHGMMA", "LDG": r"\bLDG", "STG": r"\bSTG", "STL/LDL": r"\b(STL|LDL)\b",
+            "HGMMA": r"\bHGMMA", "QGMMA": r"\bQGMMA", "HMMA": r"\bHMMA", "LDG": r"\bLDG", "STG": r"\bSTG", "STL/LDL": r"\b(STL|LDL)\b",
         }.items()
     }  # fmt: skip
     address = {}  # SASS address -> line number

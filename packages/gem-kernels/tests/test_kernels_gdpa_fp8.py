@@ -381,7 +381,8 @@ GPU_CASES = {
     ),
 }
 #: Against the bf16 kernels on the GPU (E4M3's 3 mantissa bits against bfloat16's 7: about
-#: 2^4 expected where the quantised GEMMs dominate).
+#: 2^4 expected where the quantised GEMMs dominate). Measured on the H200 (d96dc76): up to
+#: 24.8 / 15.9 / 16.8 / 24.9 (out, dq, dk, dv).
 GPU_KERNEL_RATIO = dict.fromkeys(("out", "q", "k", "v"), 32.0)
 
 

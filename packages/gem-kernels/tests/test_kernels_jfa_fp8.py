@@ -398,7 +398,8 @@ GPU_CASES = {
     "cross_causal_jagged": ([5, 300, 0, 64], [130, 200, 7, 0], {"causal": True}, ("jagged",)),
 }
 #: Against the bf16 kernels on the GPU (E4M3's 3 mantissa bits against bfloat16's 7: about
-#: 2^4 expected where the quantised GEMMs dominate).
+#: 2^4 expected where the quantised GEMMs dominate). Measured on the H200 (d96dc76): up to
+#: 24.0 / 16.0 / 16.0 / 22.7 / 17.6 / 17.4 (out, dq, dk, dv, d_rel_pos_bias, d_jagged_bias).
 GPU_KERNEL_RATIO = dict.fromkeys(("out", "q", "k", "v", "rel_pos_bias", "jagged_bias"), 32.0)
 
 

@@ -1,0 +1,106 @@
+"""Exploration: tiles of the FP8 JFA and GDPA kernels (``precision="fp8"``), timed against the
+FP8 defaults (the bf16 configurations) and the bf16 kernels.
+
+The FP8 kernels at the bf16 tiles spill registers (``compile_offline.py jfa_fwd_fp8`` and
+``jfa_dkdv_fp8``: 98 and 533 spill instructions inside their loops, sm_90, Triton 3.6); the
+variants below are the tiles that compile without spills in the loops. Each variant is checked
+against the FP8 default (same quantisation, so only float32 summation order differs).
+
+    PYTHONPATH=packages/gem-kernels/src:benchmarks python benchmarks/tune/fp8_attention_tiles.py
+    # writes benchmarks/results/h200/tuning/fp8_attention_tiles.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, the benches
+
+import bench_gdpa  # noqa: E402
+import bench_jagged_attention as bench_jfa  # noqa: E402
+import torch  # noqa: E402
+from gem_kernels import gdpa_triton, jfa_triton  # noqa: E402
+from harness import Run, require_cuda, tuning_path  # noqa: E402
+
+#: JFA FP8 variants: (name, changes to the call's default configuration).
+JFA_VARIANTS = {
+    "fwd128x64": dict(fwd_block_m=128, fwd_block_n=64, fwd_warps=8),
+    "fwd64x128": dict(fwd_block_m=64, fwd_block_n=128, fwd_warps=8),
+    "bwd32x64": dict(dkdv_block_m=32, dkdv_block_n=64, bwd_warps=8),
+    "both": dict(fwd_block_m=128, fwd_block_n=64, fwd_warps=8, dkdv_block_m=32, dkdv_block_n=64),
+}
+GDPA_VARIANTS = {
+    "bwd64x64": dict(dkdv_block_m=64, dkdv_block_n=64),
+    "bwd_stages2": dict(bwd_stages=2),
+}
+JFA_CASES = [(32, 16384, False), (128, 4096, True), (512, 1024, True)]
+GDPA_CASES = [("self", 128, 4096), ("cross", 512, 1024)]
+
+
+def _jfa(run: Run, device) -> None:
+    for batch, max_len, causal in JFA_CASES:
+        case = bench_jfa.Case(batch, max_len, causal, None, device)
+        base = jfa_triton.default_config(bench_jfa.D, max_len=max_len, masked=causal)
+        providers = {
+            "gem": bench_jfa.provider_gem,
+            "gem-fp8": lambda c: bench_jfa.provider_gem(c, precision="fp8"),
+        }
+        configs = {
+            name: dataclasses.replace(base, **changes) for name, changes in JFA_VARIANTS.items()
+        }
+        providers |= {
+            f"gem-fp8-{name}": lambda c, cfg=config: bench_jfa.provider_gem(
+                c, config=cfg, precision="fp8"
+            )
+            for name, config in configs.items()
+        }
+        reference = providers["gem-fp8"]
+        run.measure(case, providers, flops=case.flops, reference=reference, rounds=2)
+        run.write()
+        del case
+        torch.cuda.empty_cache()
+
+
+def _gdpa(run: Run, device) -> None:
+    for kind, batch, max_len in GDPA_CASES:
+        case = bench_gdpa.Case(kind, batch, max_len, device)
+        base = gdpa_triton.default_config(bench_gdpa.D)
+        providers = {
+            "gem": bench_gdpa.provider_gem,
+            "gem-fp8": lambda c: bench_gdpa.provider_gem(c, precision="fp8"),
+        }
+        configs = {
+            name: dataclasses.replace(base, **changes) for name, changes in GDPA_VARIANTS.items()
+        }
+        providers |= {
+            f"gem-fp8-{name}": lambda c, cfg=config: bench_gdpa.provider_gem(
+                c, config=cfg, precision="fp8"
+            )
+            for name, config in configs.items()
+        }
+        flops = {"fwd": case.fwd_flops, "fwd_bwd": 3.5 * case.fwd_flops}
+        run.measure(case, providers, flops=flops, reference=providers["gem-fp8"], rounds=2)
+        run.write()
+        del case
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(tuning_path("h200", "fp8_attention_tiles.json")))
+    args = parser.parse_args()
+    require_cuda()
+    device = torch.device("cuda")
+    run = Run("fp8_attention_tiles", args.out, script="benchmarks/tune/fp8_attention_tiles.py",
+              timing={"warmup": 10.0, "rep": 40.0})  # fmt: skip
+    _jfa(run, device)
+    _gdpa(run, device)
+    run.write()
+    run.table(title="FP8 attention tiles")
+
+
+if __name__ == "__main__":
+    main()
