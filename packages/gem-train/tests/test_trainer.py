@@ -8,7 +8,8 @@ import torch
 from gem_train import Trainer
 from gem_train.checkpoint import latest_checkpoint
 from gem_train.cli import prepare_data, run
-from gem_train.throughput import PHASES, StepClock, peak_tflops
+from gem_train.throughput import PHASES, StepClock, peak_tflops, speed_line
+from rich.console import Console
 
 
 def test_resume_gives_the_same_next_losses_as_an_uninterrupted_run(small_config, tmp_path):
@@ -55,7 +56,13 @@ def test_fresh_trainer_differs_without_resume(small_config, tmp_path):
 
 
 def test_run_trains_evaluates_and_writes_metrics(small_config):
-    summary = run(dataclasses.replace(small_config, epochs=2))
+    console = Console(record=True, width=300)
+    summary = run(dataclasses.replace(small_config, epochs=2), console=console)
+    # The console gets each variant's speed: its last train line, in words.
+    printed = console.export_text()
+    for variant in ("gem", "no_sequence"):
+        line = next(ln for ln in printed.splitlines() if ln.startswith(f"{variant}, last "))
+        assert "samples/s" in line and "MFU n/a" in line and "ms per step: data " in line
     for variant in ("gem", "no_sequence"):
         for task in ("ctr", "cvr"):
             assert 0.0 < summary["results"][variant][f"ne_{task}"] < 1.5
@@ -83,6 +90,17 @@ def test_run_trains_evaluates_and_writes_metrics(small_config):
     assert {"eval/ne_ctr", "eval/auc_cvr"} <= tags
     losses = [line["loss"] for line in lines if line["split"] == "train"]
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(losses)
+
+
+def test_speed_line_of_a_gpu_record():
+    record = {"step_ms": 195.04, "samples_per_s": 5201.3, "tokens_per_s": 2.66e6, "tflops": 251.2,
+              "mfu": 0.2539, "mfu_measured": 0.3132, "time_data": 0.0, "time_forward": 0.0651,
+              "time_backward": 0.1269, "time_optimizer": 0.0028, "peak_mem_gib": 69.94}  # fmt: skip
+    assert speed_line(record) == (
+        "195.0 ms/step, 5,201 samples/s, 2,660,000 tokens/s, 251.2 model TFLOP/s, MFU 25.4% "
+        "(31.3% of the measured peak), ms per step: data 0.0 / forward 65.1 / backward 126.9 / "
+        "optimizer 2.8, peak 69.9 GiB"
+    )
 
 
 def test_peak_table_and_step_clock():

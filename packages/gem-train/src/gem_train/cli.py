@@ -37,6 +37,7 @@ from gem_train.parallel import check_sparse_layout
 from gem_train.profiling import profile_table
 from gem_train.recipes import RECIPES, get_recipe
 from gem_train.report import RunDirectoryError, write_report
+from gem_train.throughput import speed_line
 from gem_train.trainer import Trainer, init_distributed, resolve_device
 
 __all__ = ["UsageError", "configure", "main", "prepare_data", "run", "validate"]
@@ -331,6 +332,9 @@ def run(
             sum(losses[-20:]) / len(losses[-20:]) if losses else None
         )
         console.print(f"{name}: {trainer.step} steps in {results[name]['train_seconds']:.1f} s")
+        if trainer.last_speed is not None:
+            console.print(f"{name}, last {config.log_every} steps: {speed_line(trainer.last_speed)}",
+                          soft_wrap=True, markup=False)  # fmt: skip
 
     summary = {
         "recipe": config.recipe,

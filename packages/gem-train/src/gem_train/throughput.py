@@ -46,6 +46,29 @@ phase of :data:`PHASES`, and ``wait``, the host blocked in the step's final sync
 ``.item()``) until the device finishes. A step whose ``wait`` is near 0 is bound by the host."""
 
 
+def speed_line(record: dict) -> str:
+    """One console line of a train log record (:meth:`gem_train.trainer.Trainer.fit`'s last):
+    step time, throughput, model TFLOP/s, MFU against the datasheet and the measured peak,
+    the time split and peak memory."""
+    parts = [
+        f"{record['step_ms']:.1f} ms/step",
+        f"{record['samples_per_s']:,.0f} samples/s",
+        f"{record['tokens_per_s']:,.0f} tokens/s",
+        f"{record['tflops']:.1f} model TFLOP/s",
+    ]
+    if record.get("mfu") is not None:
+        measured = record.get("mfu_measured")
+        parts.append(f"MFU {record['mfu']:.1%}" + (f" ({measured:.1%} of the measured peak)"
+                                                    if measured is not None else ""))  # fmt: skip
+    else:
+        parts.append("MFU n/a (no bf16 peak for this device)")
+    split = " / ".join(f"{phase} {record[f'time_{phase}'] * 1e3:.1f}" for phase in PHASES)
+    parts.append(f"ms per step: {split}")
+    if record.get("peak_mem_gib") is not None:
+        parts.append(f"peak {record['peak_mem_gib']:.1f} GiB")
+    return ", ".join(parts)
+
+
 def peak_tflops(device: torch.device | str) -> float | None:
     """The datasheet bf16 dense peak in TFLOP/s of ``device`` (or of a GPU by the name torch
     gives it); None for a CPU or an unknown GPU."""

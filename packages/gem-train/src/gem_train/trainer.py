@@ -245,6 +245,8 @@ class Trainer:
         self.peak_tflops = peak_tflops(self.device)
         self.measured_peak_tflops: float | None = None
         self.profile: dict | None = None
+        #: The last train log record of :meth:`fit` (throughput, MFU, time split).
+        self.last_speed: dict | None = None
         self._regions_ready = False
         self.checkpointed: list[str] = []
         """Qualified names of the modules that recompute their forward in backward."""
@@ -397,7 +399,8 @@ class Trainer:
                     window.losses.append(loss)
                     bar.update(task, advance=1, loss=loss)
                     if self.step % config.log_every == 0 or self.step == self.total_steps:
-                        self.log(split="train", step=self.step, **self._speed(window))
+                        self.last_speed = self._speed(window)
+                        self.log(split="train", step=self.step, **self.last_speed)
                         window = _Window()
                     if config.checkpoint_every and self.step % config.checkpoint_every == 0:
                         saving = time.perf_counter()
