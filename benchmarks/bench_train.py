@@ -38,7 +38,7 @@ from gem_data import ShardedBatchLoader  # noqa: E402
 from gem_model import model_flops  # noqa: E402
 from gem_train.cli import configure, prepare_data  # noqa: E402
 from gem_train.throughput import BF16_DENSE_PEAK_TFLOPS  # noqa: E402
-from gem_train.trainer import Trainer, model_config  # noqa: E402
+from gem_train.trainer import Trainer, init_distributed, model_config  # noqa: E402
 from harness import meta, require_cuda, results_parser, user_args, write_results  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 from torchrec import EmbeddingBagCollection, EmbeddingCollection  # noqa: E402
@@ -151,6 +151,7 @@ def main() -> None:
     args = parser.parse_args()
     require_cuda()
     device = torch.device("cuda")
+    init_distributed(device)  # torchrec's DMP needs a group, also for the baseline alone
     rows: list[dict] = []
     command = "python benchmarks/bench_train.py " + " ".join(user_args())
     run_meta = meta("train", command, device=torch.cuda.get_device_name(), peak_tflops=PEAK / 1e12)
@@ -206,6 +207,7 @@ def main() -> None:
                   f"{values['samples_per_s']:9.0f} samples/s  MFU {values['mfu']:.3f}  "
                   f"peak {values['peak_gib']:.1f} GiB {extra}", flush=True)  # fmt: skip
     write_results(Path(args.out), run_meta, rows)
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
