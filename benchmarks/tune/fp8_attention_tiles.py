@@ -40,52 +40,39 @@ JFA_CASES = [(32, 16384, False), (128, 4096, True), (512, 1024, True)]
 GDPA_CASES = [("self", 128, 4096), ("cross", 512, 1024)]
 
 
+def _providers(bench, base, variants: dict) -> dict:
+    """bf16 and FP8 at the call's default configuration, then FP8 at each variant of it."""
+    providers = {
+        "gem": bench.provider_gem,
+        "gem-fp8": lambda c: bench.provider_gem(c, precision="fp8"),
+    }
+    for name, changes in variants.items():
+        config = dataclasses.replace(base, **changes)
+        providers[f"gem-fp8-{name}"] = lambda c, cfg=config: bench.provider_gem(
+            c, config=cfg, precision="fp8"
+        )
+    return providers
+
+
+def _measure(run: Run, case, providers: dict, flops) -> None:
+    run.measure(case, providers, flops=flops, reference=providers["gem-fp8"], rounds=2)
+    run.write()
+    torch.cuda.empty_cache()
+
+
 def _jfa(run: Run, device) -> None:
     for batch, max_len, causal in JFA_CASES:
         case = bench_jfa.Case(batch, max_len, causal, None, device)
         base = jfa_triton.default_config(bench_jfa.D, max_len=max_len, masked=causal)
-        providers = {
-            "gem": bench_jfa.provider_gem,
-            "gem-fp8": lambda c: bench_jfa.provider_gem(c, precision="fp8"),
-        }
-        configs = {
-            name: dataclasses.replace(base, **changes) for name, changes in JFA_VARIANTS.items()
-        }
-        providers |= {
-            f"gem-fp8-{name}": lambda c, cfg=config: bench_jfa.provider_gem(
-                c, config=cfg, precision="fp8"
-            )
-            for name, config in configs.items()
-        }
-        reference = providers["gem-fp8"]
-        run.measure(case, providers, flops=case.flops, reference=reference, rounds=2)
-        run.write()
-        del case
-        torch.cuda.empty_cache()
+        _measure(run, case, _providers(bench_jfa, base, JFA_VARIANTS), case.flops)
 
 
 def _gdpa(run: Run, device) -> None:
     for kind, batch, max_len in GDPA_CASES:
         case = bench_gdpa.Case(kind, batch, max_len, device)
         base = gdpa_triton.default_config(bench_gdpa.D)
-        providers = {
-            "gem": bench_gdpa.provider_gem,
-            "gem-fp8": lambda c: bench_gdpa.provider_gem(c, precision="fp8"),
-        }
-        configs = {
-            name: dataclasses.replace(base, **changes) for name, changes in GDPA_VARIANTS.items()
-        }
-        providers |= {
-            f"gem-fp8-{name}": lambda c, cfg=config: bench_gdpa.provider_gem(
-                c, config=cfg, precision="fp8"
-            )
-            for name, config in configs.items()
-        }
         flops = {"fwd": case.fwd_flops, "fwd_bwd": 3.5 * case.fwd_flops}
-        run.measure(case, providers, flops=flops, reference=providers["gem-fp8"], rounds=2)
-        run.write()
-        del case
-        torch.cuda.empty_cache()
+        _measure(run, case, _providers(bench_gdpa, base, GDPA_VARIANTS), flops)
 
 
 def main() -> None:

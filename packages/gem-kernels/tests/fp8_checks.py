@@ -27,3 +27,17 @@ def check_ratios(fp8, bf16, bounds, label):
             f"{label}: {name} FP8 error {err:.3e} is {ratio:.1f}x the bf16 error "
             f"{bf16[name]:.3e} (bound {bounds[name]}x)"
         )
+
+
+def check_device_kernel_ratios(public, tensors, grad_out, oracle, bounds, label):
+    """FP8 against bf16 Triton kernels on the tensors' device: ``public(**call)`` builds the
+    call (``backend="triton"`` and ``precision`` go in ``call``), ``oracle`` holds the CPU
+    float64 results. Prints the FP8 errors and ratios, then bounds them."""
+
+    def errors(**call):
+        got = run_with_grads(public(backend="triton", **call), tensors, grad_out)
+        return rel_errors({n: t.cpu() for n, t in got.items()}, oracle)
+
+    bf16, fp8 = errors(), errors(precision="fp8")
+    print(label, {n: f"{fp8[n]:.2e} ({fp8[n] / bf16[n]:.1f}x)" for n in fp8})
+    check_ratios(fp8, bf16, bounds, label)

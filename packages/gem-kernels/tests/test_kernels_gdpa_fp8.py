@@ -18,10 +18,12 @@ edges; 130 crosses a 128-token quantisation block).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
-from fp8_checks import check_ratios, rel_errors, run_with_grads
+from fp8_checks import check_device_kernel_ratios, check_ratios, rel_errors, run_with_grads
 from gem_kernels import gdpa, gdpa_triton, reference
 from gem_kernels.gdpa_triton import GdpaTritonConfig, backward_from_lengths, forward_from_lengths
 from kernels_naive import naive_gdpa, offsets_of
@@ -395,12 +397,5 @@ def test_gpu_kernels_error_ratio_to_bf16_kernels(case):
     tensors, grad_out = _inputs(q_lengths, k_lengths, seed=11, heads=4, dim=128, device="cuda")
     cpu = {n: t.cpu() for n, t in tensors.items()}
     oracle = _oracle(q_lengths, k_lengths, options, cpu, grad_out.cpu())
-
-    def errors(**call):
-        got = run_with_grads(_public(q_lengths, k_lengths, options, backend="triton", **call),
-                             tensors, grad_out)  # fmt: skip
-        return rel_errors({n: t.cpu() for n, t in got.items()}, oracle)
-
-    bf16, fp8 = errors(), errors(precision="fp8")
-    print(case, {n: f"{fp8[n]:.2e} ({fp8[n] / bf16[n]:.1f}x)" for n in fp8})
-    check_ratios(fp8, bf16, GPU_KERNEL_RATIO, case)
+    public = functools.partial(_public, q_lengths, k_lengths, options)
+    check_device_kernel_ratios(public, tensors, grad_out, oracle, GPU_KERNEL_RATIO, case)
