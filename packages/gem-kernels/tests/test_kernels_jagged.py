@@ -1,9 +1,11 @@
 """Jagged offsets helpers."""
 
+import gc
+
 import pytest
 import torch
 from gem_kernels import host_offsets, lengths_to_offsets, offsets_to_lengths, validate_offsets
-from gem_kernels.jagged import host_lengths
+from gem_kernels.jagged import TensorMemo, host_lengths
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -64,6 +66,29 @@ def test_host_offsets_is_read_once_per_tensor_and_version():
     twin = offsets.clone()  # same values, another tensor: its own entry
     assert host_offsets(twin) is not host_offsets(offsets)
     assert host_offsets(twin).tolist() == [0, 2, 2, 9]
+
+
+def test_tensor_memo_is_per_tensor_and_version_and_forgets_dead_tensors():
+    memo = TensorMemo()
+    calls = []
+
+    def derive(t):
+        calls.append(t.tolist())
+        return sum(calls[-1])
+
+    lengths = torch.tensor([2, 5])
+    assert memo.get(lengths, derive) == 7
+    assert memo.get(lengths, derive) == 7 and len(calls) == 1  # remembered
+    assert memo.get(lengths.clone(), derive) == 7 and len(calls) == 2  # another tensor
+    lengths[0] = 4  # in place: derived again
+    assert memo.get(lengths, derive) == 9 and len(calls) == 3
+    del lengths
+    gc.collect()
+    assert len(memo) == 0  # entries die with their tensors
+    with torch.inference_mode():  # no version counter: derived at every call
+        frozen = torch.tensor([1])
+    assert memo.get(frozen, derive) == memo.get(frozen, derive) == 1 and len(calls) == 5
+    assert len(memo) == 0
 
 
 def test_validation_is_remembered_per_version_and_arguments():

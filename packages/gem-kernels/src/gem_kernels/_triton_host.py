@@ -14,16 +14,18 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gem_kernels.jagged import host_lengths
+from gem_kernels.jagged import TensorMemo, host_lengths
 from gem_kernels.triton_loader import interpret_requested, triton_importable
 
 __all__ = [
     "FlashTileConfig",
+    "HostLengths",
     "PlanCache",
     "TRITON_DTYPES",
     "copy_to_device",
     "dot_flags",
     "host_lengths",
+    "host_lengths_of",
     "interpret_for",
     "padded_block",
     "tma_ready",
@@ -116,6 +118,7 @@ def interpret_for(q: torch.Tensor) -> bool:
     return interpret
 
 
+@functools.cache  # a check that passed holds for the process: triton.language loads once
 def _check_triton_library_interpreted() -> None:
     """Our attention kernels call Triton's own ``@triton.jit`` library (``tl.max``, ``tl.sum``),
     which Triton decorates once, when ``triton.language`` is first imported. Decorated for
@@ -131,6 +134,33 @@ def _check_triton_library_interpreted() -> None:
             "FSDP2 and torch.compile import it), so its reductions cannot run interpreted; set "
             "TRITON_INTERPRET=1 in the process environment from the start"
         )
+
+
+class HostLengths(NamedTuple):
+    """Per-sample lengths as the host planning reads them (:func:`host_lengths_of`)."""
+
+    values: torch.Tensor
+    """CPU int64 copy (the tensor itself when it is one already)."""
+    key: bytes
+    """The values' bytes: the plan caches key on them, so equal lengths share a plan."""
+    longest: int
+    """The largest length, 0 without samples."""
+
+
+_HOST_LENGTHS = TensorMemo()
+
+
+def host_lengths_of(lengths: torch.Tensor) -> HostLengths:
+    """:class:`HostLengths` of a lengths tensor, remembered per tensor and version: the
+    forward, the backward and every layer of a model pass the same host lengths (those of
+    their offsets), so the copy, the key bytes and the maximum are made once."""
+    return _HOST_LENGTHS.get(lengths, _read_lengths)
+
+
+def _read_lengths(lengths: torch.Tensor) -> HostLengths:
+    values = lengths.detach().to("cpu", torch.int64)
+    longest = int(values.max()) if values.numel() > 0 else 0
+    return HostLengths(values, values.numpy().tobytes(), longest)
 
 
 def copy_to_device(packed: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -230,11 +260,19 @@ def tma_ready(*tensors: torch.Tensor, interpret: bool) -> bool:
         if t.data_ptr() % 16 or (t.stride(0) * size) % 16 or (t.stride(1) * size) % 16:
             return False
     if not interpret:
-        import triton
-        from triton.runtime import _allocation
-
-        current = getattr(_allocation, "_allocator", None)
+        triton, allocation = _triton_allocation()
+        current = getattr(allocation, "_allocator", None)
         current = current.get() if hasattr(current, "get") else current
-        if current is None or isinstance(current, _allocation.NullAllocator):
+        if current is None or isinstance(current, allocation.NullAllocator):
             triton.set_allocator(_tma_workspace)
     return True
+
+
+@functools.cache
+def _triton_allocation() -> tuple[Any, Any]:
+    """``triton`` and ``triton.runtime._allocation``, imported on first use (not at every
+    call: an import statement costs about a microsecond even for a loaded module)."""
+    import triton
+    from triton.runtime import _allocation
+
+    return triton, _allocation

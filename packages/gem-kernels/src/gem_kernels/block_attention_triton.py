@@ -177,11 +177,13 @@ _PLAN_CACHE = host.PlanCache(maxsize=16)
 
 
 def _plan(lengths, block_size, head_dim, theta, scale, config, interpret, device) -> _Launch:
-    lengths = lengths.to("cpu", torch.int64)
-    key = (lengths.numpy().tobytes(), block_size, head_dim, theta, scale, config, interpret)
+    info = host.host_lengths_of(lengths)  # the bytes key and host copy, made once per tensor
+    key = (info.key, block_size, head_dim, theta, scale, config, interpret, str(device))
     return _PLAN_CACHE.get(
-        key + (str(device),),
-        lambda: _build_plan(lengths, block_size, head_dim, theta, scale, config, interpret, device),
+        key,
+        lambda: _build_plan(
+            info.values, block_size, head_dim, theta, scale, config, interpret, device
+        ),
     )
 
 

@@ -807,17 +807,19 @@ def _to_device(tables, combines, device: torch.device) -> list[torch.Tensor]:
 _PLAN_CACHE = host.PlanCache(maxsize=64)
 
 
-def _cached_plan(q_lengths, k_lengths, num_queries, heads, left, right, config, device,
-                 with_backward, interpret, pma_m=0) -> _Plan:  # fmt: skip
-    """The plan of these CPU int64 lengths (``q_lengths=None``: PMA with ``num_queries``),
-    keyed on their bytes: a hit costs no per-sample host work."""
+def _cached_plan(q_lengths: host.HostLengths | None, k_lengths: host.HostLengths, num_queries,
+                 heads, left, right, config, device, with_backward, interpret,
+                 pma_m=0) -> _Plan:  # fmt: skip
+    """The plan of these lengths (``q_lengths=None``: PMA with ``num_queries``), keyed on
+    their bytes: a hit costs no per-sample host work."""
     key = (
-        None if q_lengths is None else q_lengths.numpy().tobytes(), k_lengths.numpy().tobytes(),
-        num_queries, heads, left, right, config, str(device), with_backward, interpret, pma_m,
+        None if q_lengths is None else q_lengths.key, k_lengths.key, num_queries, heads, left,
+        right, config, str(device), with_backward, interpret, pma_m,
     )  # fmt: skip
 
     def build() -> _Plan:
-        s = _samples(q_lengths, k_lengths, num_queries)
+        q_values = None if q_lengths is None else q_lengths.values
+        s = _samples(q_values, k_lengths.values, num_queries)
         return _plan(s, heads, left, right, config, device, with_backward, interpret, pma_m)
 
     return _PLAN_CACHE.get(key, build)
@@ -1154,12 +1156,14 @@ def _prepare(
         raise ValueError("PMA broadcast (q_lengths=None) needs k_lengths")
     self_attention = k_lengths is None
     left, right = _resolve_window(causal, window)
-    q_host = None if pma else q_lengths.detach().to("cpu", torch.int64)
-    k_host = q_host if self_attention else k_lengths.detach().to("cpu", torch.int64)
+    q_info = None if pma else host.host_lengths_of(q_lengths)
+    k_info = q_info if self_attention else host.host_lengths_of(k_lengths)
+    q_host = None if pma else q_info.values
+    k_host = k_info.values
     q, k, v = host.unit_stride(q), host.unit_stride(k), host.unit_stride(v)
     whole_tensor_descriptors = descriptor_layout(q, k, v, interpret=interpret)
     if config is None:
-        max_len = None if pma or k_host.numel() == 0 else int(k_host.max())
+        max_len = None if pma or k_host.numel() == 0 else k_info.longest
         # PMA keeps the masked calls' configuration (its kernels were tuned with it).
         config = default_config(
             q.shape[2], interpret=interpret, dtype=q.dtype, max_len=max_len,
@@ -1203,7 +1207,7 @@ def _prepare(
     )
     pma_m = _pma_block_m(q.shape[0], config, _fp8_compiled(launch)) if pma else 0
     plan = _cached_plan(
-        q_host, k_host, q.shape[0] if pma else None, q.shape[1], left, right, config, q.device,
+        q_info, k_info, q.shape[0] if pma else None, q.shape[1], left, right, config, q.device,
         with_backward, interpret, pma_m,
     )  # fmt: skip
     out_rows = k_host.numel() * q.shape[0] if pma else q.shape[0]

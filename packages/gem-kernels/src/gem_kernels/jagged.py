@@ -6,7 +6,9 @@ Sample ``i`` owns rows ``offsets[i]:offsets[i + 1]`` of the values tensor, so ``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -19,29 +21,57 @@ __all__ = [
     "validate_offsets",
 ]
 
-# Offsets tensor -> _HostCopy. Keyed by the tensor object itself (not its address, which the
-# caching allocator reuses) and dropped when the tensor dies.
-_HOST_COPIES = WeakIdKeyDictionary()
+
+class TensorMemo:
+    """Values derived from tensors, one per tensor object and version (``tensor._version``,
+    bumped by in-place changes), dropped when the tensor dies.
+
+    Keyed by the object itself, not by its data address (which the caching allocator reuses).
+    Inference tensors have no version counter: their values are derived again at every call.
+    """
+
+    def __init__(self) -> None:
+        self._entries = WeakIdKeyDictionary()
+
+    def get(self, tensor: torch.Tensor, derive: Callable[[torch.Tensor], Any]) -> Any:
+        """The value remembered for this version of ``tensor``, else ``derive(tensor)``
+        (remembered)."""
+        if tensor.is_inference():
+            return derive(tensor)
+        found = self._entries.get(tensor)
+        if found is not None and found[0] == tensor._version:
+            return found[1]
+        value = derive(tensor)
+        self._entries[tensor] = (tensor._version, value)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+# Offsets tensor -> _HostCopy.
+_HOST_COPIES = TensorMemo()
 
 
 @dataclass
 class _HostCopy:
     """What the host knows about one version of an offsets tensor."""
 
-    version: int
     offsets: torch.Tensor  # CPU int64
     lengths: torch.Tensor  # CPU int64, offsets[1:] - offsets[:-1]
+    longest: int  # lengths.max(), 0 without samples
     validated: set = field(default_factory=set)  # (num_rows, max_len) checks that passed
 
 
-def _host_copy(offsets: torch.Tensor) -> _HostCopy:
-    cached = _HOST_COPIES.get(offsets)
-    if cached is not None and cached.version == offsets._version:
-        return cached
+def _read_offsets(offsets: torch.Tensor) -> _HostCopy:
     host = offsets.detach().to("cpu", torch.int64)
-    entry = _HostCopy(offsets._version, host, host[1:] - host[:-1])
-    _HOST_COPIES[offsets] = entry
-    return entry
+    lengths = host[1:] - host[:-1]
+    longest = int(lengths.max()) if lengths.numel() > 0 else 0
+    return _HostCopy(host, lengths, longest)
+
+
+def _host_copy(offsets: torch.Tensor) -> _HostCopy:
+    return _HOST_COPIES.get(offsets, _read_offsets)
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -108,11 +138,25 @@ def validate_offsets(
         raise TypeError(f"max length for {name} must be an int or None, got {max_len!r}")
     if max_len is not None and max_len < 0:
         raise ValueError(f"max length for {name} must be >= 0, got {max_len}")
+    _validated(offsets, name, num_rows, max_len)
+
+
+def validated_lengths(
+    offsets: torch.Tensor, name: str, *, num_rows: int | None = None
+) -> tuple[torch.Tensor, int]:
+    """:func:`validate_offsets` (without ``max_len``), then the :func:`host_lengths` of
+    ``offsets`` and the longest of them (0 without samples), from one cache lookup."""
+    _check_offsets_layout(offsets, name)
+    entry = _validated(offsets, name, num_rows, None)
+    return entry.lengths, entry.longest
+
+
+def _validated(offsets: torch.Tensor, name: str, num_rows, max_len) -> _HostCopy:
     # The checks depend only on the values (tracked by the tensor's version) and on these two
     # arguments: every attention layer of a model validates the same offsets once.
     entry = _host_copy(offsets)
     if (num_rows, max_len) in entry.validated:
-        return
+        return entry
     host, lengths = entry.offsets, entry.lengths
     first = int(host[0])
     if first != 0:
@@ -128,15 +172,14 @@ def validate_offsets(
         raise ValueError(
             f"{name}[-1] must equal the number of rows ({num_rows}), got {name}[-1] = {last}"
         )
-    if max_len is not None and lengths.numel() > 0:
-        longest = int(lengths.max())
-        if longest > max_len:
-            bad = int(torch.argmax(lengths))
-            raise ValueError(
-                f"{name} has a sample of length {longest} (sample {bad}), above the declared "
-                f"max length {max_len}"
-            )
+    if max_len is not None and entry.longest > max_len:
+        bad = int(torch.argmax(lengths))
+        raise ValueError(
+            f"{name} has a sample of length {entry.longest} (sample {bad}), above the declared "
+            f"max length {max_len}"
+        )
     entry.validated.add((num_rows, max_len))
+    return entry
 
 
 def offsets_to_lengths(offsets: torch.Tensor) -> torch.Tensor:

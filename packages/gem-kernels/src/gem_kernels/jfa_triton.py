@@ -385,19 +385,24 @@ _PLAN_CACHE = host.PlanCache(maxsize=16)
 
 
 def _plan(
-    q_lengths: torch.Tensor,
-    k_lengths: torch.Tensor,
+    q_lengths: torch.Tensor | host.HostLengths,
+    k_lengths: torch.Tensor | host.HostLengths,
     left: int | None,
     right: int | None,
     config: JfaTritonConfig,
     device: torch.device,
     with_backward: bool,
 ) -> _Plan:
-    q_len = q_lengths.to("cpu", torch.int64)
-    k_len = k_lengths.to("cpu", torch.int64)
+    """The plan of these lengths (tensors, or their :func:`host.host_lengths_of`), keyed on
+    their bytes: a hit costs no per-sample host work."""
+    if isinstance(q_lengths, torch.Tensor):
+        q_lengths = host.host_lengths_of(q_lengths)
+    if isinstance(k_lengths, torch.Tensor):
+        k_lengths = host.host_lengths_of(k_lengths)
+    q_len, k_len = q_lengths.values, k_lengths.values
     key = (
-        q_len.numpy().tobytes(),
-        k_len.numpy().tobytes(),
+        q_lengths.key,
+        k_lengths.key,
         left,
         right,
         config.fwd_block_m,
@@ -718,11 +723,9 @@ def _prepare(
         k_lengths = q_lengths
     head_dim = q.shape[2]
     left, right = _resolve_window(causal, window)
+    q_info, k_info = host.host_lengths_of(q_lengths), host.host_lengths_of(k_lengths)
     if config is None:
-        longest = max(
-            int(q_lengths.max()) if q_lengths.numel() else 0,
-            int(k_lengths.max()) if k_lengths.numel() else 0,
-        )
+        longest = max(q_info.longest, k_info.longest)
         if left is not None and right is not None:
             # A query row sees at most left + right + 1 keys: the tiles of a short batch fit.
             longest = min(longest, left + right + 1)
@@ -752,7 +755,7 @@ def _prepare(
     if launch.scale == 0.0:
         q = q * 0.0
         launch = replace(launch, scale=1.0)
-    plan = _plan(q_lengths, k_lengths, left, right, config, q.device, with_backward)
+    plan = _plan(q_info, k_info, left, right, config, q.device, with_backward)
     q, k, v = host.unit_stride(q), host.unit_stride(k), host.unit_stride(v)
     if fp8:  # the kernels address the E4M3 copies of q and k with q's and k's strides
         q, k = q.contiguous(), k.contiguous()

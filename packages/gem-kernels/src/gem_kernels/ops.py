@@ -65,7 +65,7 @@ from types import ModuleType
 import torch
 
 from gem_kernels import reference
-from gem_kernels.jagged import host_lengths, validate_offsets
+from gem_kernels.jagged import host_lengths, validated_lengths
 from gem_kernels.library import OperatorLibrary
 
 __all__ = ["BACKENDS", "PRECISIONS", "check_jagged_pair", "check_max_len"]
@@ -121,7 +121,7 @@ def _qkv_autograd(name: str, *, num_inputs: int, saved: int, options_from: int) 
     ``<name>_backward`` operator, ``(dq, dk, dv)``: the backward takes ``grad_out``, the
     forward's first ``saved`` inputs (q, k, v and the offsets-like tensors) and its inputs from
     ``options_from`` on; the ``num_inputs - 3`` non-q/k/v inputs get no gradient."""
-    backward_op = getattr(torch.ops.gem_kernels, f"{name}_backward")
+    backward_op = getattr(torch.ops.gem_kernels, f"{name}_backward").default
 
     @_fake(f"{name}_backward")
     def _backward_fake(grad_out, q, k, v, *_):
@@ -143,9 +143,16 @@ def _qkv_autograd(name: str, *, num_inputs: int, saved: int, options_from: int) 
 # Checks that read offsets values (run at call time) and the backend choice.
 
 
-def check_max_len(max_len: int | None, name: str, lengths: torch.Tensor | int, what: str) -> None:
+def check_max_len(
+    max_len: int | None,
+    name: str,
+    lengths: torch.Tensor | int,
+    what: str,
+    longest: int | None = None,
+) -> None:
     """``max_len`` (None, or an int already type-checked) is >= every length (``lengths``: a
-    host tensor, or one int, such as a dimension: symbolic under ``torch.compile``)."""
+    host tensor, or one int, such as a dimension: symbolic under ``torch.compile``).
+    ``longest``: ``lengths.max()`` where the caller knows it already."""
     if max_len is None:
         return
     if not isinstance(lengths, torch.Tensor):
@@ -153,7 +160,8 @@ def check_max_len(max_len: int | None, name: str, lengths: torch.Tensor | int, w
             raise ValueError(f"{name}={max_len} is smaller than the real {what}: {lengths}")
         return
     if lengths.numel() > 0:
-        longest = int(lengths.max())
+        if longest is None:
+            longest = int(lengths.max())
         if longest > max_len:
             sample = int(torch.argmax(lengths))
             raise ValueError(
@@ -183,14 +191,12 @@ def _jagged_lengths(q, k, q_offsets, k_offsets, max_q, max_k):
     ``k_offsets`` is None. Offsets checks are remembered per tensor version (free when every
     layer passes the same offsets); the shape checks run again for direct operator calls."""
     check_jagged_pair(q, k, q_offsets, k_offsets)
-    validate_offsets(q_offsets, "q_offsets", num_rows=q.shape[0])
-    q_lengths = host_lengths(q_offsets)
-    k_lengths = q_lengths
+    q_lengths, q_longest = validated_lengths(q_offsets, "q_offsets", num_rows=q.shape[0])
+    k_lengths, k_longest = q_lengths, q_longest
     if k_offsets is not None:
-        validate_offsets(k_offsets, "k_offsets", num_rows=k.shape[0])
-        k_lengths = host_lengths(k_offsets)
-    check_max_len(max_q, "max_q", q_lengths, "query")
-    check_max_len(max_k, "max_k", k_lengths, "key")
+        k_lengths, k_longest = validated_lengths(k_offsets, "k_offsets", num_rows=k.shape[0])
+    check_max_len(max_q, "max_q", q_lengths, "query", q_longest)
+    check_max_len(max_k, "max_k", k_lengths, "key", k_longest)
     return q_lengths, k_lengths
 
 
@@ -367,6 +373,9 @@ def _jfa_backward_impl(
     return _fresh(_reference_grads(forward, primals, grad_out))
 
 
+_JFA_BACKWARD_OP = torch.ops.gem_kernels.jagged_flash_attention_backward.default
+
+
 @_fake("jagged_flash_attention_backward")
 def _jfa_backward_fake(
     grad_out, q, k, v, out, lse, q_offsets, k_offsets, rel_pos_bias, jagged_bias, *_
@@ -385,7 +394,7 @@ def _jfa_setup_context(ctx, inputs, output):
 
 def _jfa_backward(ctx, grad_out, _grad_lse):
     q, k, v, out, lse, q_offsets, k_offsets, rel_pos_bias, jagged_bias = ctx.saved_tensors
-    grads = torch.ops.gem_kernels.jagged_flash_attention_backward(
+    grads = _JFA_BACKWARD_OP(
         grad_out, q, k, v, out, lse, q_offsets, k_offsets, rel_pos_bias, jagged_bias,
         *ctx.options,
     )  # fmt: skip
@@ -412,10 +421,9 @@ def _gdpa_lengths(q, k, q_offsets, k_offsets, max_q, max_k):
                 "gdpa needs q_offsets (self/cross attention) or k_offsets (PMA broadcast with "
                 "q_offsets=None); both are None"
             )
-        validate_offsets(k_offsets, "k_offsets", num_rows=k.shape[0])
-        k_lengths = host_lengths(k_offsets)
+        k_lengths, k_longest = validated_lengths(k_offsets, "k_offsets", num_rows=k.shape[0])
         check_max_len(max_q, "max_q", q.shape[0], "query (Nq)")
-        check_max_len(max_k, "max_k", k_lengths, "key")
+        check_max_len(max_k, "max_k", k_lengths, "key", k_longest)
         return None, k_lengths
     q_lengths, k_lengths = _jagged_lengths(q, k, q_offsets, k_offsets, max_q, max_k)
     return q_lengths, None if k_offsets is None else k_lengths
@@ -527,9 +535,8 @@ def _block_triton(backend, q, block_size, rope_theta) -> ModuleType | None:
 
 @_operator("block_attention", _BLOCK_SCHEMA)
 def _block(q, k, v, offsets, positions, max_len, block_size, rope_theta, scale, backend):
-    validate_offsets(offsets, "offsets", num_rows=q.shape[0])
-    lengths = host_lengths(offsets)
-    check_max_len(max_len, "max_len", lengths, "sample")
+    lengths, longest = validated_lengths(offsets, "offsets", num_rows=q.shape[0])
+    check_max_len(max_len, "max_len", lengths, "sample", longest)
     options = dict(block_size=block_size, positions=positions, rope_theta=rope_theta, scale=scale)
     triton = _block_triton(backend, q, block_size, rope_theta)
     if triton is not None:
