@@ -12,8 +12,6 @@ where FP8 mode loses its time.
 
 import sys
 import time
-import traceback
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, benches
@@ -21,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: har
 import bench_gdpa  # noqa: E402
 import bench_jagged_attention as bench_jfa  # noqa: E402
 import torch  # noqa: E402
+from gem_train.throughput import host_sync_stacks  # noqa: E402
 from harness import command_line, meta, require_cuda, results_parser, write_results  # noqa: E402
 
 CASES = [
@@ -34,23 +33,11 @@ CASES = [
 
 def _syncs(fn) -> list[str]:
     """Innermost gem frame of every host sync that ``fn()`` makes."""
-    found: list[str] = []
-
-    def show(message, *_args, **_kwargs):
-        if "synchroniz" in str(message):
-            frames = [f for f in traceback.extract_stack()[:-1] if "gem_" in f.filename]
-            where = frames[-1] if frames else traceback.extract_stack()[-2]
-            found.append(f"{Path(where.filename).name}:{where.lineno} {where.name}")
-
-    torch.cuda.synchronize()
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = show
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    found = []
+    for stack in host_sync_stacks(fn):
+        frames = [f for f in stack if "gem_" in f.filename] or list(stack)
+        where = frames[-1]
+        found.append(f"{Path(where.filename).name}:{where.lineno} {where.name}")
     torch.cuda.synchronize()
     return found
 

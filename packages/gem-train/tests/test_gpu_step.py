@@ -3,12 +3,12 @@ sync-debug mode (runs under ``nox -s gpu`` on the GPU machine)."""
 
 import dataclasses
 import traceback
-import warnings
 
 import pytest
 import torch
 from gem_train.cli import prepare_data
 from gem_train.config import PrecisionConfig
+from gem_train.throughput import host_sync_stacks
 from gem_train.trainer import Trainer
 
 pytestmark = [
@@ -20,26 +20,6 @@ pytestmark = [
 # the kernels plan from the batch's host offsets, and the model never reads device lengths.
 # torchrec's own input distribution (its all-to-all splits, even on one rank) is not counted.
 MAX_SYNCS_PER_STEP = 1
-
-
-def _sync_stacks(fn) -> list[list[str]]:
-    """The Python stack (file:line, outermost first) of every host sync ``fn()`` makes, as
-    CUDA's sync-debug mode reports them."""
-    stacks: list[list[str]] = []
-
-    def show(message, *_args, **_kwargs):
-        if "synchroniz" in str(message):
-            stacks.append([f"{f.filename}:{f.lineno}" for f in traceback.extract_stack()[:-1]])
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = show
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return stacks
 
 
 def test_compiled_step_syncs_only_for_the_loss(small_config):
@@ -62,6 +42,10 @@ def test_compiled_step_syncs_only_for_the_loss(small_config):
     batch = next(batches)
     # A sync is torchrec's when a torchrec frame is on its stack, wherever the innermost frame
     # is (torchrec calls torch.cuda functions too); the failure message shows the others.
-    stacks = _sync_stacks(lambda: trainer.train_step(batch.to(trainer.device, non_blocking=True)))
-    ours = [stack for stack in stacks if not any("torchrec" in frame for frame in stack)]
-    assert len(ours) <= MAX_SYNCS_PER_STEP, "\n\n".join("\n".join(s[-6:]) for s in ours)
+    stacks = host_sync_stacks(
+        lambda: trainer.train_step(batch.to(trainer.device, non_blocking=True))
+    )
+    ours = [stack for stack in stacks if not any("torchrec" in f.filename for f in stack)]
+    assert len(ours) <= MAX_SYNCS_PER_STEP, "\n\n".join(
+        "".join(traceback.format_list(s[-6:])) for s in ours
+    )

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import itertools
 import time
+import traceback
+import warnings
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -20,6 +23,7 @@ __all__ = [
     "HOST_PHASES",
     "PHASES",
     "StepClock",
+    "host_sync_stacks",
     "measured_matmul_peak",
     "peak_tflops",
 ]
@@ -44,6 +48,28 @@ HOST_PHASES = (*PHASES, "wait")
 """The parts of a step :meth:`StepClock.take_host` reports: the host time spent issuing each
 phase of :data:`PHASES`, and ``wait``, the host blocked in the step's final sync (the loss
 ``.item()``) until the device finishes. A step whose ``wait`` is near 0 is bound by the host."""
+
+
+def host_sync_stacks(fn: Callable[[], object]) -> list[traceback.StackSummary]:
+    """Runs ``fn()`` under CUDA's sync-debug mode and returns the Python stack (outermost
+    first) of every host-device synchronisation it made. Attribute a sync by any frame of its
+    stack: a library's sync often has a ``torch.cuda`` function as its innermost frame."""
+    stacks: list[traceback.StackSummary] = []
+
+    def show(message, *_args, **_kwargs):
+        if "synchroniz" in str(message):
+            stacks.append(traceback.extract_stack()[:-1])
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return stacks
 
 
 def speed_line(record: dict) -> str:
