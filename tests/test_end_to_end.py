@@ -49,6 +49,13 @@ rank, world = init_distributed(torch.device("cpu"))
 train, evaluation = prepare_data(config.data, progress=False)
 """
 
+# How a worker that finished ends: every rank past its last collective, then the group ended
+# before the interpreter's teardown (PyTorch's recommended shutdown).
+_SHUTDOWN = """
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+"""
+
 # Trains 6 steps, evaluates, checkpoints, and writes what it saw.
 _WORKER = (
     _PRELUDE
@@ -61,6 +68,7 @@ result = {"losses": losses, "metrics": metrics, "world": world, "plan": str(trai
 with open(f"{out}/rank{rank}.json", "w") as handle:
     json.dump(result, handle)
 """
+    + _SHUTDOWN
 )
 
 
@@ -158,6 +166,7 @@ metrics = trainer.evaluate(evaluation)
 with open(f"{out}/resharded{world}_rank{rank}.json", "w") as handle:
     json.dump({"metrics": metrics, "step": trainer.step, "refused": refused}, handle)
 """
+    + _SHUTDOWN
 )
 
 
@@ -173,6 +182,7 @@ def _start(script: Path, tmp_path: Path, world_size: int) -> list[subprocess.Pop
             LOCAL_RANK=str(rank),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
+            PYTHONFAULTHANDLER="1",  # an abort prints every thread's Python stack
         )
         processes.append(
             subprocess.Popen(

@@ -352,6 +352,7 @@ def run(
         # Unwrapped and literal, so the path can be copied (and read by scripts) as printed.
         console.print(f"report: {write_report(output)}", soft_wrap=True, markup=False)
     if owns_group:  # every rank gets here; after an error the group is left as it is
+        dist.barrier()  # no rank ends the group while another is still in a collective
         dist.destroy_process_group()
     return summary
 
