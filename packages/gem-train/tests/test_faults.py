@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
-from conftest import small_train_config
 from gem_train import Trainer
 from gem_train.checkpoint import (
     CheckpointMismatchError,
@@ -29,6 +28,8 @@ from gem_train.checkpoint import (
     save_checkpoint,
 )
 from gem_train.cli import UsageError, prepare_data, validate
+
+from conftest import small_train_config
 
 
 # ------------------------------------------------------------ a crash at any file operation

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import small_train_config
 from gem_data import ShardedBatchLoader, SyntheticConfig, write_synthetic_dataset
 from gem_train.cli import main, run
 from gem_train.report import RunDirectoryError, _group_lengths, _rank_step_costs, write_report
 from rich.console import Console
+
+from conftest import small_train_config
 
 CHROMIUM = shutil.which("chromium")
 
