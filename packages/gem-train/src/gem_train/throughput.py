@@ -80,7 +80,7 @@ def speed_line(record: dict) -> str:
         f"{record['step_ms']:.1f} ms/step",
         f"{record['samples_per_s']:,.0f} samples/s",
         f"{record['tokens_per_s']:,.0f} tokens/s",
-        f"{record['tflops']:.1f} model TFLOP/s",
+        f"{record['tflops']:.4g} model TFLOP/s",
     ]
     if record.get("mfu") is not None:
         measured = record.get("mfu_measured")
