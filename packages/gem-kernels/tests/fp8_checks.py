@@ -29,13 +29,13 @@ def check_ratios(fp8, bf16, bounds, label):
         )
 
 
-def check_device_kernel_ratios(public, tensors, grad_out, oracle, bounds, label):
-    """FP8 against bf16 Triton kernels on the tensors' device: ``public(**call)`` builds the
-    call (``backend="triton"`` and ``precision`` go in ``call``), ``oracle`` holds the CPU
-    float64 results. Prints the FP8 errors and ratios, then bounds them."""
+def check_fp8_against_bf16(public, tensors, grad_out, oracle, bounds, label, *, backend):
+    """FP8 against bf16 on ``backend``: ``public(**call)`` builds the call (``backend`` and
+    ``precision`` go in ``call``), ``oracle`` holds the CPU float64 results; the tensors may
+    be on a GPU. Prints the FP8 errors and ratios, then bounds them (:func:`check_ratios`)."""
 
     def errors(**call):
-        got = run_with_grads(public(backend="triton", **call), tensors, grad_out)
+        got = run_with_grads(public(backend=backend, **call), tensors, grad_out)
         return rel_errors({n: t.cpu() for n, t in got.items()}, oracle)
 
     bf16, fp8 = errors(), errors(precision="fp8")

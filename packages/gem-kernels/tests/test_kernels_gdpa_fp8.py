@@ -23,7 +23,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from fp8_checks import check_device_kernel_ratios, check_ratios, rel_errors, run_with_grads
+from fp8_checks import check_fp8_against_bf16, check_ratios, rel_errors, run_with_grads
 from gem_kernels import gdpa, gdpa_triton, reference
 from gem_kernels.gdpa_triton import GdpaTritonConfig, backward_from_lengths, forward_from_lengths
 from kernels_naive import naive_gdpa, offsets_of
@@ -234,22 +234,18 @@ def test_emulation_error_ratio_to_bf16(case):
     q_lengths, k_lengths, options = CASES[case]
     tensors, grad_out = _inputs(q_lengths, k_lengths, seed=1)
     oracle = _oracle(q_lengths, k_lengths, options, tensors, grad_out)
-    bf16 = rel_errors(run_with_grads(_public(q_lengths, k_lengths, options, backend="reference"), tensors,
-                        grad_out), oracle)  # fmt: skip
-    fp8 = rel_errors(run_with_grads(_public(q_lengths, k_lengths, options, backend="reference",
-                               precision="fp8"), tensors, grad_out), oracle)  # fmt: skip
-    check_ratios(fp8, bf16, EMULATION_RATIO, case)
+    public = functools.partial(_public, q_lengths, k_lengths, options)
+    check_fp8_against_bf16(public, tensors, grad_out, oracle, EMULATION_RATIO, case,
+                           backend="reference")  # fmt: skip
 
 
 def test_emulation_long_sample_crosses_quantisation_blocks():
     lengths, options = [300, 1, 0, 129], {"causal": True, "activation": "relu2"}
     tensors, grad_out = _inputs(lengths, None, seed=2)
     oracle = _oracle(lengths, None, options, tensors, grad_out)
-    bf16 = rel_errors(run_with_grads(_public(lengths, None, options, backend="reference"), tensors,
-                        grad_out), oracle)  # fmt: skip
-    fp8 = rel_errors(run_with_grads(_public(lengths, None, options, backend="reference", precision="fp8"),
-                       tensors, grad_out), oracle)  # fmt: skip
-    check_ratios(fp8, bf16, EMULATION_RATIO, "long")
+    public = functools.partial(_public, lengths, None, options)
+    check_fp8_against_bf16(public, tensors, grad_out, oracle, EMULATION_RATIO, "long",
+                           backend="reference")  # fmt: skip
 
 
 def test_emulation_rows_without_keys_are_zero():
@@ -280,11 +276,9 @@ def test_kernels_error_ratio_to_bf16_kernels(interpret, case):
     q_lengths, k_lengths, options = CASES[case]
     tensors, grad_out = _inputs(q_lengths, k_lengths, seed=5)
     oracle = _oracle(q_lengths, k_lengths, options, tensors, grad_out)
-    bf16 = rel_errors(run_with_grads(_public(q_lengths, k_lengths, options, backend="triton"), tensors,
-                        grad_out), oracle)  # fmt: skip
-    fp8 = rel_errors(run_with_grads(_public(q_lengths, k_lengths, options, backend="triton",
-                               precision="fp8"), tensors, grad_out), oracle)  # fmt: skip
-    check_ratios(fp8, bf16, KERNEL_RATIO, case)
+    public = functools.partial(_public, q_lengths, k_lengths, options)
+    check_fp8_against_bf16(public, tensors, grad_out, oracle, KERNEL_RATIO, case,
+                           backend="triton")  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -398,4 +392,5 @@ def test_gpu_kernels_error_ratio_to_bf16_kernels(case):
     cpu = {n: t.cpu() for n, t in tensors.items()}
     oracle = _oracle(q_lengths, k_lengths, options, cpu, grad_out.cpu())
     public = functools.partial(_public, q_lengths, k_lengths, options)
-    check_device_kernel_ratios(public, tensors, grad_out, oracle, GPU_KERNEL_RATIO, case)
+    check_fp8_against_bf16(public, tensors, grad_out, oracle, GPU_KERNEL_RATIO, case,
+                           backend="triton")  # fmt: skip

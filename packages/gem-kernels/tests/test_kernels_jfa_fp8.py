@@ -21,7 +21,7 @@ import math
 
 import pytest
 import torch
-from fp8_checks import check_device_kernel_ratios, check_ratios, rel_errors, run_with_grads
+from fp8_checks import check_fp8_against_bf16, check_ratios, rel_errors, run_with_grads
 from gem_kernels import fp8_quantize, jagged_flash_attention, jfa_triton, reference
 from gem_kernels.jfa_triton import JfaTritonConfig, backward_from_lengths, forward_from_lengths
 from kernels_naive import naive_jfa, offsets_of
@@ -187,22 +187,18 @@ def test_emulation_error_ratio_to_bf16(case):
     q_lengths, k_lengths, options, biases = CASES[case]
     tensors, grad_out = _inputs(q_lengths, k_lengths, biases, seed=1)
     oracle = _oracle(q_lengths, k_lengths, options, tensors, grad_out)
-    bf16 = rel_errors(run_with_grads(_public(q_lengths, k_lengths, options, backend="reference"), tensors,
-                        grad_out), oracle)  # fmt: skip
-    fp8 = rel_errors(run_with_grads(_public(q_lengths, k_lengths, options, backend="reference",
-                               precision="fp8"), tensors, grad_out), oracle)  # fmt: skip
-    check_ratios(fp8, bf16, EMULATION_RATIO, case)
+    public = functools.partial(_public, q_lengths, k_lengths, options)
+    check_fp8_against_bf16(public, tensors, grad_out, oracle, EMULATION_RATIO, case,
+                           backend="reference")  # fmt: skip
 
 
 def test_emulation_long_sample_crosses_quantisation_blocks():
     lengths = [300, 1, 0, 129]
     tensors, grad_out = _inputs(lengths, None, (), seed=2)
     oracle = _oracle(lengths, None, {"causal": True}, tensors, grad_out)
-    bf16 = rel_errors(run_with_grads(_public(lengths, None, {"causal": True}, backend="reference"), tensors,
-                        grad_out), oracle)  # fmt: skip
-    fp8 = rel_errors(run_with_grads(_public(lengths, None, {"causal": True}, backend="reference",
-                               precision="fp8"), tensors, grad_out), oracle)  # fmt: skip
-    check_ratios(fp8, bf16, EMULATION_RATIO, "long")
+    public = functools.partial(_public, lengths, None, {"causal": True})
+    check_fp8_against_bf16(public, tensors, grad_out, oracle, EMULATION_RATIO, "long",
+                           backend="reference")  # fmt: skip
 
 
 def test_emulation_rows_without_keys_are_zero():
@@ -233,11 +229,9 @@ def test_kernels_error_ratio_to_bf16_kernels(interpret, case):
     q_lengths, k_lengths, options, biases = CASES[case]
     tensors, grad_out = _inputs(q_lengths, k_lengths, biases, seed=5)
     oracle = _oracle(q_lengths, k_lengths, options, tensors, grad_out)
-    bf16 = rel_errors(run_with_grads(_public(q_lengths, k_lengths, options, backend="triton"), tensors,
-                        grad_out), oracle)  # fmt: skip
-    fp8 = rel_errors(run_with_grads(_public(q_lengths, k_lengths, options, backend="triton",
-                               precision="fp8"), tensors, grad_out), oracle)  # fmt: skip
-    check_ratios(fp8, bf16, KERNEL_RATIO, case)
+    public = functools.partial(_public, q_lengths, k_lengths, options)
+    check_fp8_against_bf16(public, tensors, grad_out, oracle, KERNEL_RATIO, case,
+                           backend="triton")  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -415,4 +409,5 @@ def test_gpu_kernels_error_ratio_to_bf16_kernels(case):
     cpu = {n: t.cpu() for n, t in tensors.items()}
     oracle = _oracle(q_lengths, k_lengths, options, cpu, grad_out.cpu())
     public = functools.partial(_public, q_lengths, k_lengths, options)
-    check_device_kernel_ratios(public, tensors, grad_out, oracle, GPU_KERNEL_RATIO, case)
+    check_fp8_against_bf16(public, tensors, grad_out, oracle, GPU_KERNEL_RATIO, case,
+                           backend="triton")  # fmt: skip
