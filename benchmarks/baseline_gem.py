@@ -98,7 +98,10 @@ def _documents(offsets: torch.Tensor, total_len: int) -> tuple[torch.Tensor, tor
     """Per row of the packed sequence: its history (``B`` for the padding rows after
     ``offsets[-1]``) and the row where that history starts."""
     rows = torch.arange(total_len, device=offsets.device, dtype=offsets.dtype)
-    doc = torch.searchsorted(offsets[1:], rows, right=True)
+    # offsets[0] = 0 <= every row, so this is searchsorted(offsets[1:], rows, right=True),
+    # without the slice: Inductor before torch 2.13 searched a sliced boundary tensor from
+    # its storage start (pytorch/pytorch#182343), one history too far.
+    doc = torch.searchsorted(offsets, rows, right=True) - 1
     return doc, offsets[doc]  # offsets[B] = T: the padding rows start there
 
 
