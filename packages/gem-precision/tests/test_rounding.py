@@ -147,6 +147,19 @@ def test_deterministic_in_seed_and_offset():
     assert not torch.equal(a.view(torch.uint8), c.view(torch.uint8))
 
 
+def test_a_tensor_offset_gives_the_stream_of_its_value():
+    """A counter kept in a one-element int64 tensor (Fp8Linear's) draws what the int would."""
+    x = torch.randn(40, 70, generator=torch.Generator().manual_seed(5))
+    offset = 2**40 + 3
+    for tensor in (torch.tensor(offset), torch.tensor([offset])):
+        assert torch.equal(
+            philox_uint32(100, seed=7, offset=tensor), philox_uint32(100, seed=7, offset=offset)
+        )
+        got = stochastic_round_to_fp8(x, seed=7, offset=tensor)
+        want = stochastic_round_to_fp8(x, seed=7, offset=offset)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
 def test_rejects_bad_arguments():
     x = torch.ones(4)
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
@@ -159,6 +172,9 @@ def test_rejects_bad_arguments():
         stochastic_round_to_fp8(x, seed=-1)
     with pytest.raises(TypeError, match="offset must be an int"):
         stochastic_round_to_fp8(x, seed=0, offset=1.5)
+    for offset in (torch.tensor(1, dtype=torch.int32), torch.tensor([1, 2])):
+        with pytest.raises(ValueError, match="a tensor offset must be one int64 element"):
+            stochastic_round_to_fp8(x, seed=0, offset=offset)
     with pytest.raises(ValueError, match="numel must be"):
         philox_uint32(-1, seed=0)
 

@@ -118,8 +118,8 @@ def _linear_args(case):
     sr = recipe.stochastic_rounding_grads
     return (
         x, weight, bias, recipe.fp8_dtype, recipe.grad_dtype, recipe.tensorwise,
-        recipe.wgrad_in_bf16, recipe.wgrad_x_tiles, recipe.seed if sr else None, 11, x_grad,
-        True, False,
+        recipe.wgrad_in_bf16, recipe.wgrad_x_tiles, recipe.seed if sr else None,
+        torch.tensor(11) if sr else None, x_grad, True, False,
     )  # fmt: skip
 
 
@@ -139,9 +139,9 @@ def test_opcheck_fp8_linear_backward(case):
     saved_x = x.detach() if recipe.wgrad_in_bf16 else None
     backward_args = (
         _randn(70, 160, seed=3, dtype=dtype), x_t, x_t_scale, saved_x, w_t, w_t_scale,
-        recipe.fp8_dtype, recipe.grad_dtype, recipe.tensorwise,
+        torch.tensor(11) if sr else None, recipe.fp8_dtype, recipe.grad_dtype, recipe.tensorwise,
         recipe.wgrad_x_tiles and not recipe.tensorwise,
-        recipe.seed if sr else None, 11, 256, weight.dtype,
+        recipe.seed if sr else None, 256, weight.dtype,
         None if bias is None else bias.dtype, x_grad, True, with_bias, False,
     )  # fmt: skip
     _opcheck(torch.ops.gem_precision.fp8_linear_backward.default, backward_args)
@@ -175,14 +175,16 @@ def test_opcheck_fp8_hadamard_linear(name):
     recipe = HADAMARD_RECIPES[name]
     x = _randn(70, 96, dtype=torch.bfloat16, grad=True)
     weight = _randn(48, 96, seed=1, dtype=torch.bfloat16, grad=True)
+    offset = torch.tensor(9) if recipe.stochastic_rounding_grads else None
     fields = (
         recipe.fp8_dtype, recipe.grad_dtype, recipe.tensorwise, recipe.wgrad_in_bf16,
         recipe.wgrad_x_tiles, recipe.stochastic_rounding_grads, recipe.hadamard_block_size,
-        recipe.seed, 9,
+        recipe.seed,
     )  # fmt: skip
-    _opcheck(torch.ops.gem_precision.fp8_hadamard_linear.default, (x, weight, *fields, False))
+    args = (x, weight, offset, *fields, False)
+    _opcheck(torch.ops.gem_precision.fp8_hadamard_linear.default, args)
     grad_out = _randn(70, 48, seed=2)
-    backward_args = (grad_out, x.detach(), weight.detach(), *fields, True, True, False)
+    backward_args = (grad_out, x.detach(), weight.detach(), offset, *fields, True, True, False)
     _opcheck(torch.ops.gem_precision.fp8_hadamard_linear_backward.default, backward_args)
 
 
@@ -246,10 +248,41 @@ def test_compile_has_no_graph_break_and_matches_eager(name):
         for a, b in zip(got[1], want[1], strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert dict(counters["graph_break"]) == {}
-    if not COMPILE_RECIPES[name].stochastic_rounding_grads:
-        # One graph, compiled once. Stochastic rounding moves its Philox offset, a Python int
-        # torch.compile specialises on, every training step: that recipe recompiles per step.
-        assert counter.frame_count == 1
+    # One graph, compiled once (stochastic rounding moves its Philox offset in a tensor).
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("hadamard", [False, True], ids=["blockwise", "hadamard"])
+def test_compiled_stochastic_rounding_compiles_once_and_matches_eager(hadamard):
+    """A compiled training loop with stochastic rounding: one graph for every step (the Philox
+    offset moves in a tensor, not in an int torch.compile would specialise on), new random
+    bits each step, and the gradients of the eager layer over the same steps, bit for bit."""
+    import copy
+    from itertools import pairwise
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    recipe = Fp8Recipe(stochastic_rounding_grads=True, seed=3, hadamard=hadamard)
+    torch.manual_seed(0)
+    eager = Fp8Linear(128, 64, recipe=recipe)
+    compiled = torch.compile(copy.deepcopy(eager), backend="aot_eager", fullgraph=True)
+    # The same input and output gradient every step: only the stochastic rounding changes.
+    x, grad = _randn(48, 128), _randn(48, 64, seed=1)
+    steps = []
+    for _ in range(4):
+        want, got = _step(eager, x, grad), _step(compiled, x, grad)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        for a, b in zip(got[1], want[1], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        steps.append(got[1])
+    for before, after in pairwise(steps):
+        assert not torch.equal(before[0], after[0])  # dgrad: dy rounded with new bits
+        assert not torch.equal(before[1], after[1])  # wgrad: dy.T rounded with new bits
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["recompiles"]
+    assert dict(counters["graph_break"]) == {}
 
 
 @pytest.mark.slow

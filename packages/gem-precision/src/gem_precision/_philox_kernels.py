@@ -8,6 +8,8 @@ gradient cost several milliseconds of launches. This kernel is one launch.
 The rounds are written out here rather than taken from ``tl.randint``: Triton's handling of
 64-bit offsets changed between versions, and the stream must equal the PyTorch one bit for bit
 on every device (key ``(seed lo, seed hi)``, counter ``(c lo, c hi, 0, 0)``, ``c = offset + i``).
+The offset is loaded from a one-element int64 tensor: a counter kept on the GPU is never read on
+the host, and Triton does not specialise the kernel on its value as it does on int arguments.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ _W1 = tl.constexpr(0xBB67AE85)
 
 
 @triton.jit
-def philox_uint32_kernel(out_ptr, numel, offset, seed_lo, seed_hi, BLOCK: tl.constexpr):
-    """``out[i]`` (int64) = first word of Philox-4x32-10 for counter ``offset + i``."""
+def philox_uint32_kernel(out_ptr, numel, offset_ptr, seed_lo, seed_hi, BLOCK: tl.constexpr):
+    """``out[i]`` (int64) = first word of Philox-4x32-10 for counter ``offset + i``, with
+    ``offset = offset_ptr[0]``."""
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     # Python ints arrive as int32, uint32, int64 or (when 1) a constexpr depending on their
     # value: adding them to an int64 block makes all of them int64 blocks.
     zero = idx * 0
-    counter = idx + offset
+    counter = idx + tl.load(offset_ptr)
     c0 = (counter & 0xFFFFFFFF).to(tl.uint32)
     c1 = (counter >> 32).to(tl.uint32)
     c2 = c0 * 0

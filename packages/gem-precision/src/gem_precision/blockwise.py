@@ -84,7 +84,7 @@ def quantize_blockwise(
     dtype: torch.dtype = torch.float8_e4m3fn,
     *,
     stochastic_seed: int | None = None,
-    offset: int = 0,
+    offset: int | torch.Tensor = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a 2-D float tensor to FP8 with one power-of-two float32 scale per tile.
 
@@ -94,7 +94,8 @@ def quantize_blockwise(
         dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         stochastic_seed: if given, round stochastically (:func:`stochastic_round_to_fp8`) with
             this Philox seed and ``offset``; otherwise round to nearest-even.
-        offset: Philox counter offset for stochastic rounding.
+        offset: Philox counter offset for stochastic rounding (an int, or a one-element int64
+            tensor on ``x``'s device: see :func:`stochastic_round_to_fp8`).
 
     Returns:
         ``(data, scale)``: FP8 ``data`` of shape ``(R, C)`` and float32 ``scale`` of shape
@@ -139,7 +140,7 @@ def fake_quantize_blockwise(
     dtype: torch.dtype = torch.float8_e4m3fn,
     *,
     stochastic_seed: int | None = None,
-    offset: int = 0,
+    offset: int | torch.Tensor = 0,
 ) -> torch.Tensor:
     """Quantize then dequantize (float32 result): the values an FP8 GEMM would see."""
     data, scale = quantize_blockwise(

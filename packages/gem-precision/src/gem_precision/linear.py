@@ -168,7 +168,7 @@ def _fp8_gemm(
     native: bool,
     a_dtype: torch.dtype | None = None,
     b_dtype: torch.dtype | None = None,
-    a_stochastic_offset: int | None = None,
+    a_stochastic_offset: int | torch.Tensor | None = None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """:func:`fp8_gemm_emulated` as the linear layers run it: the same rotation and the same
@@ -184,11 +184,10 @@ def _fp8_gemm(
         return "1x128" if block == _ACT_BLOCK else "128x128"
 
     a_kind, b_kind = kind(a_block), kind(b_block)
-    seed = None if a_stochastic_offset is None else recipe.seed
+    seed, offset = (None, 0) if a_stochastic_offset is None else (recipe.seed, a_stochastic_offset)
     a_q = _quantize_operand(
-        a32, a_kind, a_dtype or recipe.fp8_dtype, True, False, seed, a_stochastic_offset or 0,
-        False, False, "auto",
-    )  # fmt: skip
+        a32, a_kind, a_dtype or recipe.fp8_dtype, True, False, seed, offset, False, False, "auto"
+    )
     b_dtype = b_dtype or recipe.fp8_dtype
     b_q = _quantize_operand(b32, b_kind, b_dtype, True, False, None, 0, False, False, "auto")
     out = _scaled_mm_nt(
@@ -206,13 +205,14 @@ def fp8_gemm_emulated(
     *,
     a_dtype: torch.dtype | None = None,
     b_dtype: torch.dtype | None = None,
-    a_stochastic_offset: int | None = None,
+    a_stochastic_offset: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``a @ b.T`` (float32) with both operands quantized along their shared last dim K.
 
     ``a`` is ``(M, K)``, ``b`` is ``(N, K)``. Tiles are ``a_block`` / ``b_block`` (``None`` =
     tensorwise; ``recipe.tensorwise`` forces it). With ``a_stochastic_offset`` the ``a`` operand
-    is rounded stochastically with ``recipe.seed`` and that Philox offset.
+    is rounded stochastically with ``recipe.seed`` and that Philox offset (an int, or a
+    one-element int64 tensor on ``a``'s device).
     """
     a32, b32 = _rotated_operands(a, b, recipe)
     if recipe.tensorwise:
@@ -222,7 +222,7 @@ def fp8_gemm_emulated(
         a_block,
         a_dtype or recipe.fp8_dtype,
         stochastic_seed=None if a_stochastic_offset is None else recipe.seed,
-        offset=a_stochastic_offset or 0,
+        offset=0 if a_stochastic_offset is None else a_stochastic_offset,
     )
     b_q = fake_quantize_blockwise(b32, b_block, b_dtype or recipe.fp8_dtype)
     return a_q @ b_q.T
@@ -230,17 +230,20 @@ def fp8_gemm_emulated(
 
 # The Hadamard recipe: each GEMM rotates its operands along its own reduction dim, then
 # quantises them, from the high-precision x and W the forward saves. One operator per pass,
-# like gem_precision.ops' linears; the recipe travels as its fields.
+# like gem_precision.ops' linears; the recipe travels as its fields. ``sr_offset`` is the
+# stochastic rounding counter as in gem_precision.ops (a tensor, None without stochastic
+# rounding), saved with x and W.
 
 _HADAMARD_RECIPE = (
     "ScalarType fp8_dtype, ScalarType grad_dtype, bool tensorwise, bool wgrad_in_bf16, "
     "bool wgrad_x_tiles, bool stochastic_rounding_grads, SymInt block_size, int seed, "
-    "SymInt sr_offset, "
 )
-_HADAMARD_LINEAR_SCHEMA = f"(Tensor x, Tensor weight, {_HADAMARD_RECIPE}bool native) -> Tensor"
+_HADAMARD_LINEAR_SCHEMA = (
+    f"(Tensor x, Tensor weight, Tensor? sr_offset, {_HADAMARD_RECIPE}bool native) -> Tensor"
+)
 _HADAMARD_LINEAR_BACKWARD_SCHEMA = (
-    f"(Tensor grad_out, Tensor x, Tensor weight, {_HADAMARD_RECIPE}bool need_x, bool need_w, "
-    "bool native) -> Tensor[]"
+    f"(Tensor grad_out, Tensor x, Tensor weight, Tensor? sr_offset, {_HADAMARD_RECIPE}"
+    "bool need_x, bool need_w, bool native) -> Tensor[]"
 )
 
 
@@ -255,14 +258,14 @@ def _hadamard_recipe(
 
 
 @_ops._operator("fp8_hadamard_linear", _HADAMARD_LINEAR_SCHEMA)
-def _hadamard_linear(x, weight, *recipe_fields):
-    *fields, _, native = recipe_fields
+def _hadamard_linear(x, weight, sr_offset, *recipe_fields):
+    *fields, native = recipe_fields
     recipe = _hadamard_recipe(*fields)
     out_dtype = _gemm_out_dtype(x.dtype)
     out = _fp8_gemm(
         x, weight, _ACT_BLOCK, _WEIGHT_BLOCK, recipe, native=native, out_dtype=out_dtype
     )
-    return _ops._unaliased([out], [x, weight])[0]
+    return _ops._unaliased([out], [x, weight, sr_offset])[0]
 
 
 @_ops._fake("fp8_hadamard_linear")
@@ -271,8 +274,8 @@ def _hadamard_linear_fake(x, weight, *_):
 
 
 def _hadamard_setup_context(ctx, inputs, output):
-    x, weight, *recipe_fields = inputs
-    ctx.save_for_backward(x, weight)
+    x, weight, sr_offset, *recipe_fields = inputs
+    ctx.save_for_backward(x, weight, sr_offset)
     ctx.options = recipe_fields[:-1]
     ctx.native = recipe_fields[-1]
 
@@ -286,15 +289,15 @@ def _hadamard_backward(ctx, grad_out):
     )
     grad_x = grads.pop(0) if need_x else None
     grad_w = grads.pop(0) if need_w else None
-    return (grad_x, grad_w) + (None,) * (len(ctx.options) + 1)
+    return (grad_x, grad_w) + (None,) * (len(ctx.options) + 2)
 
 
 _ops._autograd("fp8_hadamard_linear", _hadamard_backward, _hadamard_setup_context)
 
 
 @_ops._operator("fp8_hadamard_linear_backward", _HADAMARD_LINEAR_BACKWARD_SCHEMA)
-def _hadamard_linear_backward(grad_out, x, weight, *rest):
-    *fields, sr_offset, need_x, need_w, native = rest
+def _hadamard_linear_backward(grad_out, x, weight, sr_offset, *rest):
+    *fields, need_x, need_w, native = rest
     recipe = _hadamard_recipe(*fields)
     sr = recipe.stochastic_rounding_grads
     grads = []
@@ -320,11 +323,11 @@ def _hadamard_linear_backward(grad_out, x, weight, *rest):
                 out_dtype=_gemm_out_dtype(weight.dtype),
             )  # fmt: skip
         grads.append(grad_w.to(weight.dtype))
-    return _ops._unaliased(grads, [grad_out, x, weight])
+    return _ops._unaliased(grads, [grad_out, x, weight, sr_offset])
 
 
 @_ops._fake("fp8_hadamard_linear_backward")
-def _hadamard_linear_backward_fake(grad_out, x, weight, *rest):
+def _hadamard_linear_backward_fake(grad_out, x, weight, sr_offset, *rest):
     need_x, need_w = rest[-3:-1]
     return [t.new_empty(t.shape) for t, n in ((x, need_x), (weight, need_w)) if n]
 
@@ -332,17 +335,17 @@ def _hadamard_linear_backward_fake(grad_out, x, weight, *rest):
 _ops._once_differentiable("fp8_hadamard_linear_backward")
 
 
-def _fp8_hadamard_linear(x2d, weight, recipe: Fp8Recipe, sr_offset: int, native: bool):
+def _fp8_hadamard_linear(x2d, weight, recipe: Fp8Recipe, sr_offset, native: bool):
     """The Hadamard recipe's linear (no bias), one ``gem_precision::fp8_hadamard_linear``
     operator: float32 output."""
     return torch.ops.gem_precision.fp8_hadamard_linear(
-        x2d, weight, recipe.fp8_dtype, recipe.grad_dtype, recipe.tensorwise,
+        x2d, weight, sr_offset, recipe.fp8_dtype, recipe.grad_dtype, recipe.tensorwise,
         recipe.wgrad_in_bf16, recipe.wgrad_x_tiles, recipe.stochastic_rounding_grads,
-        recipe.hadamard_block_size, recipe.seed, sr_offset, native,
+        recipe.hadamard_block_size, recipe.seed, native,
     )  # fmt: skip
 
 
-def _fp8_linear(x2d, weight, bias, recipe: Fp8Recipe, sr_offset: int, native: bool):
+def _fp8_linear(x2d, weight, bias, recipe: Fp8Recipe, sr_offset, native: bool):
     """The blockwise / tensorwise FP8 linear, one ``gem_precision::fp8_linear`` operator: each
     operand quantised once, in both layouts it needs; the forward saves the FP8 copies."""
     grad = torch.is_grad_enabled()
@@ -413,8 +416,7 @@ class Fp8Linear(nn.Linear):
         _check_recipe(recipe)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = recipe or Fp8Recipe()
-        # Philox counter for stochastic rounding; advanced each forward so steps differ.
-        self._sr_offset = 0
+        _register_sr_offset(self, self.weight.device)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe | None = None) -> Fp8Linear:
@@ -422,7 +424,7 @@ class Fp8Linear(nn.Linear):
         _check_recipe(recipe)
         new = _sharing_parameters_of(cls, linear)
         new.recipe = recipe or Fp8Recipe()
-        new._sr_offset = 0
+        _register_sr_offset(new, linear.weight.device)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -475,11 +477,13 @@ class Fp8Linear(nn.Linear):
         if weight.dtype == torch.float64:
             weight = weight.float()
             bias = None if bias is None else bias.float()
-        offset = self._sr_offset
-        if self.recipe.stochastic_rounding_grads and self.training and torch.is_grad_enabled():
-            # Room for dgrad + wgrad draws of this step. Only stochastic rounding reads the
-            # counter: torch.compile specialises on this int, and would recompile every step.
-            self._sr_offset += 2 * x2d.shape[0] * self.out_features
+        offset = None
+        if self.recipe.stochastic_rounding_grads:
+            # This step's counter, saved for the backward: a copy, as the buffer moves on.
+            offset = self._sr_offset.clone()
+            if self.training and torch.is_grad_enabled():
+                # Room for the dgrad + wgrad draws of this step.
+                self._sr_offset.add_(2 * x2d.shape[0] * self.out_features)
         if path == "blockwise":
             out = _fp8_linear(x2d, weight, bias, self.recipe, offset, native)
         elif path == "mx":
@@ -584,6 +588,18 @@ def convert_to_fp8(module: nn.Module, policy: PrecisionPolicy | None = None) -> 
         owner=(NormLinear, lambda norm_linear: _fp8_norm_linear(norm_linear, policy.recipe)),
     )
     return report
+
+
+def _register_sr_offset(module: nn.Module, device: torch.device) -> None:
+    """The Philox counter of stochastic rounding, advanced by every training forward so that
+    steps draw new bits. An int64 tensor moved in place rather than a Python int: torch.compile
+    specialises on ints and would recompile every step, and the kernels read it on the device
+    (no host sync). Not persistent, so state dicts stay those of ``nn.Linear`` (checkpoints and
+    ``convert_to_fp8`` keep their keys); a resumed run restarts the counter at 0, as it did
+    when the counter was an int."""
+    module.register_buffer(
+        "_sr_offset", torch.zeros((), dtype=torch.int64, device=device), persistent=False
+    )
 
 
 def _check_recipe(recipe: object) -> None:

@@ -31,7 +31,11 @@ operator                            returns
 :mod:`gem_precision.linear`). Arguments
 mean what they mean in the public functions and in :class:`~gem_precision.Fp8Recipe`;
 ``stochastic_seed`` is the recipe's seed when output gradients are rounded stochastically
-(else None); ``need_*_grad`` say which layouts a forward quantises for its backward (the
+(else None) and ``sr_offset`` then the Philox counter of the step, a one-element int64 tensor
+on the input's device (else None): a tensor, not an int, so that a compiled training loop keeps
+one graph while the counter moves every step, and read on the device, not the host. A forward
+saves it for its backward, which passes it on to the quantisation of the output gradient;
+``need_*_grad`` say which layouts a forward quantises for its backward (the
 operator runs below autograd and cannot see ``requires_grad``) and a backward's ``need_*``
 which gradients it returns; ``native`` runs ``torch._scaled_mm``. ``fp8_linear_backward``'s
 ``x`` is the input itself when the weight gradient is a bfloat16 GEMM (``wgrad_in_bf16``),
@@ -74,13 +78,13 @@ _SCALED_MM_SCHEMA = (
 _LINEAR_SCHEMA = (
     "(Tensor x, Tensor weight, Tensor? bias, ScalarType fp8_dtype, ScalarType grad_dtype, "
     "bool tensorwise, bool wgrad_in_bf16, bool wgrad_x_tiles, int? stochastic_seed, "
-    "SymInt sr_offset, bool need_x_grad, bool need_w_grad, bool native) "
+    "Tensor? sr_offset, bool need_x_grad, bool need_w_grad, bool native) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 _LINEAR_BACKWARD_SCHEMA = (
     "(Tensor grad_out, Tensor x_t, Tensor x_t_scale, Tensor? x, Tensor w_t, Tensor w_t_scale, "
-    "ScalarType fp8_dtype, ScalarType grad_dtype, bool tensorwise, bool x_t_tiles, "
-    "int? stochastic_seed, SymInt sr_offset, SymInt in_features, ScalarType w_dtype, "
+    "Tensor? sr_offset, ScalarType fp8_dtype, ScalarType grad_dtype, bool tensorwise, "
+    "bool x_t_tiles, int? stochastic_seed, SymInt in_features, ScalarType w_dtype, "
     "ScalarType? bias_dtype, bool need_x, bool need_w, bool need_b, bool native) -> Tensor[]"
 )
 
@@ -297,14 +301,13 @@ def _linear_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(x_t, x_t_scale, w_t, w_t_scale)
     # The bfloat16 wgrad multiplies the input itself; the FP8 GEMMs read the FP8 copies only.
     saved_x = x if need_w_grad and wgrad_in_bf16 else None
-    ctx.save_for_backward(x_t, x_t_scale, saved_x, w_t, w_t_scale)
+    ctx.save_for_backward(x_t, x_t_scale, saved_x, w_t, w_t_scale, sr_offset)
     ctx.options = (
         fp8_dtype,
         grad_dtype,
         tensorwise,
         _x_t_plan(tensorwise, wgrad_in_bf16, wgrad_x_tiles, need_w_grad)[1],
         stochastic_seed,
-        sr_offset,
         weight.shape[1],
         weight.dtype,
         None if bias is None else bias.dtype,
@@ -342,19 +345,19 @@ def _bf16_wgrad(grad_out: torch.Tensor, x: torch.Tensor, native: bool) -> torch.
 
 @_operator("fp8_linear_backward", _LINEAR_BACKWARD_SCHEMA)
 def _linear_backward_impl(
-    grad_out, x_t, x_t_scale, x, w_t, w_t_scale, fp8_dtype, grad_dtype, tensorwise, x_t_tiles,
-    stochastic_seed, sr_offset, in_features, w_dtype, bias_dtype, need_x, need_w, need_b,
+    grad_out, x_t, x_t_scale, x, w_t, w_t_scale, sr_offset, fp8_dtype, grad_dtype, tensorwise,
+    x_t_tiles, stochastic_seed, in_features, w_dtype, bias_dtype, need_x, need_w, need_b,
     native,
 ):  # fmt: skip
     act_kind, w_kind = _kinds(tensorwise)
     fp8_wgrad = need_w and x is None
-    inputs = [grad_out, x_t, x_t_scale, x, w_t, w_t_scale]
+    inputs = [grad_out, x_t, x_t_scale, x, w_t, w_t_scale, sr_offset]
     x_t, w_t = x_t.view(fp8_dtype), w_t.view(fp8_dtype)
     grad_out = grad_out.contiguous()
     if need_x or fp8_wgrad or need_b:
         gq = _quantize_operand(
-            grad_out, act_kind, grad_dtype, need_x, fp8_wgrad, stochastic_seed, sr_offset,
-            need_b, False, "auto",
+            grad_out, act_kind, grad_dtype, need_x, fp8_wgrad, stochastic_seed,
+            0 if sr_offset is None else sr_offset, need_b, False, "auto",
         )  # fmt: skip
     x_dtype = grad_out.dtype
     grads = []
@@ -382,8 +385,8 @@ def _linear_backward_impl(
 
 @_fake("fp8_linear_backward")
 def _linear_backward_fake(
-    grad_out, x_t, x_t_scale, x, w_t, w_t_scale, fp8_dtype, grad_dtype, tensorwise, x_t_tiles,
-    stochastic_seed, sr_offset, in_features, w_dtype, bias_dtype, need_x, need_w, need_b,
+    grad_out, x_t, x_t_scale, x, w_t, w_t_scale, sr_offset, fp8_dtype, grad_dtype, tensorwise,
+    x_t_tiles, stochastic_seed, in_features, w_dtype, bias_dtype, need_x, need_w, need_b,
     native,
 ):  # fmt: skip
     m, n = grad_out.shape

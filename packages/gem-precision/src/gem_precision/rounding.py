@@ -4,6 +4,9 @@ The random bits come from our own tensor implementation of Philox-4x32-10 (Salmo
 rather than from a ``torch.Generator``: the stream is then a pure function of ``(seed, offset,
 element index)``, identical on every device and torch version, and a caller can skip ahead by
 moving ``offset`` (e.g. ``offset = step * numel``) without generating the skipped numbers.
+``offset`` may also be a one-element int64 tensor on the data's device, read there (no host
+sync), so a counter kept in a tensor (:class:`~gem_precision.Fp8Linear`'s) can move every step
+without ``torch.compile`` recompiling.
 
 Element ``i`` (row-major over ``x``) uses the first output word of Philox with key
 ``(seed & 0xFFFFFFFF, seed >> 32)`` and counter ``(c & 0xFFFFFFFF, c >> 32, 0, 0)`` where
@@ -49,8 +52,23 @@ def _mulhilo(multiplier: int, value: torch.Tensor) -> tuple[torch.Tensor, torch.
     return hi, lo
 
 
-def _check_seed_offset(seed: int, offset: int) -> None:
-    for name, value in (("seed", seed), ("offset", offset)):
+def _check_seed_offset(seed: int, offset: int | torch.Tensor, device: torch.device) -> None:
+    if isinstance(offset, torch.Tensor):
+        # Its value is not checked: that would read it on the host (a sync on a GPU).
+        if (
+            offset.dtype != torch.int64
+            or offset.numel() != 1
+            or offset.device.type != device.type
+            or device.index not in (None, offset.device.index)
+        ):
+            raise ValueError(
+                f"a tensor offset must be one int64 element on {device}, got "
+                f"{offset.dtype} {tuple(offset.shape)} on {offset.device}"
+            )
+        values = (("seed", seed),)
+    else:
+        values = (("seed", seed), ("offset", offset))
+    for name, value in values:
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if not 0 <= value < 2**63:
@@ -58,18 +76,26 @@ def _check_seed_offset(seed: int, offset: int) -> None:
 
 
 def philox_uint32(
-    numel: int, *, seed: int, offset: int = 0, device: torch.device | str | None = None
+    numel: int,
+    *,
+    seed: int,
+    offset: int | torch.Tensor = 0,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """First Philox-4x32-10 output word for counters ``offset .. offset + numel - 1``.
 
     Returns an int64 tensor of shape ``(numel,)`` with values in ``[0, 2**32)``; see the module
-    docstring for the key/counter layout.
+    docstring for the key/counter layout. ``offset``: an int in ``[0, 2**63)`` or a
+    one-element int64 tensor on ``device`` holding one.
     """
-    _check_seed_offset(seed, offset)
+    device = torch.device(device or "cpu")
+    _check_seed_offset(seed, offset, device)
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ValueError(f"numel must be a non-negative int, got {numel!r}")
-    if torch.device(device or "cpu").type == "cuda" and triton_importable():
-        return _philox_uint32_triton(numel, seed, offset, torch.device(device))
+    if device.type == "cuda" and triton_importable():
+        return _philox_uint32_triton(numel, seed, offset, device)
+    if isinstance(offset, torch.Tensor):
+        offset = offset.reshape(())
     counter = torch.arange(numel, dtype=torch.int64, device=device) + offset
     zeros = torch.zeros_like(counter)
     words = _philox4x32(
@@ -83,10 +109,16 @@ _PHILOX_KERNEL_FILE = Path(__file__).with_name("_philox_kernels.py")
 _PHILOX_BLOCK = 1024
 
 
-def _philox_uint32_triton(numel: int, seed: int, offset: int, device: torch.device) -> torch.Tensor:
+def _philox_uint32_triton(
+    numel: int, seed: int, offset: int | torch.Tensor, device: torch.device
+) -> torch.Tensor:
     """:func:`philox_uint32` in one Triton launch (compiled on CUDA, interpreted on CPU)."""
     kernels = load_kernel_module(_PHILOX_KERNEL_FILE, interpret=device.type != "cuda")
     out = torch.empty(numel, dtype=torch.int64, device=device)
+    if not isinstance(offset, torch.Tensor):
+        # The kernel loads the offset from memory (a tensor offset is never read on the host);
+        # a fill kernel, no host-to-device copy.
+        offset = torch.full((1,), offset, dtype=torch.int64, device=device)
     if numel:
         grid = (-(-numel // _PHILOX_BLOCK),)
         kernels.philox_uint32_kernel[grid](
@@ -114,11 +146,12 @@ def philox_uniform(
     shape: tuple[int, ...] | torch.Size,
     *,
     seed: int,
-    offset: int = 0,
+    offset: int | torch.Tensor = 0,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Float32 uniforms in ``[0, 1)`` (24 random bits each) of ``shape``, deterministic in
-    ``(seed, offset)``; element ``i`` in row-major order uses Philox counter ``offset + i``."""
+    ``(seed, offset)``; element ``i`` in row-major order uses Philox counter ``offset + i``
+    (``offset`` as in :func:`philox_uint32`)."""
     numel = 1
     for size in shape:
         numel *= int(size)
@@ -131,7 +164,7 @@ def stochastic_round_to_fp8(
     dtype: torch.dtype = torch.float8_e4m3fn,
     *,
     seed: int,
-    offset: int = 0,
+    offset: int | torch.Tensor = 0,
 ) -> torch.Tensor:
     """Round ``x`` stochastically to the FP8 grid of ``dtype`` and return it in that dtype.
 
@@ -147,6 +180,7 @@ def stochastic_round_to_fp8(
         dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         seed: Philox key, an int in ``[0, 2**63)``.
         offset: Philox counter of the first element; use disjoint ranges for independent draws.
+            An int, or a one-element int64 tensor on ``x``'s device (read there, no host sync).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -154,7 +188,7 @@ def stochastic_round_to_fp8(
         raise TypeError(f"x must have dtype float32, bfloat16 or float16, got {x.dtype}")
     if dtype not in MX_ELEMENT_DTYPES:
         raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype}")
-    _check_seed_offset(seed, offset)
+    _check_seed_offset(seed, offset, x.device)
     max_normal = MX_ELEMENT_DTYPES[dtype].max_normal
 
     values = x.to(torch.float32)
