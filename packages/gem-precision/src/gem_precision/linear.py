@@ -478,12 +478,11 @@ class Fp8Linear(nn.Linear):
             weight = weight.float()
             bias = None if bias is None else bias.float()
         offset = None
-        if self.recipe.stochastic_rounding_grads:
-            # This step's counter, saved for the backward: a copy, as the buffer moves on.
-            offset = self._sr_offset.clone()
-            if self.training and torch.is_grad_enabled():
-                # Room for the dgrad + wgrad draws of this step.
-                self._sr_offset.add_(2 * x2d.shape[0] * self.out_features)
+        if self.recipe.stochastic_rounding_grads and torch.is_grad_enabled():
+            # This step's counter (a copy, saved for the backward), then room in the buffer for
+            # the step's dgrad + wgrad draws; an evaluation forward does not move it.
+            step = 2 * x2d.shape[0] * self.out_features if self.training else 0
+            offset = torch.ops.gem_precision.advance_offset(self._sr_offset, step)
         if path == "blockwise":
             out = _fp8_linear(x2d, weight, bias, self.recipe, offset, native)
         elif path == "mx":
@@ -594,9 +593,9 @@ def _register_sr_offset(module: nn.Module, device: torch.device) -> None:
     """The Philox counter of stochastic rounding, advanced by every training forward so that
     steps draw new bits. An int64 tensor moved in place rather than a Python int: torch.compile
     specialises on ints and would recompile every step, and the kernels read it on the device
-    (no host sync). Not persistent, so state dicts stay those of ``nn.Linear`` (checkpoints and
-    ``convert_to_fp8`` keep their keys); a resumed run restarts the counter at 0, as it did
-    when the counter was an int."""
+    (no host sync). Not persistent: state dicts keep the keys of ``nn.Linear``, so checkpoints
+    load either way and ``convert_to_fp8`` changes no key; a resumed run restarts the counter
+    at 0, which repeats the random bits of the first steps but not their gradients."""
     module.register_buffer(
         "_sr_offset", torch.zeros((), dtype=torch.int64, device=device), persistent=False
     )

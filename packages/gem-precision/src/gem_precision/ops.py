@@ -25,6 +25,8 @@ operator                            returns
 ``norm_quantize``                   ``(data, scale, mean, rstd)`` (fused_norm.py)
 ``fp8_norm_linear``                 ``(out, mean, rstd, w_t, w_t_scale)`` (fused_norm.py)
 ``fp8_norm_linear_backward``        the gradients asked for, in input order (fused_norm.py)
+``advance_offset``                  a copy of ``offset`` (int64), to which it then adds ``n``
+                                    in place
 ==================================  ==========================================================
 
 (schemas: the ``_*_SCHEMA`` strings here, in :mod:`gem_precision.fused_norm` and in
@@ -32,9 +34,10 @@ operator                            returns
 mean what they mean in the public functions and in :class:`~gem_precision.Fp8Recipe`;
 ``stochastic_seed`` is the recipe's seed when output gradients are rounded stochastically
 (else None) and ``sr_offset`` then the Philox counter of the step, a one-element int64 tensor
-on the input's device (else None): a tensor, not an int, so that a compiled training loop keeps
+on the input's device (None without stochastic rounding or backward): a tensor, not an int, so that a compiled training loop keeps
 one graph while the counter moves every step, and read on the device, not the host. A forward
-saves it for its backward, which passes it on to the quantisation of the output gradient;
+saves it for its backward, which passes it on to the quantisation of the output gradient.
+:class:`~gem_precision.Fp8Linear` takes it from ``advance_offset`` on its counter buffer;
 ``need_*_grad`` say which layouts a forward quantises for its backward (the
 operator runs below autograd and cannot see ``requires_grad``) and a backward's ``need_*``
 which gradients it returns; ``native`` runs ``torch._scaled_mm``. ``fp8_linear_backward``'s
@@ -234,6 +237,26 @@ def _scaled_mm_backward(ctx, grad_out):
 
 
 _autograd("scaled_mm_nt", _scaled_mm_backward, _scaled_mm_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# The stochastic rounding counter.
+
+
+@_operator("advance_offset", "(Tensor(a!) offset, SymInt n) -> Tensor")
+def _advance_offset(offset, n):
+    # One operator rather than ``clone`` and ``add_`` in the module: under torch.compile the
+    # partitioner may save the buffer itself for the backward instead of a cheap copy of it,
+    # and the backward would then read the advanced value (seen with inductor). An operator's
+    # output is saved as it is.
+    old = offset.clone()
+    offset.add_(n)
+    return old
+
+
+@_fake("advance_offset")
+def _advance_offset_fake(offset, n):
+    return torch.empty_like(offset)
 
 
 # ---------------------------------------------------------------------------------------------
