@@ -61,14 +61,15 @@ def host_sync_stacks(fn: Callable[[], object]) -> list[traceback.StackSummary]:
             stacks.append(traceback.extract_stack()[:-1])
 
     torch.cuda.synchronize()
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = show
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
+    # Switching the mode on can warn by itself (seen with torch 2.11): not a sync of fn's.
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
             fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     return stacks
 
 
