@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,20 @@ def model_config(
         else None,
         architecture=config.model,
     )
+
+
+def compile_modules(modules: Iterable[nn.Module], **options: Any) -> None:
+    """``module.compile(**options)`` for each of ``modules``, every one of them compiled.
+
+    Compiled modules share one dynamo frame (the wrapper of the module call), whose cache keeps
+    an entry per module type and shape class: past ``torch._dynamo.config.recompile_limit``
+    (8) entries, the remaining modules run eager, with only a log warning. The limit is raised
+    to two entries per module (static, then dynamic token counts)."""
+    modules = list(modules)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 2 * len(modules))
+    for module in modules:
+        module.compile(**options)
 
 
 @dataclasses.dataclass
@@ -297,8 +312,7 @@ class Trainer:
         for name in self.checkpointed:
             checkpoint_module(modules[name])
         if config.compile:
-            for module in modules.values():
-                module.compile()
+            compile_modules(modules.values())
         self._regions_ready = True
 
     def train_step(self, batch: Batch) -> float:
