@@ -74,6 +74,7 @@ from torchrec import (
     KeyedJaggedTensor,
     PoolingType,
 )
+from torchrec.distributed.types import Awaitable
 
 __all__ = ["BLOCK_SIZE", "BaselineGem", "make_block_mask", "padded_length"]
 
@@ -498,6 +499,13 @@ class _CandidateCrossAttention(nn.Module):
         return self.out(attended.reshape(batch, dim).to(tokens.dtype))
 
 
+def _waited(output):
+    """A torchrec module's output, waited for. Sharded modules return lazy awaitables, and
+    their items reaching the compiled graph made dynamo guard on those objects: one
+    recompile per step (torch 2.11, H200) until the recompile limit left the rest eager."""
+    return output.wait() if isinstance(output, Awaitable) else output
+
+
 def _select_keys(features: KeyedJaggedTensor, keys: list[str]) -> KeyedJaggedTensor:
     if list(features.keys()) == keys:
         return features
@@ -677,7 +685,9 @@ class BaselineGem(nn.Module):
         embedding rows (one tensor per key), the history offsets and the candidate's
         embedding (from the table it shares with ``candidate_history_feature``)."""
         config = self.config
-        pooled_kt = self.sparse_embeddings(_select_keys(sparse_features, self.pooled_features))
+        pooled_kt = _waited(
+            self.sparse_embeddings(_select_keys(sparse_features, self.pooled_features))
+        )
         pooled = tuple(pooled_kt[name] for name in self.pooled_features)
         if not config.use_sequence_tower:
             return pooled, (), None, None
@@ -694,7 +704,7 @@ class BaselineGem(nn.Module):
             lengths=torch.cat([history.lengths(), candidate.lengths().to(history.lengths().dtype)]),
             length_per_key=[per_key] * len(keys) + [candidate.values().numel()],
         )
-        embedded = self.sequence_embeddings(lookup)
+        embedded = _waited(self.sequence_embeddings(lookup))
         values = tuple(embedded[key].values() for key in keys)
         offsets = embedded[keys[0]].offsets()
         return pooled, values, offsets, embedded[config.candidate_feature].values()
