@@ -12,6 +12,8 @@ from gem_precision import (
     PrecisionPolicy,
     convert_to_fp8,
     fake_quantize_blockwise,
+    load_rounding_state,
+    rounding_state,
 )
 from torch import nn
 
@@ -233,3 +235,19 @@ def test_cuda_matches_cpu_emulation():
     cpu = fp8(x)
     gpu = fp8.cuda()(x.cuda()).cpu()
     assert float((gpu - cpu).norm() / cpu.norm()) < 4e-3
+
+
+def test_rounding_state_round_trips_and_names_a_mismatch():
+    model = torch.nn.Sequential(
+        Fp8Linear(32, 32, recipe=Fp8Recipe(stochastic_rounding_grads=True)), torch.nn.ReLU()
+    )
+    model(torch.randn(4, 32)).sum().backward()  # a training forward advances the counter
+    state = rounding_state(model)
+    assert list(state) == ["0"] and state["0"] > 0
+    fresh = torch.nn.Sequential(Fp8Linear(32, 32), torch.nn.ReLU())
+    load_rounding_state(fresh, state)
+    assert rounding_state(fresh) == state
+    with pytest.raises(ValueError, match=r"missing \['0'\], unknown \['1'\]"):
+        load_rounding_state(fresh, {"1": 0})
+    with pytest.raises(ValueError, match=r"state\['0'\] must be an int >= 0"):
+        load_rounding_state(fresh, {"0": -1})

@@ -8,13 +8,22 @@ import torch
 from gem_train import Trainer
 from gem_train.checkpoint import latest_checkpoint
 from gem_train.cli import prepare_data, run
+from gem_train.config import PrecisionConfig
 from gem_train.throughput import PHASES, StepClock, peak_tflops, speed_line
 from rich.console import Console
 
 
-def test_resume_gives_the_same_next_losses_as_an_uninterrupted_run(small_config, tmp_path):
+@pytest.mark.parametrize("precision", ["fp32", "fp8-stochastic-rounding"])
+def test_resume_gives_the_same_next_losses_as_an_uninterrupted_run(
+    small_config, tmp_path, precision
+):
     train_data, _ = prepare_data(small_config.data, progress=False)
     config = dataclasses.replace(small_config, max_steps=5)
+    if precision != "fp32":  # the rounding counters must resume too (trainer_state.json)
+        config = dataclasses.replace(
+            config,
+            precision=PrecisionConfig(mode="fp8", min_features=16, stochastic_rounding_grads=True),
+        )
 
     uninterrupted = Trainer(config, train_data, output_dir=tmp_path / "a")
     reference_losses = uninterrupted.fit(progress=False)

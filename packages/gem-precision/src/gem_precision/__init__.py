@@ -31,6 +31,8 @@ from gem_precision.linear import (
     PrecisionPolicy,
     convert_to_fp8,
     fp8_gemm_emulated,
+    load_rounding_state,
+    rounding_state,
 )
 from gem_precision.mx import (
     E8M0_BIAS,
@@ -78,6 +80,8 @@ __all__ = [
     "dequantize_mx",
     "fake_quantize_blockwise",
     "fp8_gemm_emulated",
+    "load_rounding_state",
+    "rounding_state",
     "hadamard_matrix",
     "inverse_random_hadamard_transform",
     "philox_uint32",

@@ -53,6 +53,8 @@ __all__ = [
     "PrecisionPolicy",
     "convert_to_fp8",
     "fp8_gemm_emulated",
+    "load_rounding_state",
+    "rounding_state",
 ]
 
 _ACT_BLOCK = (1, 128)
@@ -594,11 +596,38 @@ def _register_sr_offset(module: nn.Module, device: torch.device) -> None:
     steps draw new bits. An int64 tensor moved in place rather than a Python int: torch.compile
     specialises on ints and would recompile every step, and the kernels read it on the device
     (no host sync). Not persistent: state dicts keep the keys of ``nn.Linear``, so checkpoints
-    load either way and ``convert_to_fp8`` changes no key; a resumed run restarts the counter
-    at 0, which repeats the random bits of the first steps but not their gradients."""
+    load either way and ``convert_to_fp8`` changes no key; a trainer saves and restores the
+    counters with :func:`rounding_state` / :func:`load_rounding_state`, as it does RNG states."""
     module.register_buffer(
         "_sr_offset", torch.zeros((), dtype=torch.int64, device=device), persistent=False
     )
+
+
+def rounding_state(model: nn.Module) -> dict[str, int]:
+    """The stochastic-rounding counter of every :class:`Fp8Linear` in ``model``, by qualified
+    name: with :func:`load_rounding_state`, what an exact resume needs beside the state dict
+    (like an RNG state, it is not part of it). Reads device values: a host sync."""
+    return {
+        name: int(module._sr_offset)
+        for name, module in model.named_modules()
+        if isinstance(module, Fp8Linear)
+    }
+
+
+def load_rounding_state(model: nn.Module, state: dict[str, int]) -> None:
+    """Restores the counters :func:`rounding_state` gave. Every :class:`Fp8Linear` of
+    ``model`` must have an entry, and every entry a layer: a ``ValueError`` names the others."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    if layers.keys() != state.keys():
+        raise ValueError(
+            f"state must hold the counter of every Fp8Linear of the model: missing "
+            f"{sorted(layers.keys() - state.keys())}, unknown {sorted(state.keys() - layers.keys())}"
+        )
+    for name, layer in layers.items():
+        value = state[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"state[{name!r}] must be an int >= 0, got {value!r}")
+        layer._sr_offset.fill_(value)
 
 
 def _check_recipe(recipe: object) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from gem_data import Batch, DatasetInfo, DevicePrefetcher, ParquetBatchLoader, ShardedBatchLoader
 from gem_model import GemModel, GemModelConfig, model_flops
+from gem_precision import load_rounding_state, rounding_state
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
 from torch.nn import functional as F
@@ -514,6 +515,13 @@ class Trainer:
             "world_size": self.world_size,
             "loader": self._batches.state_dict(),
             "torch_rng": torch.get_rng_state().tolist(),
+            # Dropout draws on the device; FP8 stochastic rounding has counters of its own.
+            "cuda_rng": (
+                torch.cuda.get_rng_state(self.device).tolist()
+                if self.device.type == "cuda"
+                else None
+            ),
+            "rounding": rounding_state(self.model.module),
             "model_config": json.loads(
                 json.dumps(dataclasses.asdict(self.model_config), default=str)
             ),
@@ -593,6 +601,11 @@ class Trainer:
         if saved_world == self.world_size:
             self.loader.load_state_dict(trainer_state["loader"])
         torch.set_rng_state(torch.tensor(trainer_state["torch_rng"], dtype=torch.uint8))
+        if trainer_state.get("cuda_rng") is not None and self.device.type == "cuda":
+            cuda_rng = torch.tensor(trainer_state["cuda_rng"], dtype=torch.uint8)
+            torch.cuda.set_rng_state(cuda_rng, self.device)
+        if "rounding" in trainer_state:
+            load_rounding_state(self.model.module, trainer_state["rounding"])
         return True
 
     def log(self, **record: Any) -> None:
