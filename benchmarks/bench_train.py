@@ -12,7 +12,7 @@ torchrec tables with their fused row-wise Adagrad:
   fused AdamW for the dense parameters, as a capable user writes it;
 - ablations: ``gem-eager`` (no compile), ``gem-bf16`` (the FP8 shape without FP8).
 
-Metrics per case and provider: ``ms`` (mean of the timed steps, run back to back), ``samples_per_s``, ``mfu`` (model FLOPs
+Metrics per case and provider: ``ms`` (mean of the timed steps, run back to back after one untimed pass over every batch, so that no compile falls in the timed window), ``samples_per_s``, ``mfu`` (model FLOPs
 of the real lengths, ``gem_model.model_flops``, over time x 989.4 TFLOP/s), ``local_mfu``
 (the same on one GPU: the scaling ratio is 1) and ``peak_gib``; ``gem`` also gets its time
 split (``time_<phase>_ms``). Cases: ``B{batch}xL{max_len}xD{d_model}/{window256|causal}``.
