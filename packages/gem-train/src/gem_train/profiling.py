@@ -7,6 +7,14 @@ the two). Times are the kernels' GPU time on CUDA and the operators' CPU time el
 The self-attention kernels (JFA, BlockAttention, forward and backward) are split out of the
 sequence region as ``sequence_attention``; ``other`` is the step's remaining wall time (glue
 between regions, the loss, host waits, idle GPU).
+
+On a GPU the pass also measures the step's exposed communication: the time NCCL kernels and
+copy-engine peer copies (``gem_parallel``'s collectives) run while no compute kernel does.
+Without it the step would take what one GPU takes for the same work, so GEM's split of the
+end-to-end MFU follows: ``local_mfu`` = model FLOPs / (step - exposed communication) / peak,
+``scaling_ratio`` = (step - exposed communication) / step, and ``mfu`` = local x scaling. An
+estimate from inside the run (a slower rank shows up as the others' exposed waiting); a 1-GPU
+run measures the local MFU directly.
 """
 
 from __future__ import annotations
@@ -18,9 +26,17 @@ from pathlib import Path
 import torch
 from gem_model import REGION_SCOPE_PREFIX, ModelFlops
 from rich.table import Table
+from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
-__all__ = ["OPTIMIZER_SCOPE", "PROFILE_REGIONS", "ProfilePass", "profile_table", "region_profile"]
+__all__ = [
+    "OPTIMIZER_SCOPE",
+    "PROFILE_REGIONS",
+    "ProfilePass",
+    "exposed_seconds",
+    "profile_table",
+    "region_profile",
+]
 
 OPTIMIZER_SCOPE = "gem_train/optimizer"
 """Profiler range of the dense optimizer step (gradient finishing, clipping, AdamW)."""
@@ -39,6 +55,52 @@ PROFILE_REGIONS = (
 
 _ATTENTION_OPS = ("gem_kernels::jagged_flash_attention", "gem_kernels::block_attention")
 _BACKWARD_NODE = "autograd::engine::evaluate_function"
+# Device activities that move data between GPUs, and those that are neither compute nor that.
+_COMMUNICATION = ("nccl", "Memcpy PtoP")
+_NOT_COMPUTE = ("Memcpy", "Memset")
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def exposed_seconds(
+    communication: list[tuple[float, float]], compute: list[tuple[float, float]]
+) -> float:
+    """How long (in the intervals' unit) some ``communication`` interval runs while no
+    ``compute`` interval does; intervals are ``(start, end)`` and may overlap each other."""
+    busy = _union(compute)
+    exposed, i = 0.0, 0
+    for start, end in _union(communication):
+        covered = 0.0
+        while i < len(busy) and busy[i][1] <= start:
+            i += 1
+        j = i
+        while j < len(busy) and busy[j][0] < end:
+            covered += min(end, busy[j][1]) - max(start, busy[j][0])
+            j += 1
+        exposed += (end - start) - covered
+    return exposed
+
+
+def _exposed_communication_seconds(events: list[FunctionEvent]) -> float:
+    """Exposed communication of the device activities among ``events`` (0 without any)."""
+    communication, compute = [], []
+    for event in events:
+        if event.device_type == DeviceType.CPU:
+            continue
+        interval = (event.time_range.start / 1e6, event.time_range.end / 1e6)
+        if any(mark in event.name for mark in _COMMUNICATION):
+            communication.append(interval)
+        elif not event.name.startswith(_NOT_COMPUTE):
+            compute.append(interval)
+    return exposed_seconds(communication, compute)
 
 
 def _descendants(event: FunctionEvent):
@@ -65,7 +127,9 @@ def region_profile(
     """The per-region table of ``steps`` profiled training steps (``events``: the profiler's
     ``events()``), as written to ``profile.json``: ``step_ms`` (wall) and ``regions``, rows of
     ``region``, ``forward_ms``, ``backward_ms``, ``ms`` (per step), ``model_tflop`` (per step,
-    ``flops`` summed over the steps) and ``mfu`` (of ``peak_tflops``; None without one)."""
+    ``flops`` summed over the steps) and ``mfu`` (of ``peak_tflops``; None without one); then
+    the step's ``exposed_communication_ms``, ``mfu``, ``local_mfu`` and ``scaling_ratio``
+    (see the module docstring; the MFUs are None without a peak)."""
     forward = dict.fromkeys(PROFILE_REGIONS, 0.0)
     backward = dict.fromkeys(PROFILE_REGIONS, 0.0)
     owner: dict[int, str] = {}  # forward sequence number -> region
@@ -114,7 +178,22 @@ def region_profile(
     other = step_ms - sum(row["ms"] for row in rows)
     rows.append({"region": "other", "forward_ms": None, "backward_ms": None, "ms": other,
                  "model_tflop": 0.0, "mfu": None})  # fmt: skip
-    return {"step_ms": step_ms, "steps": steps, "regions": rows}
+    exposed_ms = _exposed_communication_seconds(events) / steps * 1e3
+    local_ms = step_ms - exposed_ms
+    tflop = flops.total / steps / 1e12
+
+    def mfu(ms: float) -> float | None:
+        return tflop / (ms / 1e3) / peak_tflops if peak_tflops and ms > 0 else None
+
+    return {
+        "step_ms": step_ms,
+        "steps": steps,
+        "regions": rows,
+        "exposed_communication_ms": exposed_ms,
+        "mfu": mfu(step_ms),
+        "local_mfu": mfu(local_ms),
+        "scaling_ratio": local_ms / step_ms if step_ms > 0 else None,
+    }
 
 
 def write_profile(output_dir: Path, profile: dict, trace_name: str) -> Path:
@@ -125,8 +204,14 @@ def write_profile(output_dir: Path, profile: dict, trace_name: str) -> Path:
 
 
 def profile_table(profile: dict, title: str) -> Table:
-    """The per-region table for the terminal."""
+    """The per-region table for the terminal; its caption splits the end-to-end MFU."""
     table = Table(title=title)
+    if profile.get("mfu") is not None:
+        table.caption = (
+            f"MFU {profile['mfu']:.1%} = local {profile['local_mfu']:.1%} x scaling "
+            f"{profile['scaling_ratio']:.3f} (exposed communication "
+            f"{profile['exposed_communication_ms']:.2f} ms of {profile['step_ms']:.2f} ms)"
+        )
     for column in ("region", "forward ms", "backward ms", "ms / step", "share", "TFLOP", "MFU"):
         table.add_column(column, justify="left" if column == "region" else "right")
 
