@@ -18,6 +18,7 @@ of the real lengths, ``gem_model.model_flops``, over time x 989.4 TFLOP/s), ``lo
 split (``time_<phase>_ms``). Cases: ``B{batch}xL{max_len}xD{d_model}/{window256|causal}``.
 
     python benchmarks/bench_train.py [--cases B1024xL1024xD512/window256 ...] [--steps 10]
+    # split over several calls (device time limits): the later ones with --append
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ from gem_model import model_flops  # noqa: E402
 from gem_train.cli import configure, prepare_data  # noqa: E402
 from gem_train.throughput import BF16_DENSE_PEAK_TFLOPS  # noqa: E402
 from gem_train.trainer import Trainer, init_distributed, model_config  # noqa: E402
-from harness import meta, require_cuda, results_parser, user_args, write_results  # noqa: E402
+from harness import (  # noqa: E402
+    earlier_rows,
+    meta,
+    require_cuda,
+    results_parser,
+    user_args,
+    write_results,
+)
 from torch.nn import functional as F  # noqa: E402
 from torchrec import EmbeddingBagCollection, EmbeddingCollection  # noqa: E402
 from torchrec.distributed import DistributedModelParallel  # noqa: E402
@@ -157,6 +165,12 @@ def main() -> None:
         help="untimed batches (compiles); the timed batches also run once untimed first",
     )
     parser.add_argument("--providers", nargs="+", default=["gem", "baseline", "gem-eager"])
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the rows of other cases already in --out (same commit): one file from "
+        "several invocations",
+    )
     args = parser.parse_args()
     require_cuda()
     device = torch.device("cuda")
@@ -164,6 +178,9 @@ def main() -> None:
     rows: list[dict] = []
     command = "python benchmarks/bench_train.py " + " ".join(user_args())
     run_meta = meta("train", command, device=torch.cuda.get_device_name(), peak_tflops=PEAK / 1e12)
+    earlier: list[dict] = []
+    if args.append:
+        run_meta, earlier = earlier_rows(Path(args.out), run_meta, args.cases)
     data_root = Path(tempfile.mkdtemp(prefix="bench-train-"))
     for case in args.cases:
         total = args.warmup + args.steps
@@ -214,12 +231,12 @@ def main() -> None:
                 torch.cuda.empty_cache()
             new = _rows(case, provider, ms, peak, flops, config.batch_size, extra)
             rows += new
-            write_results(Path(args.out), run_meta, rows)  # a later crash keeps these rows
+            write_results(Path(args.out), run_meta, earlier + rows)  # a crash keeps these
             values = {r["metric"]: r["value"] for r in new}
             print(f"{case:28s} {provider:10s} {values['ms']:8.1f} ms "
                   f"{values['samples_per_s']:9.0f} samples/s  MFU {values['mfu']:.3f}  "
                   f"peak {values['peak_gib']:.1f} GiB {extra}", flush=True)  # fmt: skip
-    write_results(Path(args.out), run_meta, rows)
+    write_results(Path(args.out), run_meta, earlier + rows)
     torch.distributed.destroy_process_group()
 
 

@@ -96,6 +96,26 @@ def write_results(path: Path, meta_block: dict, rows: list[dict]) -> None:
     path.write_text(json.dumps({"meta": meta_block, "rows": rows}, indent=2) + "\n")
 
 
+def earlier_rows(path: Path, meta_block: dict, cases: list[str]) -> tuple[dict, list[dict]]:
+    """For a run split over several invocations (as device time limits ask): the rows already
+    at ``path`` from earlier invocations of the same benchmark on the same commit, but those of
+    ``cases`` (this invocation redoes them), and ``meta_block`` with the commands joined by
+    `` ; ``. A file of another benchmark or commit is a ``ValueError``: one file, one commit."""
+    path = Path(path)
+    if not path.exists():
+        return meta_block, []
+    earlier = json.loads(path.read_text())
+    for key in ("benchmark", "commit"):
+        if earlier["meta"].get(key) != meta_block.get(key):
+            raise ValueError(
+                f"{path} holds {key} {earlier['meta'].get(key)!r}, this run's is "
+                f"{meta_block.get(key)!r}: one file holds one benchmark at one commit"
+            )
+    commands = [*earlier["meta"]["command"].split(" ; "), meta_block["command"]]
+    kept = [row for row in earlier["rows"] if row["case"] not in cases]
+    return {**meta_block, "command": " ; ".join(dict.fromkeys(commands))}, kept
+
+
 def user_args() -> list[str]:
     """This run's command-line arguments without ``--out`` (the result path is the default one)."""
     argv, skip = [], False

@@ -1,0 +1,42 @@
+"""benchmarks/harness.py: one results file from a run split over several invocations."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from harness import earlier_rows, write_results  # noqa: E402
+
+
+def _row(case, provider="gem", value=1.0):
+    return {"case": case, "provider": provider, "mode": "fwd_bwd_step", "metric": "ms",
+            "value": value}  # fmt: skip
+
+
+def test_earlier_rows_keep_other_cases_and_join_the_commands(tmp_path):
+    path = tmp_path / "train.json"
+    first = {"benchmark": "train", "commit": "abc", "command": "bench --cases A B"}
+    assert earlier_rows(path, first, ["A", "B"]) == (first, [])  # nothing there yet
+    write_results(path, first, [_row("A"), _row("B"), _row("B", "baseline")])
+    second = {"benchmark": "train", "commit": "abc", "command": "bench --cases B C"}
+    meta, kept = earlier_rows(path, second, ["B", "C"])
+    assert kept == [_row("A")]  # B is redone by this invocation
+    assert meta["command"] == "bench --cases A B ; bench --cases B C"
+    write_results(path, meta, [*kept, _row("B", value=2.0), _row("C")])
+    third = {"benchmark": "train", "commit": "abc", "command": "bench --cases B C"}
+    meta, kept = earlier_rows(path, third, ["D"])
+    assert meta["command"] == "bench --cases A B ; bench --cases B C"  # a command once
+    assert [r["case"] for r in kept] == ["A", "B", "C"]
+    assert json.loads(path.read_text())["rows"][1]["value"] == 2.0
+
+
+@pytest.mark.parametrize("key", ["benchmark", "commit"])
+def test_earlier_rows_refuse_another_benchmark_or_commit(tmp_path, key):
+    path = tmp_path / "train.json"
+    meta = {"benchmark": "train", "commit": "abc", "command": "bench"}
+    write_results(path, meta, [_row("A")])
+    with pytest.raises(ValueError, match=f"holds {key}"):
+        earlier_rows(path, {**meta, key: "other"}, ["B"])
