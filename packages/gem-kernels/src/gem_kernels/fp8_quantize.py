@@ -25,7 +25,9 @@ _BLOCK_TABLES = host.PlanCache(maxsize=16)
 
 
 def _block_table(lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
-    lengths = lengths.to("cpu", torch.int64)
+    # The copy and key bytes the attention call's own plans already made for these lengths.
+    info = host.host_lengths_of(lengths)
+    lengths = info.values
 
     def build() -> torch.Tensor:
         per_sample = (lengths + FP8_BLOCK - 1) // FP8_BLOCK
@@ -37,7 +39,7 @@ def _block_table(lengths: torch.Tensor, device: torch.device) -> torch.Tensor:
         count = torch.clamp(lengths[sample] - index * FP8_BLOCK, max=FP8_BLOCK)
         return host.copy_to_device(torch.stack([start, count], 1).to(torch.int32), device)
 
-    return _BLOCK_TABLES.get((lengths.numpy().tobytes(), str(device)), build)
+    return _BLOCK_TABLES.get((info.key, str(device)), build)
 
 
 def quantize_fp8_blocks(
