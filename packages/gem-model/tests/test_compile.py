@@ -103,3 +103,21 @@ def test_compiled_regions_match_eager_without_graph_breaks(architecture):
             torch.testing.assert_close(got_grads[name], grads[name], rtol=1e-4, atol=1e-6)
     # fullgraph=True raises on a break; the counter also catches a break dynamo skipped over.
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
+def test_a_new_token_count_compiles_nothing_new():
+    """The token count changes every batch: the regions compile for any count at the first."""
+    torch.manual_seed(1)
+    model = GemModel(make_config(**V1, target_attention=True))
+    for region, modules in model.regions().items():
+        if region != "embeddings":
+            for module in modules:
+                module.compile(backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    for lengths in ([0, 1, 70, 5, 33], [9, 70, 2, 0, 41], [3, 3, 3, 3, 3]):  # same batch size
+        inputs = make_inputs(lengths, torch.Generator().manual_seed(len(graphs)))
+        _step(model, inputs, _offsets(lengths))
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1:] == [graphs[0]] * 2, graphs

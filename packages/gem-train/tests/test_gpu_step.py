@@ -36,7 +36,7 @@ def test_compiled_step_syncs_only_for_the_loss(small_config):
     train, _ = prepare_data(config.data, progress=False)
     trainer = Trainer(config, train, output_dir=config.output_dir)
     batches = iter(trainer.loader)
-    for _ in range(4):  # compiles, then recompiles once with dynamic token counts
+    for _ in range(4):  # compiles (the token count is dynamic from the first batch), warms up
         trainer.train_step(next(batches).to(trainer.device, non_blocking=True))
     torch.cuda.synchronize()
     batch = next(batches)

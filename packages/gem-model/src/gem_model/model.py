@@ -41,6 +41,15 @@ def _region_scope(region: str) -> torch.profiler.record_function:
     return torch.profiler.record_function(REGION_SCOPE_PREFIX + region)
 
 
+def _any_token_count(*tensors: torch.Tensor) -> None:
+    """Marks dimension 0 (the batch's token count) of tensors entering a compiled region as
+    dynamic: it changes every batch, so the region compiles once for any count instead of once
+    for the first batch and again for the rest."""
+    if not torch.compiler.is_compiling():
+        for tensor in tensors:
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+
+
 def _select_keys(features: KeyedJaggedTensor, keys: list[str]) -> KeyedJaggedTensor:
     """The features of ``keys`` only, in that order (torchrec modules expect exactly their keys)."""
     if list(features.keys()) == keys:
@@ -340,12 +349,15 @@ class GemModel(nn.Module):
         # The kernels take the host offsets: they plan from them and read no device offsets.
         with _region_scope("sequence"):
             for layer in self.sequence_layers:
+                _any_token_count(tokens, positions)
                 tokens = layer(tokens, host_offsets, max_len, positions)
         if self.history_cross is not None:
             features = torch.stack([*feature_tokens, candidate_embedding], dim=1)
             with _region_scope("cross"):
+                _any_token_count(tokens)
                 tokens = self.history_cross(tokens, host_offsets, max_len, features)
         tokens = self.sequence_norm(tokens)
+        _any_token_count(tokens)
         with _region_scope("pma"):
             pma_tokens = self.pma(tokens, host_offsets, max_len)
         if self.cross_attention is None:
