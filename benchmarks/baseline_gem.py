@@ -706,6 +706,8 @@ class BaselineGem(nn.Module):
         )
         embedded = _waited(self.sequence_embeddings(lookup))
         values = tuple(embedded[key].values() for key in keys)
+        for value in values:  # the token count changes every batch: compile for any count
+            torch._dynamo.maybe_mark_dynamic(value, 0)
         offsets = embedded[keys[0]].offsets()
         return pooled, values, offsets, embedded[config.candidate_feature].values()
 
