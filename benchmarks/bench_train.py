@@ -12,10 +12,13 @@ torchrec tables with their fused row-wise Adagrad:
   fused AdamW for the dense parameters, as a capable user writes it;
 - ablations: ``gem-eager`` (no compile), ``gem-bf16`` (the FP8 shape without FP8).
 
-Metrics per case and provider: ``ms`` (mean of the timed steps, run back to back after one untimed pass over every batch, so that no compile falls in the timed window), ``samples_per_s``, ``mfu`` (model FLOPs
-of the real lengths, ``gem_model.model_flops``, over time x 989.4 TFLOP/s), ``local_mfu``
-(the same on one GPU: the scaling ratio is 1) and ``peak_gib``; ``gem`` also gets its time
-split (``time_<phase>_ms``). Cases: ``B{batch}xL{max_len}xD{d_model}/{window256|causal}``.
+Metrics per case and provider: ``ms`` (mean of the timed steps, run back to back after one
+untimed pass over every batch, so that no compile falls in the timed window),
+``samples_per_s``, ``mfu`` (model FLOPs of the real lengths, ``gem_model.model_flops``, over
+time x 989.4 TFLOP/s), ``local_mfu`` (the same on one GPU: the scaling ratio is 1) and
+``peak_gib``; ``gem`` also gets its time split (``time_<phase>_ms``); every provider its
+dynamo ``graphs``, ``graph_breaks`` and ``graphs_compiled_while_timed`` (0 in a sound timing).
+Cases: ``B{batch}xL{max_len}xD{d_model}/{window256|causal}``.
 
     python benchmarks/bench_train.py [--cases B1024xL1024xD512/window256 ...] [--steps 10]
     # split over several calls (device time limits): the later ones with --append
@@ -31,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -200,6 +204,7 @@ def main() -> None:
             if provider == "gem-bf16":
                 changes["precision"] = dataclasses.replace(config.precision, mode="bf16")
             extra, step, trainer = {}, None, None
+            counters.clear()
             try:
                 if provider == "baseline":
                     step = _baseline(config, info, device)
@@ -216,10 +221,17 @@ def main() -> None:
                 _time_steps(step, batches, device)
                 if provider != "baseline":
                     trainer.clock.take()
+                graphs = counters["stats"]["unique_graphs"]
                 ms, peak = _time_steps(step, batches[args.warmup :], device)
+                # What makes a timing suspect: graphs compiled while timed, graph breaks.
+                extra = {
+                    "graphs": counters["stats"]["unique_graphs"],
+                    "graphs_compiled_while_timed": counters["stats"]["unique_graphs"] - graphs,
+                    "graph_breaks": sum(counters["graph_break"].values()),
+                }
                 if provider != "baseline":
                     split = trainer.clock.take()
-                    extra = {f"time_{k}_ms": v / args.steps * 1e3 for k, v in split.items()}
+                    extra |= {f"time_{k}_ms": v / args.steps * 1e3 for k, v in split.items()}
             except torch.OutOfMemoryError as error:
                 print(f"{case} {provider}: out of memory ({error})", flush=True)
                 rows.append({"case": case, "provider": provider, "mode": "fwd_bwd_step",
