@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gem_precision import rounding_state
 from gem_train import Trainer
 from gem_train.checkpoint import latest_checkpoint
 from gem_train.cli import prepare_data, run
@@ -184,3 +185,20 @@ def test_profile_pass_tables_every_region_and_leaves_training_unchanged(small_co
     trace = json.loads((tmp_path / "profiled" / written["trace"]).read_text())
     names = {event.get("name") for event in trace["traceEvents"]}
     assert "gem_model/sequence" in names and "gem_kernels::jagged_flash_attention" in names
+
+
+def test_a_checkpoint_without_fp8_resumes_into_fp8_with_fresh_rounding_counters(
+    small_config, tmp_path
+):
+    train_data, _ = prepare_data(small_config.data, progress=False)
+    saved = Trainer(dataclasses.replace(small_config, max_steps=2), train_data,
+                    output_dir=tmp_path / "a")  # fmt: skip
+    saved.fit(progress=False)
+    saved.save(tmp_path / "a" / "checkpoints")
+    fp8 = PrecisionConfig(mode="fp8", min_features=16, stochastic_rounding_grads=True)
+    config = dataclasses.replace(small_config, max_steps=3, precision=fp8)
+    resumed = Trainer(config, train_data, output_dir=tmp_path / "b")
+    assert resumed.resume(tmp_path / "a" / "checkpoints") and resumed.step == 2
+    counters = rounding_state(resumed.model.module)
+    assert counters and set(counters.values()) == {0}
+    assert len(resumed.fit(progress=False)) == 1

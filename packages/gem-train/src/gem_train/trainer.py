@@ -604,8 +604,10 @@ class Trainer:
         if trainer_state.get("cuda_rng") is not None and self.device.type == "cuda":
             cuda_rng = torch.tensor(trainer_state["cuda_rng"], dtype=torch.uint8)
             torch.cuda.set_rng_state(cuda_rng, self.device)
-        if "rounding" in trainer_state:
-            load_rounding_state(self.model.module, trainer_state["rounding"])
+        # Layers that were not FP8 when saved (a precision change between runs) start at 0.
+        saved = trainer_state.get("rounding", {})
+        counters = rounding_state(self.model.module)
+        load_rounding_state(self.model.module, {name: saved.get(name, 0) for name in counters})
         return True
 
     def log(self, **record: Any) -> None:
