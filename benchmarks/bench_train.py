@@ -239,7 +239,7 @@ def main() -> None:
                 continue
             finally:
                 step = trainer = None
-                torch._dynamo.reset()  # the next provider compiles from scratch, as alone
+                torch.compiler.reset()  # the next provider compiles from scratch, as alone
                 torch.cuda.empty_cache()
             new = _rows(case, provider, ms, peak, flops, config.batch_size, extra)
             rows += new

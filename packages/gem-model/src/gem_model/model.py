@@ -353,8 +353,8 @@ class GemModel(nn.Module):
                 tokens = layer(tokens, host_offsets, max_len, positions)
         if self.history_cross is not None:
             features = torch.stack([*feature_tokens, candidate_embedding], dim=1)
+            _any_token_count(tokens)
             with _region_scope("cross"):
-                _any_token_count(tokens)
                 tokens = self.history_cross(tokens, host_offsets, max_len, features)
         tokens = self.sequence_norm(tokens)
         _any_token_count(tokens)

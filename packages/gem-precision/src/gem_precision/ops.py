@@ -33,14 +33,14 @@ operator                            returns
 :mod:`gem_precision.linear`). Arguments
 mean what they mean in the public functions and in :class:`~gem_precision.Fp8Recipe`;
 ``stochastic_seed`` is the recipe's seed when output gradients are rounded stochastically
-(else None) and ``sr_offset`` then the Philox counter of the step, a one-element int64 tensor
-on the input's device (None without stochastic rounding or backward): a tensor, not an int, so that a compiled training loop keeps
-one graph while the counter moves every step, and read on the device, not the host. A forward
-saves it for its backward, which passes it on to the quantisation of the output gradient.
-:class:`~gem_precision.Fp8Linear` takes it from ``advance_offset`` on its counter buffer;
-``need_*_grad`` say which layouts a forward quantises for its backward (the
-operator runs below autograd and cannot see ``requires_grad``) and a backward's ``need_*``
-which gradients it returns; ``native`` runs ``torch._scaled_mm``. ``fp8_linear_backward``'s
+(else None) and ``sr_offset`` then the Philox counter of the step, a one-element int64
+tensor on the input's device (None without stochastic rounding or backward): a tensor, not an
+int, so that a compiled training loop keeps one graph while the counter moves every step, and
+read on the device, not the host. A forward saves it for its backward, which passes it on to
+the quantisation of the output gradient. :class:`~gem_precision.Fp8Linear` takes it from
+``advance_offset`` on its counter buffer. ``need_*_grad`` say which layouts a forward
+quantises for its backward (the operator runs below autograd and cannot see
+``requires_grad``) and a backward's ``need_*`` which gradients it returns; ``native`` runs ``torch._scaled_mm``. ``fp8_linear_backward``'s
 ``x`` is the input itself when the weight gradient is a bfloat16 GEMM (``wgrad_in_bf16``),
 else None. Outputs a backward reads but that carry no gradient are marked non-differentiable;
 a tensor an output has no use for is empty; FP8 copies saved for a backward travel as raw

@@ -150,7 +150,7 @@ def compile_modules(modules: Iterable[nn.Module], **options: Any) -> None:
     Compiled modules share one dynamo frame (the wrapper of the module call), whose cache keeps
     an entry per module type and shape class: past ``torch._dynamo.config.recompile_limit``
     (8) entries, the remaining modules run eager, with only a log warning. The limit is raised
-    to two entries per module (static, then dynamic token counts)."""
+    to two entries per module (room for a second shape class, such as a smaller last batch)."""
     modules = list(modules)
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, 2 * len(modules))
@@ -606,8 +606,8 @@ class Trainer:
             torch.cuda.set_rng_state(cuda_rng, self.device)
         # Layers that were not FP8 when saved (a precision change between runs) start at 0.
         saved = trainer_state.get("rounding", {})
-        counters = rounding_state(self.model.module)
-        load_rounding_state(self.model.module, {name: saved.get(name, 0) for name in counters})
+        layers = rounding_state(self.model.module)
+        load_rounding_state(self.model.module, {name: saved.get(name, 0) for name in layers})
         return True
 
     def log(self, **record: Any) -> None:
