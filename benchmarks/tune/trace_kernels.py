@@ -20,7 +20,7 @@ _KINDS = (
     ("communication", ("nccl",)),
     ("copy", ("memcpy", "memset")),
     ("embedding", ("embedding_", "tbe", "fbgemm", "split_embedding")),
-    ("attention", ("_jfa", "_gdpa", "_block", "attn", "attention")),
+    ("attention", ("jfa_", "gdpa_", "block_attention", "attn", "attention")),
     ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "_scaled_mm")),
     ("inductor", ("triton_",)),
     ("elementwise", ("at::native", "elementwise", "reduce_kernel", "vectorized")),
