@@ -17,7 +17,10 @@ untimed pass over every batch, so that no compile falls in the timed window),
 ``samples_per_s``, ``mfu`` (model FLOPs of the real lengths, ``gem_model.model_flops``, over
 time x 989.4 TFLOP/s), ``local_mfu`` (the same on one GPU: the scaling ratio is 1) and
 ``peak_gib``; ``gem`` also gets its time split (``time_<phase>_ms``); every provider its
-dynamo ``graphs``, ``graph_breaks`` and ``graphs_compiled_while_timed`` (0 in a sound timing).
+dynamo ``graphs``, ``graph_breaks`` and ``graphs_compiled_while_timed`` (0 in a sound timing)
+and the CUDA allocator's ``alloc_retries`` while timed.
+A provider that fails gets one row, metric ``oom`` or ``failed`` with its ``error``, and the
+others still run.
 Cases: ``B{batch}xL{max_len}xD{d_model}/{window256|causal}``.
 
     python benchmarks/bench_train.py [--cases B1024xL1024xD512/window256 ...] [--steps 10]
@@ -31,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -95,17 +99,20 @@ def _config(case: str, steps: int, data_root: Path, **changes):
     return dataclasses.replace(config, **changes)
 
 
-def _time_steps(step, batches, device) -> tuple[float, float]:
+def _time_steps(step, batches, device) -> tuple[float, float, int]:
     """Mean milliseconds per step over ``batches`` run back to back (the host may run ahead
-    into the next step, as in training) and the peak GiB allocated."""
+    into the next step, as in training), the peak GiB allocated and the CUDA allocator's
+    retries (a fragmented cache freed to retry an allocation: each one syncs)."""
     torch.cuda.reset_peak_memory_stats(device)
     torch.cuda.synchronize(device)
+    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
     started = time.perf_counter()
     for batch in batches:
         step(batch.to(device, non_blocking=True))
     torch.cuda.synchronize(device)
     ms = (time.perf_counter() - started) * 1e3 / len(batches)
-    return ms, torch.cuda.max_memory_allocated(device) / 2**30
+    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries
+    return ms, torch.cuda.max_memory_allocated(device) / 2**30, retries
 
 
 def _baseline(config, info, device):
@@ -126,7 +133,8 @@ def _baseline(config, info, device):
     # '[4120, 512]' is invalid for input of size 1" in the backward on the H200); a user hits
     # it and turns that one fusion off.
     model.compile(options={"triton.mix_order_reduction": False})
-    dmp = DistributedModelParallel(model, device=device)
+    # One GPU: no data-parallel wrapper (as gem's trainer); DDP would reduce nothing.
+    dmp = DistributedModelParallel(model, device=device, init_data_parallel=False)
     dense = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     optimizer = torch.optim.AdamW(dense.values(), lr=config.optim.dense_lr, fused=True)
 
@@ -222,9 +230,11 @@ def main() -> None:
                 if provider != "baseline":
                     trainer.clock.take()
                 graphs = counters["stats"]["unique_graphs"]
-                ms, peak = _time_steps(step, batches[args.warmup :], device)
-                # What makes a timing suspect: graphs compiled while timed, graph breaks.
+                ms, peak, retries = _time_steps(step, batches[args.warmup :], device)
+                # What makes a timing suspect: graphs compiled while timed, graph breaks,
+                # allocator retries.
                 extra = {
+                    "alloc_retries": retries,
                     "graphs": counters["stats"]["unique_graphs"],
                     "graphs_compiled_while_timed": counters["stats"]["unique_graphs"] - graphs,
                     "graph_breaks": sum(counters["graph_break"].values()),
@@ -232,10 +242,14 @@ def main() -> None:
                 if provider != "baseline":
                     split = trainer.clock.take()
                     extra |= {f"time_{k}_ms": v / args.steps * 1e3 for k, v in split.items()}
-            except torch.OutOfMemoryError as error:
-                print(f"{case} {provider}: out of memory ({error})", flush=True)
+            except Exception as error:
+                # Out of memory, or a compile error: the row says which; the others still run.
+                metric = "oom" if isinstance(error, torch.OutOfMemoryError) else "failed"
+                traceback.print_exc()
                 rows.append({"case": case, "provider": provider, "mode": "fwd_bwd_step",
-                             "metric": "oom", "value": 1.0})  # fmt: skip
+                             "metric": metric, "value": 1.0,
+                             "error": f"{type(error).__name__}: {str(error)[:400]}"})  # fmt: skip
+                write_results(Path(args.out), run_meta, earlier + rows)
                 continue
             finally:
                 step = trainer = None

@@ -79,7 +79,7 @@ def dense_state():
     return state
 """
 
-# One process, DDP (torchrec's default), the whole global batch per step. It also writes the
+# One process (no data-parallel wrapper), the whole global batch per step. It also writes the
 # initial model, which the parallel job loads: torchrec initialises table shards per rank.
 _REFERENCE = (
     _PRELUDE.replace("PARALLEL", "ParallelConfig()")

@@ -11,6 +11,7 @@ from gem_train import Trainer, apply_overrides, tiny
 from gem_train.cli import prepare_data
 from gem_train.config import ParallelConfig
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 
 def test_parallel_overrides_parse_and_default_to_ddp():
@@ -55,6 +56,19 @@ def test_world_dependent_sizes_are_checked_when_the_trainer_starts(small_config,
                 train_data,
                 output_dir=tmp_path / "bad",
             )
+
+
+def test_one_rank_trains_without_a_ddp_wrapper(small_config, tmp_path):
+    # DDP on one rank reduces nothing and makes dynamo split each compiled region at its
+    # bucket boundaries, so the dense part stays unwrapped (DDP from two ranks on: the
+    # workspace's multi-rank tests, e.g. tests/test_end_to_end.py).
+    train_data, _ = prepare_data(small_config.data, progress=False)
+    trainer = Trainer(small_config, train_data, output_dir=tmp_path / "run")
+    assert not any(isinstance(m, DistributedDataParallel) for m in trainer.model.modules())
+    tower = {n: p for n, p in trainer.model.named_parameters() if n.startswith("sequence")}
+    before = {n: p.detach().clone() for n, p in tower.items()}
+    trainer.train_step(next(iter(trainer.loader)))
+    assert tower and all(not torch.equal(before[n], p) for n, p in tower.items())
 
 
 def test_fsdp_in_one_process_trains_like_ddp_and_resumes_exactly(small_config, tmp_path):

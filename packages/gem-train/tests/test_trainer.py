@@ -111,6 +111,10 @@ def test_speed_line_of_a_gpu_record():
         "(31.3% of the measured peak), ms per step: data 0.0 / forward 65.1 / backward 126.9 / "
         "optimizer 2.8, peak 69.9 GiB"
     )
+    assert speed_line(record | {"alloc_retries": 0}) == speed_line(record)
+    assert speed_line(record | {"alloc_retries": 3}).endswith(
+        "peak 69.9 GiB, 3 allocator retries (fragmented cache: each one syncs and frees it)"
+    )
 
 
 def test_peak_table_and_step_clock():

@@ -572,7 +572,9 @@ def _fwd_ws_loop(
     return acc
 
 
-@triton.jit
+# The item and row counts depend on the batch: unspecialised, one compiled kernel serves every
+# batch of a configuration (Triton would compile a variant per divisibility by 16 of each).
+@triton.jit(do_not_specialize=["num_items", "q_rows", "k_rows"])
 def gdpa_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, items_ptr, num_items,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -707,7 +709,7 @@ def gdpa_fwd_kernel(
             )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_items"])
 def gdpa_fwd_short_kv_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, items_ptr, num_items,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -944,7 +946,7 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_items"])
 def gdpa_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dk_ptr, dv_ptr, items_ptr, num_items,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
@@ -1116,7 +1118,7 @@ def _dq_inner(
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_items"])
 def gdpa_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, dq_ptr, items_ptr, num_items,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,

@@ -396,8 +396,9 @@ class DenseParallel:
         )
         return planner.collective_plan(model, get_default_sharders(), dist.GroupMember.WORLD)
 
-    def data_parallel_wrapper(self, model: nn.Module) -> DataParallelWrapper:
-        """The wrapper DMP applies to the dense part: FSDP2, or DDP with a fixed bucket layout."""
+    def data_parallel_wrapper(self, model: nn.Module) -> DataParallelWrapper | None:
+        """The wrapper DMP applies to the dense part: FSDP2, or DDP with a fixed bucket layout;
+        None (no wrapper) for DDP on one rank."""
         if self.config.dense == "fsdp":
             assert self.mesh is not None
             self.fsdp_wrapper = FSDPWrapper(
@@ -408,6 +409,12 @@ class DenseParallel:
                 all_gather=self.config.fsdp_all_gather_collective,
             )
             return self.fsdp_wrapper
+        if self.world_size == 1:
+            # Nothing to reduce, and under DDP dynamo splits every compiled region at DDP's
+            # bucket boundaries (DDPOptimizer): less fusion, and on torch 2.11 an Inductor
+            # error for the FP8 layers' padded token count ("expected [s29] to have been
+            # codegen-ed") at the h200-large shape.
+            return None
         ids = {id(p) for p in self._expert_params}
         names = [name for name, p in model.named_parameters() if id(p) in ids]
         # DDP with static_graph (torchrec's default) reduces its first step's gradients in one
@@ -567,13 +574,15 @@ class SparseParallel:
             if isinstance(m, EmbeddingBagCollection | EmbeddingCollection)
             for p in m.parameters()
         ]
+        wrapper = dense.data_parallel_wrapper(model)
         if self.mode == "1d":
             apply_optimizer_in_backward(RowWiseAdagrad, tables, {"lr": sparse_lr})
             return DistributedModelParallel(
                 model,
                 device=self.device,
                 plan=dense.sharding_plan(model),
-                data_parallel_wrapper=dense.data_parallel_wrapper(model),
+                init_data_parallel=wrapper is not None,
+                data_parallel_wrapper=wrapper,
             )
         world = dist.get_world_size()
         replicas = self.config.sparse_replicas
@@ -581,7 +590,6 @@ class SparseParallel:
         mesh = DeviceMesh(
             self.device.type, ranks, mesh_dim_names=("sparse_replica", "model_parallel")
         )
-        wrapper = dense.data_parallel_wrapper(model)
         self.sharded = shard_sparse(
             model,
             mesh,
@@ -590,7 +598,7 @@ class SparseParallel:
             optimizer_kwargs={"lr": sparse_lr},
             sync_every=self.config.sparse_sync_every,
             device=self.device,
-            data_parallel_wrapper=_AllRanksDataParallel(wrapper),
+            data_parallel_wrapper=None if wrapper is None else _AllRanksDataParallel(wrapper),
         )
         dmp = self.sharded.module
         # As DMP lists them (per-table views of the kernels' weights).

@@ -76,7 +76,7 @@ def host_sync_stacks(fn: Callable[[], object]) -> list[traceback.StackSummary]:
 def speed_line(record: dict) -> str:
     """One console line of a train log record (:meth:`gem_train.trainer.Trainer.fit`'s last):
     step time, throughput, model TFLOP/s, MFU against the datasheet and the measured peak,
-    the time split and peak memory."""
+    the time split, peak memory and the CUDA allocator's retries (when there were any)."""
     parts = [
         f"{record['step_ms']:.1f} ms/step",
         f"{record['samples_per_s']:,.0f} samples/s",
@@ -93,6 +93,9 @@ def speed_line(record: dict) -> str:
     parts.append(f"ms per step: {split}")
     if record.get("peak_mem_gib") is not None:
         parts.append(f"peak {record['peak_mem_gib']:.1f} GiB")
+    if record.get("alloc_retries"):
+        parts.append(f"{record['alloc_retries']} allocator retries (fragmented cache: each one "
+                     "syncs and frees it)")  # fmt: skip
     return ", ".join(parts)
 
 

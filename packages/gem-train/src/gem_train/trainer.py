@@ -263,6 +263,7 @@ class Trainer:
         self.profile: dict | None = None
         #: The last train log record of :meth:`fit` (throughput, MFU, time split).
         self.last_speed: dict | None = None
+        self._alloc_retries = 0  # the CUDA allocator's count at the last train log line
         self._regions_ready = False
         self.checkpointed: list[str] = []
         """Qualified names of the modules that recompute their forward in backward."""
@@ -454,6 +455,12 @@ class Trainer:
         }
         if self.device.type == "cuda":
             record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            record["reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+            # Allocations that found no cached block and freed the cache to retry (each a
+            # device sync and cudaFree/cudaMalloc): fragmentation, a silent slowdown.
+            retries = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+            record["alloc_retries"] = retries - self._alloc_retries
+            self._alloc_retries = retries
         if self.world_size > 1:
             # History tokens of the busiest rank over the mean (1.0: balanced; BBS's target).
             tokens = torch.tensor([float(window.tokens)], device=self.device)
