@@ -299,7 +299,10 @@ class GemModel(nn.Module):
         with _region_scope("embeddings"):
             embedded = self.sequence_embeddings(lookup)
         history = embedded[self.sequence_keys[0]]
-        tokens = sum(embedded[key].values() for key in self.sequence_keys)
+        # A plain sum() would start from 0: one more pass over the (tokens, dim) float32 sum.
+        tokens = embedded[self.sequence_keys[0]].values()
+        for key in self.sequence_keys[1:]:
+            tokens = tokens + embedded[key].values()
         if host_offsets is None:
             # One device-to-host copy per step: the attention layers get this same tensor and
             # reuse its host copy (gem_kernels.host_offsets caches it).
