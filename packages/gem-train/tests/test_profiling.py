@@ -24,9 +24,10 @@ def test_exposed_seconds(communication, compute, exposed):
 
 
 def test_profile_splits_mfu_into_local_and_scaling():
-    def device(name, start_us, end_us):
+    def device(name, start_us, end_us, annotation=False):
         return FunctionEvent(id=0, name=name, thread=0, start_us=start_us, end_us=end_us,
-                             device_type=DeviceType.CUDA)  # fmt: skip
+                             device_type=DeviceType.CUDA,
+                             is_user_annotation=annotation)  # fmt: skip
 
     events = [
         device("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 0, 10_000),
@@ -34,6 +35,9 @@ def test_profile_splits_mfu_into_local_and_scaling():
         device("triton_poi_fused_add", 5_000, 12_000),
         device("Memcpy HtoD (Pinned -> Device)", 8_000, 9_000),  # not compute
         device("Memcpy PtoP (Device -> Device)", 14_000, 15_000),  # a copy-engine collective
+        # A profiler range as the GPU timeline shows it: a span, neither compute nor a region's
+        # time (its host range and kernels are).
+        device("gem_model/dhen", 0, 16_000, annotation=True),
     ]
     flops = ModelFlops(0.0, 4e12, 4e12, 0.0, 0.0, 2e12, 0.0, 0.0)
     profile = region_profile(events, steps=1, wall_seconds=0.02, flops=flops,
@@ -42,6 +46,7 @@ def test_profile_splits_mfu_into_local_and_scaling():
     assert profile["scaling_ratio"] == pytest.approx(0.75)
     assert profile["mfu"] == pytest.approx(flops.total / 1e12 / 0.02 / 1000.0)
     assert profile["mfu"] == pytest.approx(profile["local_mfu"] * profile["scaling_ratio"])
+    assert {row["region"]: row["ms"] for row in profile["regions"]}["dhen"] == 0.0
     console = Console(record=True, width=200)
     console.print(profile_table(profile, "step"))
     caption = console.export_text().splitlines()[-1]

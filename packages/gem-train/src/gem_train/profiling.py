@@ -93,8 +93,8 @@ def _exposed_communication_seconds(events: list[FunctionEvent]) -> float:
     """Exposed communication of the device activities among ``events`` (0 without any)."""
     communication, compute = [], []
     for event in events:
-        if event.device_type == DeviceType.CPU:
-            continue
+        if event.device_type == DeviceType.CPU or event.is_user_annotation:
+            continue  # host events, and the ranges' spans on the GPU timeline (not kernels)
         interval = (event.time_range.start / 1e6, event.time_range.end / 1e6)
         if any(mark in event.name for mark in _COMMUNICATION):
             communication.append(interval)
@@ -134,6 +134,10 @@ def region_profile(
     backward = dict.fromkeys(PROFILE_REGIONS, 0.0)
     owner: dict[int, str] = {}  # forward sequence number -> region
     for event in events:
+        if event.device_type != DeviceType.CPU:
+            # The GPU timeline repeats each range as an annotation whose "device time" is its
+            # span, idle gaps included: only the host range and the kernels below it count.
+            continue
         if event.name.startswith(REGION_SCOPE_PREFIX):
             region = event.name.removeprefix(REGION_SCOPE_PREFIX)
             if region == "sequence":
