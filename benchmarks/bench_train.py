@@ -18,7 +18,9 @@ untimed pass over every batch, so that no compile falls in the timed window),
 time x 989.4 TFLOP/s), ``local_mfu`` (the same on one GPU: the scaling ratio is 1) and
 ``peak_gib``; ``gem`` also gets its time split (``time_<phase>_ms``); every provider its
 dynamo ``graphs``, ``graph_breaks`` and ``graphs_compiled_while_timed`` (0 in a sound timing)
-and the CUDA allocator's ``alloc_retries`` while timed.
+and the CUDA allocator's ``alloc_retries`` while timed; and where its GPU time goes,
+``kernel_<kind>_ms`` per step (GEMMs, attention, Inductor's fused kernels, eager ATen, embeddings,
+copies, ...) from a profiled pass over two of the timed batches.
 A provider that fails gets one row, metric ``oom`` or ``failed`` with its ``error``, and the
 others still run.
 Cases: ``B{batch}xL{max_len}xD{d_model}/{window256|causal}``.
@@ -39,6 +41,7 @@ from pathlib import Path
 
 import torch
 from torch._dynamo.utils import counters
+from torch.autograd import DeviceType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -50,6 +53,7 @@ from gem_train.throughput import BF16_DENSE_PEAK_TFLOPS  # noqa: E402
 from gem_train.trainer import Trainer, init_distributed, model_config  # noqa: E402
 from harness import (  # noqa: E402
     earlier_rows,
+    kernel_ms_by_kind,
     meta,
     require_cuda,
     results_parser,
@@ -113,6 +117,25 @@ def _time_steps(step, batches, device) -> tuple[float, float, int]:
     ms = (time.perf_counter() - started) * 1e3 / len(batches)
     retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries
     return ms, torch.cuda.max_memory_allocated(device) / 2**30, retries
+
+
+def _kernel_split(step, batches, device) -> dict[str, float]:
+    """GPU kernel milliseconds per step by kind (``harness.kernel_kind``) over ``batches``,
+    from a profiler pass after the timed one."""
+    torch.cuda.synchronize(device)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        for batch in batches:
+            step(batch.to(device, non_blocking=True))
+        torch.cuda.synchronize(device)
+    kernels = [
+        (event.name, event.time_range.elapsed_us())
+        for event in profiler.events()
+        if event.device_type == DeviceType.CUDA and not event.is_user_annotation
+    ]
+    return {
+        f"kernel_{kind}_ms": ms for kind, ms in kernel_ms_by_kind(kernels, len(batches)).items()
+    }
 
 
 def _baseline(config, info, device):
@@ -242,6 +265,7 @@ def main() -> None:
                 if provider != "baseline":
                     split = trainer.clock.take()
                     extra |= {f"time_{k}_ms": v / args.steps * 1e3 for k, v in split.items()}
+                extra |= _kernel_split(step, batches[args.warmup :][:2], device)
             except Exception as error:
                 # Out of memory, or a compile error: the row says which; the others still run.
                 metric = "oom" if isinstance(error, torch.OutOfMemoryError) else "failed"

@@ -43,6 +43,8 @@ __all__ = [
     "config_variant",
     "fastest",
     "grad_leaves",
+    "kernel_kind",
+    "kernel_ms_by_kind",
     "max_abs_error",
     "median_ms",
     "meta",
@@ -200,6 +202,40 @@ def _wall_median_ms(fn, *, warmup: float, rep: float, grad_to_none) -> float:
     for _ in range(min(100, int(warmup / max(estimate, 1e-3)))):
         once()
     return statistics.median(once() for _ in range(max(3, min(1000, int(rep / estimate)))))
+
+
+# Kinds of GPU kernels, from their names: the first match wins.
+_KERNEL_KINDS = (
+    ("communication", ("nccl",)),
+    ("copy", ("memcpy", "memset")),
+    ("embedding", ("embedding_", "tbe", "fbgemm", "split_embedding")),
+    # triton_tem_: Inductor's template kernels, FlexAttention's (GEMM templates need max-autotune)
+    ("attention", ("jfa_", "gdpa_", "attn", "attention", "sdpa", "flex", "triton_tem_")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "_scaled_mm")),
+    ("inductor", ("triton_",)),
+    ("elementwise", ("at::native", "elementwise", "reduce_kernel", "vectorized")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """``gemm`` (cuBLAS / CUTLASS), ``attention`` (our Triton kernels, FlexAttention, SDPA),
+    ``inductor`` (fused Triton kernels Inductor generated), ``embedding`` (FBGEMM's TBE),
+    ``elementwise`` (ATen's eager kernels), ``copy``, ``communication`` (NCCL) or ``other``."""
+    lowered = name.lower()
+    for kind, needles in _KERNEL_KINDS:
+        if any(needle in lowered for needle in needles):
+            return kind
+    return "other"
+
+
+def kernel_ms_by_kind(kernels: Iterable[tuple[str, float]], steps: int) -> dict[str, float]:
+    """Milliseconds per step of each :func:`kernel_kind` from ``(name, microseconds)`` pairs
+    of ``steps`` steps' GPU kernels, largest first."""
+    totals: dict[str, float] = {}
+    for name, microseconds in kernels:
+        kind = kernel_kind(name)
+        totals[kind] = totals.get(kind, 0.0) + microseconds / 1e3 / steps
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:

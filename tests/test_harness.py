@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from harness import earlier_rows, write_results  # noqa: E402
+from harness import earlier_rows, kernel_ms_by_kind, write_results  # noqa: E402
 
 
 def _row(case, provider="gem", value=1.0):
@@ -40,3 +40,43 @@ def test_earlier_rows_refuse_another_benchmark_or_commit(tmp_path, key):
     write_results(path, meta, [_row("A")])
     with pytest.raises(ValueError, match=f"holds {key}"):
         earlier_rows(path, {**meta, key: "other"}, ["B"])
+
+
+def test_kernels_are_split_by_kind_per_step():
+    kernels = [
+        ("nvjet_sm90_tst_256x152_64x4_1x2_h_bz_coopA_bias_TNT", 3000.0),
+        ("triton_poi_fused_cat_mul_silu_silu_backward_split_0", 1000.0),
+        ("jfa_bwd_dkdv_kernel", 800.0),
+        ("triton_tem_fused_0", 400.0),  # FlexAttention's template kernel
+        (
+            "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>",
+            200.0,
+        ),
+        ("void split_embedding_nobag_codegen_forward_unweighted_kernel<float>", 100.0),
+        ("Memcpy HtoD (Pinned -> Device)", 50.0),
+        ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 20.0),
+        ("segment_sum_kernel", 10.0),
+    ]
+    split = kernel_ms_by_kind(kernels, steps=2)
+    assert list(split) == [
+        "gemm",
+        "attention",
+        "inductor",
+        "elementwise",
+        "embedding",
+        "copy",
+        "communication",
+        "other",
+    ]  # largest first
+    assert split == pytest.approx(
+        {
+            "gemm": 1.5,
+            "attention": 0.6,
+            "inductor": 0.5,
+            "elementwise": 0.1,
+            "embedding": 0.05,
+            "copy": 0.025,
+            "communication": 0.01,
+            "other": 0.005,
+        }
+    )

@@ -1,12 +1,8 @@
 """Exploration: the GPU kernels of a Chrome trace (``gem-train --profile``'s ``trace.json``),
-summed by name and by kind, so that the glue between the GEMMs has names and milliseconds.
+summed by name and by kind (``harness.kernel_kind``), so that the glue between the GEMMs has
+names and milliseconds.
 
     python benchmarks/tune/trace_kernels.py runs/h200/gem/trace.json --steps 3 [--json out.json]
-
-Kinds, from the kernel names: ``gemm`` (cuBLAS / CUTLASS / nvjet), ``attention`` (our Triton
-attention kernels), ``inductor`` (fused Triton kernels that Inductor generated), ``embedding``
-(FBGEMM's TBE), ``elementwise`` (ATen's eager kernels), ``copy`` (memcpy / memset),
-``communication`` (NCCL) and ``other``.
 """
 
 from __future__ import annotations
@@ -14,54 +10,40 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import sys
 from pathlib import Path
 
-_KINDS = (
-    ("communication", ("nccl",)),
-    ("copy", ("memcpy", "memset")),
-    ("embedding", ("embedding_", "tbe", "fbgemm", "split_embedding")),
-    ("attention", ("jfa_", "gdpa_", "block_attention", "attn", "attention")),
-    ("gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "_scaled_mm")),
-    ("inductor", ("triton_",)),
-    ("elementwise", ("at::native", "elementwise", "reduce_kernel", "vectorized")),
-)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness
 
-
-def kind(name: str) -> str:
-    lowered = name.lower()
-    for label, needles in _KINDS:
-        if any(needle in lowered for needle in needles):
-            return label
-    return "other"
+from harness import kernel_kind, kernel_ms_by_kind  # noqa: E402
 
 
 def summarise(trace: dict, steps: int, top: int) -> dict:
-    """Milliseconds per step by kind and for the ``top`` kernels, and the GPU's busy time."""
+    """Milliseconds per step by kind and for the ``top`` kernels (by name)."""
+    kernels = [
+        (event["name"], event["dur"])
+        for event in trace.get("traceEvents", [])
+        if event.get("ph") == "X" and event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    ]
     by_name: dict[str, float] = collections.defaultdict(float)
     calls: dict[str, int] = collections.Counter()
-    for event in trace.get("traceEvents", []):
-        if event.get("ph") == "X" and event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-            by_name[event["name"]] += event["dur"] / 1e3  # microseconds -> ms
-            calls[event["name"]] += 1
-    by_kind: dict[str, float] = collections.defaultdict(float)
-    for name, ms in by_name.items():
-        by_kind[kind(name)] += ms
+    for name, microseconds in kernels:
+        by_name[name] += microseconds / 1e3
+        calls[name] += 1
     ranked = sorted(by_name.items(), key=lambda item: -item[1])[:top]
     return {
         "steps": steps,
         "kernel_ms_per_step": sum(by_name.values()) / steps,
-        "by_kind_ms_per_step": {
-            k: v / steps for k, v in sorted(by_kind.items(), key=lambda i: -i[1])
-        },
+        "by_kind_ms_per_step": kernel_ms_by_kind(kernels, steps),
         "top": [
             {
                 "name": name[:160],
-                "kind": kind(name),
+                "kind": kernel_kind(name),
                 "ms_per_step": ms / steps,
                 "calls_per_step": calls[name] / steps,
             }
             for name, ms in ranked
-        ],  # fmt: skip
+        ],
     }
 
 
