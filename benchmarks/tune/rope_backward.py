@@ -9,7 +9,8 @@ them (token count dynamic):
 - ``cat``: ``gem_kernels.reference.apply_rope`` (halves sliced, rotated, concatenated);
 - ``flip``: ``x * C + x.flip(-2) * S`` on ``x`` viewed as ``(T, H, 2, D/2)``, with
   ``C = (cos, cos)`` and ``S = (-sin, sin)``: the same numbers, with no slice or cat for
-  autograd to undo.
+  autograd to undo;
+- ``flip_qk``: the same on q and k together, one slice of the qkv output.
 
 Both rotate q and k of one qkv projection output and hand back the gradient of that output,
 as a sequence layer's backward does.
@@ -46,7 +47,18 @@ def rope_flip(qkv, positions, cos, sin, heads):
     return rotate(q), rotate(k), v
 
 
-VARIANTS = {"cat": rope_cat, "flip": rope_flip}
+def rope_flip_qk(qkv, positions, cos, sin, heads):
+    """``flip`` on q and k together: one rotation of the (T, 2, H, 2, D/2) slice of qkv."""
+    parts = qkv.view(qkv.shape[0], 3, heads, 2, -1)
+    c, s = cos[positions].to(qkv.dtype), sin[positions].to(qkv.dtype)
+    big_c = torch.stack([c, c], dim=1)[:, None, None]  # (T, 1, 1, 2, D/2)
+    big_s = torch.stack([-s, s], dim=1)[:, None, None]
+    qk = parts[:, :2]
+    rotated = (qk * big_c + qk.flip(-2) * big_s).flatten(-2)
+    return rotated[:, 0], rotated[:, 1], parts[:, 2].flatten(-2)
+
+
+VARIANTS = {"cat": rope_cat, "flip": rope_flip, "flip_qk": rope_flip_qk}
 
 
 def run(fn, qkv, positions, cos, sin, heads, grads):
@@ -96,7 +108,7 @@ def main() -> None:
             torch.cuda.synchronize()
             ms = start.elapsed_time(end) / args.reps
         results[name] = {"fwd_bwd_ms": ms, "max_abs_diff_to_cat": diff}
-        print(f"{name:5s} fwd+bwd {ms:7.3f} ms  max |diff| to cat: {diff:.3g}", flush=True)
+        print(f"{name:7s} fwd+bwd {ms:7.3f} ms  max |diff| to cat: {diff:.3g}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"tokens": tokens, "dim": dim, "heads": heads,
                                          "variants": results}, indent=1) + "\n")  # fmt: skip
