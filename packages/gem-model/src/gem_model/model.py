@@ -300,7 +300,7 @@ class GemModel(nn.Module):
             embedded = self.sequence_embeddings(lookup)
         history = embedded[self.sequence_keys[0]]
         # A plain sum() would start from 0: one more pass over the (tokens, dim) float32 sum.
-        tokens = embedded[self.sequence_keys[0]].values()
+        tokens = history.values()
         for key in self.sequence_keys[1:]:
             tokens = tokens + embedded[key].values()
         if host_offsets is None:
