@@ -10,7 +10,9 @@ them (token count dynamic):
 - ``flip``: ``x * C + x.flip(-2) * S`` on ``x`` viewed as ``(T, H, 2, D/2)``, with
   ``C = (cos, cos)`` and ``S = (-sin, sin)``: the same numbers, with no slice or cat for
   autograd to undo;
-- ``flip_qk``: the same on q and k together, one slice of the qkv output.
+- ``flip_qk``: the same on q and k together, one slice of the qkv output;
+- ``inverse``: the ``cat`` form in an autograd.Function whose backward is the inverse
+  rotation (``sin`` negated), a copy of the forward kernel instead of undoing slices and cat.
 
 Both rotate q and k of one qkv projection output and hand back the gradient of that output,
 as a sequence layer's backward does.
@@ -58,7 +60,37 @@ def rope_flip_qk(qkv, positions, cos, sin, heads):
     return rotated[:, 0], rotated[:, 1], parts[:, 2].flatten(-2)
 
 
-VARIANTS = {"cat": rope_cat, "flip": rope_flip, "flip_qk": rope_flip_qk}
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class _Rotate(torch.autograd.Function):
+    """A rotation's gradient is the opposite rotation of the output's gradient."""
+
+    @staticmethod
+    def forward(x, cos, sin):
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[1], inputs[2])
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, -sin), None, None
+
+
+def rope_inverse(qkv, positions, cos, sin, heads):
+    q, k, v = qkv.view(qkv.shape[0], 3, heads, -1).unbind(1)
+    c = cos[positions].to(qkv.dtype)[:, None, :]
+    s = sin[positions].to(qkv.dtype)[:, None, :]
+    return _Rotate.apply(q, c, s), _Rotate.apply(k, c, s), v
+
+
+VARIANTS = {"cat": rope_cat, "flip": rope_flip, "flip_qk": rope_flip_qk, "inverse": rope_inverse}
 
 
 def run(fn, qkv, positions, cos, sin, heads, grads):

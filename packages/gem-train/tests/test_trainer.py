@@ -88,6 +88,7 @@ def test_run_trains_evaluates_and_writes_metrics(small_config):
         assert line["model_tflop"] > 0 and line["tflops"] > 0
         assert line["tokens_per_s"] > 0 and line["samples_per_s"] > 0
         assert line["mfu"] is None and line["mfu_measured"] is None
+        assert line["graphs_compiled"] == 0  # not compiled
         phases = sum(line[f"time_{phase}"] for phase in PHASES)
         assert 0 < phases <= line["step_ms"] / 1e3 * 1.01
     # The same numbers as TensorBoard scalars beside metrics.jsonl.
@@ -115,6 +116,8 @@ def test_speed_line_of_a_gpu_record():
     assert speed_line(record | {"alloc_retries": 3}).endswith(
         "peak 69.9 GiB, 3 allocator retries (fragmented cache: each one syncs and frees it)"
     )
+    assert speed_line(record | {"graphs_compiled": 0}) == speed_line(record)
+    assert speed_line(record | {"graphs_compiled": 2}).endswith("peak 69.9 GiB, 2 graphs compiled")
 
 
 def test_peak_table_and_step_clock():

@@ -96,6 +96,8 @@ def speed_line(record: dict) -> str:
     if record.get("alloc_retries"):
         parts.append(f"{record['alloc_retries']} allocator retries (fragmented cache: each one "
                      "syncs and frees it)")  # fmt: skip
+    if record.get("graphs_compiled"):
+        parts.append(f"{record['graphs_compiled']} graphs compiled")
     return ", ".join(parts)
 
 

@@ -22,6 +22,7 @@ from gem_model import GemModel, GemModelConfig, model_flops
 from gem_precision import load_rounding_state, rounding_state
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
+from torch._dynamo.utils import counters as dynamo_counters
 from torch.nn import functional as F
 from torch.utils.tensorboard import SummaryWriter
 from torchrec.distributed import DistributedModelParallel
@@ -261,15 +262,16 @@ class Trainer:
         self.peak_tflops = peak_tflops(self.device)
         self.measured_peak_tflops: float | None = None
         self.profile: dict | None = None
+        """The per-region table of ``fit(profile=True)`` (see ``gem_train.profiling``)."""
         #: The last train log record of :meth:`fit` (throughput, MFU, time split).
         self.last_speed: dict | None = None
         self._alloc_retries = 0  # the CUDA allocator's count at the last train log line
+        self._graphs = dynamo_counters["stats"]["unique_graphs"]  # at the last train log line
         self._regions_ready = False
         self.checkpointed: list[str] = []
         """Qualified names of the modules that recompute their forward in backward."""
         self.region_costs: list[RegionCost] = []
         """'auto' activation checkpointing: what each region module costs and frees."""
-        """The per-region table of ``fit(profile=True)`` (see ``gem_train.profiling``)."""
 
     # ------------------------------------------------------------------ training
     def _forward(self, batch: Batch) -> torch.Tensor:
@@ -453,6 +455,12 @@ class Trainer:
             **{f"time_{phase}": t / steps for phase, t in self.clock.take().items()},
             **self.saved_activations.metrics(),
         }
+        # Graphs dynamo compiled in the window: expected in the first; later ones are
+        # recompiles (a guard failed on a new batch), each seconds long, and past the
+        # recompile limit the module runs eager.
+        graphs = dynamo_counters["stats"]["unique_graphs"]
+        record["graphs_compiled"] = graphs - self._graphs
+        self._graphs = graphs
         if self.device.type == "cuda":
             record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             record["reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
