@@ -232,34 +232,10 @@ def apply_rope(
         cos, sin = torch.cos(angles), torch.sin(angles)
     else:
         cos, sin = tables[0][positions], tables[1][positions]
-    return _Rotate.apply(x, cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :])
-
-
-def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
+    cos = cos.to(x.dtype)[:, None, :]
+    sin = sin.to(x.dtype)[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-class _Rotate(torch.autograd.Function):
-    """The rotation whose gradient is the opposite rotation of the output's gradient.
-
-    Autograd of the slices and cat gives the same numbers through slice_backward and a cat of
-    four partial sums, which Inductor fuses into a kernel several times slower than the
-    forward (``benchmarks/tune/rope_backward.py``)."""
-
-    @staticmethod
-    def forward(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return _rotate_half(x, cos, sin)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        ctx.save_for_backward(inputs[1], inputs[2])
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        cos, sin = ctx.saved_tensors
-        return _rotate_half(grad, cos, -sin), None, None
 
 
 # ---------------------------------------------------------------------------------------------
