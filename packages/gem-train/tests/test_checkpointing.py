@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+import torch
 from gem_model import GemArchitecture
 from gem_train import Trainer
 from gem_train.checkpointing import RegionCost, choose_regions, measure_regions
@@ -23,6 +24,45 @@ def test_choice_takes_the_cheapest_recompute_per_byte_until_the_rest_fits():
     assert choose_regions(costs, budget_bytes=GIB // 4) == [
         "sequence_layers.0", "pma", "interaction.0"]  # fmt: skip
     assert choose_regions(costs, budget_bytes=0) == ["sequence_layers.0", "pma", "interaction.0"]
+
+
+def test_measuring_keeps_no_region_activations_alive():
+    """measure_regions runs at a batch whose activations do not all fit: while a region runs,
+    what the earlier ones saved for backward is already freed. Its bytes are still counted."""
+    import weakref
+
+    from torch import nn
+
+    class Region(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(64))
+            self.saved: list[weakref.ref] = []
+
+        def forward(self, x):
+            hidden = x.exp()  # saved by the multiplication below
+            self.saved.append(weakref.ref(hidden))
+            return hidden * self.weight
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = Region(), Region()
+            self.alive_during_second: bool | None = None
+
+        def forward(self, x):
+            y = self.first(x)
+            self.alive_during_second = self.first.saved[-1]() is not None
+            return self.second(y)
+
+    model = Model()
+    x = torch.randn(8, 64)
+    model(x).sum()  # plain autograd keeps the first region's activation
+    assert model.alive_during_second
+    costs = measure_regions(model, {"first": model.first, "second": model.second},
+                            lambda: model(x))  # fmt: skip
+    assert model.alive_during_second is False
+    assert [c.freed_bytes for c in costs] == [8 * 64 * 4] * 2
 
 
 @pytest.fixture

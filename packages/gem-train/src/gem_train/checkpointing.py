@@ -55,12 +55,21 @@ def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
     return storage.data_ptr(), storage.nbytes()
 
 
+def _drop(_tensor: torch.Tensor) -> None:
+    return None
+
+
+def _no_backward(_packed: None) -> torch.Tensor:
+    raise RuntimeError("measure_regions' forward keeps no activations: it has no backward")
+
+
 def measure_regions(
     model: nn.Module, modules: dict[str, nn.Module], forward: Callable[[], object]
 ) -> list[RegionCost]:
-    """Runs ``forward()`` once with grad enabled (no backward) and measures every module of
-    ``modules`` (qualified name -> module) on it: its forward seconds (device-synchronised)
-    and the bytes of activations it saves, counted once per storage."""
+    """Runs ``forward()`` once with grad enabled and measures every module of ``modules``
+    (qualified name -> module) on it: its forward seconds (device-synchronised) and the bytes
+    of activations it saves, counted once per storage. The saved activations are counted and
+    dropped: the forward's graph cannot run backward."""
     parameters = {_storage_key(p) for p in model.parameters() if p.numel()}
     costs: dict[str, dict] = {}
     active: list[tuple[str, torch.autograd.graph.saved_tensors_hooks, set]] = []
@@ -78,14 +87,13 @@ def measure_regions(
             seen: set = set()
             record = costs.setdefault(name, {"seconds": 0.0, "bytes": 0})
 
-            def pack(tensor: torch.Tensor) -> torch.Tensor:
+            def pack(tensor: torch.Tensor) -> None:
                 key = _storage_key(tensor)
                 if key not in seen and key not in parameters and key not in inputs:
                     seen.add(key)
                     record["bytes"] += key[1]
-                return tensor
 
-            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, _no_backward)
             hooks.__enter__()
             active.append((name, hooks, seen))
             synchronize((*args, *kwargs.values()))
@@ -108,7 +116,10 @@ def measure_regions(
         handles.append(module.register_forward_pre_hook(pre_hook(name), with_kwargs=True))
         handles.append(module.register_forward_hook(post_hook(name)))
     try:
-        with torch.enable_grad():
+        # Nothing saved is kept (the innermost hooks win: a region's count, else this one), so
+        # the forward holds about one region's activations at a time and can be measured at a
+        # batch whose full set of activations does not fit, the batch checkpointing is for.
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_drop, _no_backward):
             forward()
     finally:
         for handle in handles:
