@@ -10,7 +10,13 @@ torchrec tables with their fused row-wise Adagrad:
   causal + window ``mask_mod``, GDPA as padded matmul + activation, ``nn.Linear``), bf16
   autocast, ``torch.compile`` of everything after the lookups, torchrec's DMP for the tables,
   fused AdamW for the dense parameters, as a capable user writes it;
-- ablations: ``gem-eager`` (no compile), ``gem-bf16`` (the FP8 shape without FP8).
+- ablations: ``gem-eager`` (no compile); at the FP8 shape ``gem-bf16`` (without FP8),
+  ``gem-full-ac`` (every region checkpointed) and ``gem-memory-budget`` (no region
+  checkpointed, Inductor's one global budget instead), against the recipe's per-region choice.
+
+The FP8 shape does not fit without activation checkpointing: gem checkpoints per region (the
+``h200-large`` recipe: 'auto'), the baseline keeps ``BASELINE_MEMORY_BUDGET`` of its
+activations (Inductor's ``activation_memory_budget``, one global budget).
 
 Metrics per case and provider: ``ms`` (mean of the timed steps, run back to back after one
 untimed pass over every batch, so that no compile falls in the timed window),
@@ -32,6 +38,7 @@ Cases: ``B{batch}xL{max_len}xD{d_model}/{window256|causal}``.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 import sys
 import tempfile
@@ -41,6 +48,7 @@ from pathlib import Path
 
 import torch
 from torch._dynamo.utils import counters
+from torch._functorch import config as functorch_config
 from torch.autograd import DeviceType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -69,6 +77,13 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter  # noqa: E402
 
 SHAPES = [(1024, 1024, 512), (256, 4096, 512), (2048, 512, 256), (512, 2048, 1024)]
 FP8_SHAPE = (512, 2048, 1024)
+# The FP8 shape's activations do not fit on one H200 (every provider ran out of memory at
+# 56fcaa6). gem checkpoints per region ('auto' in the h200-large recipe, ``gem-full-ac``: every
+# region); the baseline, as a user would, gives Inductor's partitioner one global budget: the
+# fraction of its activations to keep, the rest recomputed.
+BASELINE_MEMORY_BUDGET = 0.5
+DEFAULT_PROVIDERS = ["gem", "baseline", "gem-eager"]
+FP8_SHAPE_ABLATIONS = ["gem-bf16", "gem-full-ac", "gem-memory-budget"]
 MASKS = {"window256": 256, "causal": 0}
 PEAK = BF16_DENSE_PEAK_TFLOPS["H200"] * 1e12
 
@@ -199,7 +214,13 @@ def main() -> None:
         default=4,
         help="untimed batches (compiles); the timed batches also run once untimed first",
     )
-    parser.add_argument("--providers", nargs="+", default=["gem", "baseline", "gem-eager"])
+    parser.add_argument(
+        "--providers",
+        nargs="+",
+        choices=[*DEFAULT_PROVIDERS, *FP8_SHAPE_ABLATIONS],
+        help=f"default: {' '.join(DEFAULT_PROVIDERS)}, and {' '.join(FP8_SHAPE_ABLATIONS)} "
+        "instead of gem-eager at the FP8 shape",
+    )
     parser.add_argument(
         "--append",
         action="store_true",
@@ -227,13 +248,21 @@ def main() -> None:
                         b.sequence_offsets.diff()).total
             for b in batches[args.warmup:]
         )  # fmt: skip
-        providers = list(args.providers)
-        if _parse(case)[:3] == FP8_SHAPE and "gem" in providers:
-            providers.append("gem-bf16")
+        fp8_shape = _parse(case)[:3] == FP8_SHAPE
+        providers = args.providers or (
+            [*DEFAULT_PROVIDERS[:2], *FP8_SHAPE_ABLATIONS] if fp8_shape else DEFAULT_PROVIDERS
+        )
         for provider in providers:
             changes = {"compile": False} if provider == "gem-eager" else {}
             if provider == "gem-bf16":
                 changes["precision"] = dataclasses.replace(config.precision, mode="bf16")
+            if provider == "gem-full-ac":
+                changes["activation_checkpointing"] = "full"
+            global_budget = provider in ("baseline", "gem-memory-budget")
+            if provider == "gem-memory-budget":
+                changes["activation_checkpointing"] = "none"
+            memory_budget = BASELINE_MEMORY_BUDGET if fp8_shape and global_budget else 1.0
+            functorch_config.activation_memory_budget = memory_budget
             extra, step, trainer = {}, None, None
             counters.clear()
             try:
@@ -262,7 +291,10 @@ def main() -> None:
                     "graphs_compiled_while_timed": counters["stats"]["unique_graphs"] - graphs,
                     "graph_breaks": sum(counters["graph_break"].values()),
                 }
+                if global_budget:
+                    extra["activation_memory_budget"] = memory_budget
                 if provider != "baseline":
+                    extra["checkpointed_regions"] = len(trainer.checkpointed)
                     split = trainer.clock.take()
                     extra |= {f"time_{k}_ms": v / args.steps * 1e3 for k, v in split.items()}
                 extra |= _kernel_split(step, batches[args.warmup :][:2], device)
@@ -278,6 +310,9 @@ def main() -> None:
             finally:
                 step = trainer = None
                 torch.compiler.reset()  # the next provider compiles from scratch, as alone
+                # A failed step's frames and the trainer's module cycles hold device memory
+                # until collected: without this the next provider starts with it in use.
+                gc.collect()
                 torch.cuda.empty_cache()
             new = _rows(case, provider, ms, peak, flops, config.batch_size, extra)
             rows += new

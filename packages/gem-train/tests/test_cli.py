@@ -90,6 +90,7 @@ def test_gpu_recipes_describe_gem_v1_at_gpu_scale(capsys):
     assert 100e6 <= dense_parameters(h200) <= 300e6
     large = get_recipe("h200-large")
     assert large.model.embedding_dim == 1024 and large.precision.mode == "fp8"
+    assert large.activation_checkpointing == "auto"  # out of memory on an H200 without
     x8 = get_recipe("h200x8")
     assert x8.model == h200.model and x8.batch_size == h200.batch_size
     assert (x8.parallel.dense, x8.parallel.sparse) == ("fsdp", "fully_sharded_2d")
