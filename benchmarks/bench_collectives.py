@@ -40,35 +40,15 @@ import socket  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import traceback  # noqa: E402
-import types  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from harness import ROOT, meta, results_parser, write_results  # noqa: E402
-
-_SRC = ROOT / "packages" / "gem-parallel" / "src"
-sys.path.insert(0, str(_SRC))
-
-
-def _import_gem_parallel():
-    """gem_parallel's collectives / fsdp / mesh, even if the package's __init__ needs torchrec
-    (not on the GPU machine): then the submodules load from a bare package object."""
-    try:
-        import gem_parallel  # noqa: F401
-    except ImportError:
-        for name in [n for n in sys.modules if n.startswith("gem_parallel")]:
-            del sys.modules[name]
-        package = types.ModuleType("gem_parallel")
-        package.__path__ = [str(_SRC / "gem_parallel")]
-        sys.modules["gem_parallel"] = package
-    from gem_parallel import collectives, fsdp, mesh
-
-    return collectives, fsdp, mesh
-
-
-col, gem_fsdp, gem_mesh = _import_gem_parallel()
+from gem_parallel import collectives as col  # noqa: E402
+from gem_parallel import fsdp as gem_fsdp  # noqa: E402
+from gem_parallel import mesh as gem_mesh  # noqa: E402
+from harness import meta, results_parser, write_results  # noqa: E402
 
 MIB = 1 << 20
 SIZES_MIB = (16, 64, 256)
