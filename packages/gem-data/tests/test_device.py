@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from gem_data import Batch, DevicePrefetcher, ShardedBatchLoader
@@ -48,6 +50,54 @@ def test_prefetcher_state_resumes_after_the_batch_handed_out(dataset):
     resumed = ShardedBatchLoader(dataset.directory, 64, seed=1, sub_batch_size=16)
     resumed.load_state_dict(state)
     _same(next(iter(resumed)), reference[3])
+
+
+def test_batches_are_drawn_ahead_by_a_background_thread(dataset):
+    """While the consumer holds batch i, the next is already drawn, off the consumer's thread:
+    the consumer's time between steps is not spent assembling batches."""
+    import threading
+
+    drawn: list[tuple[int, str]] = []
+
+    class Source:
+        def __init__(self, batches):
+            self.batches = batches
+
+        def __iter__(self):
+            for index, batch in enumerate(self.batches):
+                drawn.append((index, threading.current_thread().name))
+                yield batch
+
+    batches = list(ShardedBatchLoader(dataset.directory, 64, seed=1, sub_batch_size=16))[:4]
+    prefetcher = DevicePrefetcher(Source(batches), "cpu")
+    for index, batch in enumerate(prefetcher):
+        _same(batch, batches[index])
+        deadline = time.monotonic() + 10
+        while len(drawn) < min(index + 2, len(batches)) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert len(drawn) >= min(index + 2, len(batches)), "the next batch was not drawn ahead"
+    assert {name for _, name in drawn} == {"gem-data-prefetch"}
+    assert not any(t.name == "gem-data-prefetch" for t in threading.enumerate())
+
+
+def test_an_error_of_the_source_reaches_the_consumer():
+    def broken():
+        yield from ()
+        raise OSError("row group 3 of shard-00001.parquet is unreadable")
+
+    with pytest.raises(OSError, match="row group 3"):
+        list(DevicePrefetcher(broken(), "cpu"))
+
+
+def test_iterating_again_after_an_early_stop_skips_nothing(dataset):
+    reference = list(ShardedBatchLoader(dataset.directory, 64, seed=1, sub_batch_size=16))
+    prefetcher = DevicePrefetcher(
+        ShardedBatchLoader(dataset.directory, 64, seed=1, sub_batch_size=16), "cpu", depth=3
+    )
+    for index, _batch in enumerate(prefetcher):
+        if index == 1:
+            break  # the thread has drawn batches 2, 3, ... already
+    _same(next(iter(prefetcher)), reference[2])
 
 
 def test_prefetcher_arguments():

@@ -250,8 +250,10 @@ class Trainer:
             raise ValueError(
                 f"batch_size={config.batch_size} leaves no full batch per rank in {train_data.directory}"
             )
-        # On CUDA, each batch is copied on a side stream while the step before it runs; the
-        # prefetcher's state is the loader position after the batch being trained on.
+        # A background thread collates and pins the next batch, and on CUDA it is copied on a
+        # side stream, while the step before it runs: the host between steps (the device idle
+        # after the loss sync) does not wait for the loader. The prefetcher's state is the
+        # loader position after the batch being trained on.
         self._batches = DevicePrefetcher(self.loader, self.device)
         self.total_steps = config.max_steps or config.epochs * steps_per_epoch
         self.step = 0
