@@ -816,7 +816,9 @@ def _dkdv_inner(
     return dk, dv, rel_acc, rel_const_sum
 
 
-@triton.jit(do_not_specialize=["stride_lse_h", "stride_jb_h"])
+# The token count is not specialised on: one compiled kernel serves every batch, where one
+# whose count divides by 16 would otherwise compile a second variant in the middle of a run.
+@triton.jit(do_not_specialize=["stride_lse_h", "stride_jb_h", "num_q_rows"])
 def jfa_bwd_dkdv_kernel(
     q_ptr,
     k_ptr,
