@@ -81,6 +81,10 @@ class DevicePrefetcher:
             return False
 
         def produce() -> None:
+            if self.device.type == "cuda":
+                # Pinning touches CUDA: on the consumer's device, not a new context on cuda:0
+                # (every rank of a multi-GPU process would otherwise hold one there).
+                torch.cuda.set_device(self.device)
             source = iter(self.batches)
             try:
                 for batch in source:
