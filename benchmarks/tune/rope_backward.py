@@ -12,12 +12,13 @@ them (token count dynamic):
   autograd to undo;
 - ``flip_qk``: the same on q and k together, one slice of the qkv output;
 - ``inverse``: the ``cat`` form in an autograd.Function whose backward is the inverse
-  rotation (``sin`` negated), a copy of the forward kernel instead of undoing slices and cat.
+  rotation (``sin`` negated), a copy of the forward kernel instead of undoing slices and cat;
+- ``kernel``: ``gem_kernels.rope``, our Triton kernel (its backward: the same kernel, inverse).
 
 Both rotate q and k of one qkv projection output and hand back the gradient of that output,
 as a sequence layer's backward does.
 
-    python benchmarks/tune/rope_backward.py [--tokens 520186] [--json $OUT/rope.json]
+    python benchmarks/tune/rope_backward.py [--tokens 520186] [--variants cat kernel] [--json F]
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import json
 from pathlib import Path
 
 import torch
+from gem_kernels import rope
 from gem_kernels.reference import apply_rope, rope_tables
 
 
@@ -90,7 +92,18 @@ def rope_inverse(qkv, positions, cos, sin, heads):
     return _Rotate.apply(q, c, s), _Rotate.apply(k, c, s), v
 
 
-VARIANTS = {"cat": rope_cat, "flip": rope_flip, "flip_qk": rope_flip_qk, "inverse": rope_inverse}
+def rope_kernel(qkv, positions, cos, sin, heads):
+    q, k, v = qkv.view(qkv.shape[0], 3, heads, -1).unbind(1)
+    return rope(q, positions, cos, sin), rope(k, positions, cos, sin), v
+
+
+VARIANTS = {
+    "cat": rope_cat,
+    "flip": rope_flip,
+    "flip_qk": rope_flip_qk,
+    "inverse": rope_inverse,
+    "kernel": rope_kernel,
+}
 
 
 def run(fn, qkv, positions, cos, sin, heads, grads):
@@ -105,6 +118,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -117,7 +131,8 @@ def main() -> None:
     grads = [torch.randn(tokens, heads, dim // heads, generator=gen).to(device, dtype)
              for _ in range(3)]  # fmt: skip
     results, reference = {}, None
-    for name, fn in VARIANTS.items():
+    for name in args.variants:
+        fn = VARIANTS[name]
         compiled = torch.compile(lambda *a, fn=fn: run(fn, *a), dynamic=True)
         grad, out = compiled(qkv, positions, cos, sin, heads, grads)
         if reference is None:

@@ -16,6 +16,7 @@ from gem_kernels.attention import (
     block_attention,
     gdpa,
     jagged_flash_attention,
+    rope,
 )
 from gem_kernels.jagged import (
     host_offsets,
@@ -23,6 +24,7 @@ from gem_kernels.jagged import (
     offsets_to_lengths,
     validate_offsets,
 )
+from gem_kernels.reference import rope_tables
 
 __all__ = [
     "BLOCK_ATTENTION_BACKENDS",
@@ -36,5 +38,7 @@ __all__ = [
     "jagged_flash_attention",
     "lengths_to_offsets",
     "offsets_to_lengths",
+    "rope",
+    "rope_tables",
     "validate_offsets",
 ]

@@ -38,6 +38,7 @@ __all__ = [
     "block_attention",
     "gdpa",
     "jagged_flash_attention",
+    "rope",
 ]
 
 #: Accepted values of ``jagged_flash_attention(backend=...)``.
@@ -59,6 +60,7 @@ BLOCK_ATTENTION_BACKENDS = ops.BACKENDS
 _JFA_OP = torch.ops.gem_kernels.jagged_flash_attention.default
 _GDPA_OP = torch.ops.gem_kernels.gdpa.default
 _BLOCK_OP = torch.ops.gem_kernels.block_attention.default
+_ROPE_OP = torch.ops.gem_kernels.rope.default
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FLOAT_DTYPE_NAMES = "float16, bfloat16, float32 or float64"
@@ -455,3 +457,62 @@ def block_attention(
     return _BLOCK_OP(
         q, k, v, offsets, positions, max_len, block_size, theta, resolved_scale, backend,
     )  # fmt: skip
+
+
+def rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Rotary embedding of q or k rows before :func:`jagged_flash_attention` (rotate-half: pairs
+    ``(x[..., i], x[..., i + D/2])`` rotated by the tables' angle ``i`` at each row's position).
+
+    Args:
+        x: ``(T, H, D)``, ``D`` even; any strides (a slice of a fused qkv projection is read in
+            place).
+        positions: ``(T,)`` int64 or int32, each row's position, every one ``< L``.
+        cos, sin: ``(L, D/2)`` float32 tables of the angles'
+            cosines and sines, as :func:`gem_kernels.reference.rope_tables` builds them.
+        backend: ``"auto"`` (default): one Triton kernel for CUDA float16/bfloat16 ``x``, the
+            PyTorch reference otherwise; ``"triton"``: the kernel or a ``ValueError`` saying
+            why it cannot run (CPU tensors only under ``TRITON_INTERPRET=1``);
+            ``"reference"``: always the reference
+            (:func:`gem_kernels.reference.apply_rope`).
+
+    Returns:
+        ``(T, H, D)`` contiguous, in x's dtype. The gradient is the inverse rotation, one more
+        kernel: no slices or concatenations for autograd to undo.
+    """
+    _check_float_tensor(x, "x", 3, "(tokens, heads, head_dim)")
+    if x.shape[2] % 2 != 0:
+        raise ValueError(f"x's head_dim must be even for rotary embedding, got {x.shape[2]}")
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
+    if positions.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"positions must have dtype int64 or int32, got {positions.dtype}")
+    if positions.shape != (x.shape[0],):
+        raise ValueError(
+            f"positions must have shape (T,) = ({x.shape[0]},), got {tuple(positions.shape)}"
+        )
+    for name, table in (("cos", cos), ("sin", sin)):
+        if not isinstance(table, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(table).__name__}")
+        if table.dtype != torch.float32:
+            raise TypeError(f"{name} must have dtype float32, got {table.dtype}")
+        if table.dim() != 2 or table.shape[1] != x.shape[2] // 2:
+            raise ValueError(
+                f"{name} must be (positions, head_dim / 2) = (L, {x.shape[2] // 2}), got shape "
+                f"{tuple(table.shape)}"
+            )
+    if cos.shape != sin.shape:
+        raise ValueError(
+            f"cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    for name, tensor in (("positions", positions), ("cos", cos), ("sin", sin)):
+        if tensor.device != x.device:
+            raise ValueError(f"{name} is on {tensor.device} but x is on {x.device}")
+    _check_backend(backend, ops.BACKENDS)
+    return _ROPE_OP(x, positions, cos, sin, False, backend)

@@ -25,6 +25,9 @@ normalize_by_length, backend, precision)``
 block_size, rope_theta, scale, backend)``
 ``block_attention_backward(grad_out, q, k, v, offsets,      ``(dq, dk, dv)``
 positions, block_size, rope_theta, scale, backend)``
+``rope(x, positions, cos, sin, inverse, backend)``           ``(T, H, D)``, contiguous; its
+                                                            gradient is ``rope`` with
+                                                            ``not inverse``
 ==========================================================  =====================================
 
 (exact schemas: ``_*_SCHEMA`` below). Arguments mean what they mean in the public functions,
@@ -109,6 +112,9 @@ _BLOCK_SCHEMA = (
 _BLOCK_BACKWARD_SCHEMA = (
     "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor offsets, Tensor? positions, "
     "SymInt block_size, float rope_theta, float scale, str backend) -> (Tensor, Tensor, Tensor)"
+)
+_ROPE_SCHEMA = (
+    "(Tensor x, Tensor positions, Tensor cos, Tensor sin, bool inverse, str backend) -> Tensor"
 )
 
 _LIBRARY = OperatorLibrary("gem_kernels")
@@ -567,3 +573,35 @@ def _block_backward_impl(
 
 # Saved: q, k, v, offsets, positions; passed on: block_size .. backend (not max_len).
 _qkv_autograd("block_attention", num_inputs=10, saved=5, options_from=6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary embedding.
+
+
+@_operator("rope", _ROPE_SCHEMA)
+def _rope(x, positions, cos, sin, inverse, backend):
+    triton = _triton_module(backend, x, "rope_triton", lambda m: m.triton_unsupported_reason(x))
+    if triton is not None:
+        return triton.rope(x, positions, cos, sin, inverse)
+    return reference.apply_rope(x, positions, tables=(cos, -sin if inverse else sin))
+
+
+@_fake("rope")
+def _rope_fake(x, *_):
+    return x.new_empty(x.shape)
+
+
+def _rope_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1], inputs[2], inputs[3])
+    ctx.inverse, ctx.backend = inputs[4], inputs[5]
+
+
+def _rope_backward(ctx, grad_out):
+    # A rotation's gradient is the opposite rotation of the output's gradient.
+    positions, cos, sin = ctx.saved_tensors
+    grad = torch.ops.gem_kernels.rope(grad_out, positions, cos, sin, not ctx.inverse, ctx.backend)
+    return grad, None, None, None, None, None
+
+
+_autograd("rope", _rope_backward, _rope_setup_context)

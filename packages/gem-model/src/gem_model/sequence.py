@@ -10,8 +10,7 @@ FP8, it becomes the fused norm -> quantise ``Fp8NormLinear``.
 from __future__ import annotations
 
 import torch
-from gem_kernels import block_attention, gdpa, jagged_flash_attention
-from gem_kernels.reference import apply_rope, rope_tables
+from gem_kernels import block_attention, gdpa, jagged_flash_attention, rope, rope_tables
 from gem_precision import NormLinear
 from torch import nn
 from torch.nn import functional as F
@@ -170,12 +169,12 @@ class JaggedSelfAttentionLayer(AttentionPrecision, nn.Module):
         q, k, v = (
             self.qkv(tokens).view(num_tokens, 3, self.num_heads, dim // self.num_heads).unbind(1)
         )
+        q, k, v = self._kernel_inputs(self.attention_dtype, q, k, v)
         if self.position == "rope" and self.kind != "block":
             if positions is None:
                 raise ValueError("position='rope' needs the tokens' positions")
-            tables = (self.rope_cos, self.rope_sin)
-            q, k = apply_rope(q, positions, tables=tables), apply_rope(k, positions, tables=tables)
-        q, k, v = self._kernel_inputs(self.attention_dtype, q, k, v)
+            q = rope(q, positions, self.rope_cos, self.rope_sin)
+            k = rope(k, positions, self.rope_cos, self.rope_sin)
         if self.kind == "block":
             attended = block_attention(q, k, v, offsets, max_len)
         else:

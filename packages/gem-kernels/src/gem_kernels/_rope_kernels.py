@@ -1,0 +1,54 @@
+"""Triton kernel of the rotary embedding on q or k rows (:mod:`gem_kernels.rope_triton`).
+
+Loaded through ``gem_kernels.triton_loader`` (never imported directly): Triton decides at
+decoration time whether ``@triton.jit`` compiles or interprets, so the loader executes this file
+once per mode under distinct module names.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rope_kernel(
+    x_ptr,
+    out_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    num_tokens,
+    num_heads,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    INVERSE: tl.constexpr,
+):
+    """Rotates ``BLOCK_T`` tokens, every head: ``(x1, x2) -> (x1 c - x2 s, x2 c + x1 s)`` with
+    ``c, s`` the table rows of each token's position (``INVERSE``: ``-s``, the gradient). The
+    table rows are gathered once and reused by all heads; math in float32, one rounding."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_HALF)
+    row_ok = rows < num_tokens
+    mask = row_ok[:, None] & (cols < HALF)[None, :]
+    positions = tl.load(pos_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    table = positions[:, None] * HALF + cols[None, :]
+    cos = tl.load(cos_ptr + table, mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + table, mask=mask, other=0.0)
+    if INVERSE:
+        sin = -sin
+    rows = rows.to(tl.int64)
+    x_rows = x_ptr + rows[:, None] * stride_xt + cols[None, :]
+    out_rows = out_ptr + rows[:, None] * stride_ot + cols[None, :]
+    for head in range(num_heads):
+        x1 = tl.load(x_rows + head * stride_xh, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_rows + head * stride_xh + HALF, mask=mask, other=0.0).to(tl.float32)
+        first = (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty)
+        second = (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty)
+        tl.store(out_rows + head * stride_oh, first, mask=mask)
+        tl.store(out_rows + head * stride_oh + HALF, second, mask=mask)
