@@ -251,3 +251,45 @@ def test_rounding_state_round_trips_and_names_a_mismatch():
         load_rounding_state(fresh, {"1": 0})
     with pytest.raises(ValueError, match=r"state\['0'\] must be an int >= 0"):
         load_rounding_state(fresh, {"0": -1})
+
+
+def test_autocast_runs_the_layer_in_the_autocast_dtype():
+    """Under bf16 autocast an Fp8Linear reads its input and writes its output in bf16, as
+    autocast runs the nn.Linear it replaces: the same numbers as the layer on ``x.bfloat16()``
+    with a bf16 bias, and float32 gradients for the float32 input and parameters."""
+    _, fp8 = pair()
+    twin = copy.deepcopy(fp8)
+    twin.bias.data = twin.bias.data.bfloat16()
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 33, 256, generator=gen)
+    grad = torch.randn(2, 33, 192, generator=gen).bfloat16()
+    leaf = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fp8(leaf)
+    out.backward(grad)
+    twin_leaf = x.bfloat16().requires_grad_()
+    want = twin(twin_leaf)
+    want.backward(grad)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, want)
+    assert leaf.grad.dtype == fp8.weight.grad.dtype == fp8.bias.grad.dtype == torch.float32
+    assert torch.equal(leaf.grad, twin_leaf.grad.float())
+    assert torch.equal(fp8.weight.grad, twin.weight.grad)
+
+
+def test_autocast_compiles_without_graph_breaks():
+    from torch._dynamo.utils import counters
+
+    _, fp8 = pair()
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(3))
+
+    def step(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return fp8(x)
+
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(step, backend="aot_eager", fullgraph=True)(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, step(x))
+    assert dict(counters["graph_break"]) == {}

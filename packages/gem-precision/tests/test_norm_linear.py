@@ -228,3 +228,25 @@ def test_bad_arguments():
     # Policies name the linear, not the NormLinear.
     with pytest.raises(ValueError, match=r"names \['head'\].*'head.linear'"):
         convert_to_fp8(Tower(), PrecisionPolicy(keep_high_precision=("head",)))
+
+
+@pytest.mark.parametrize("interpret", [False, True])
+def test_autocast_output_dtype_fused_and_unfused(monkeypatch, interpret):
+    """Under bf16 autocast the FP8 norm -> linear writes bf16 (float32 outside it), fused
+    (Triton interpreter) or not, and its float32 input gets a float32 gradient."""
+    if interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    torch.manual_seed(0)
+    model = _randomise(nn.Sequential(NormLinear(256, 128, norm="layer")))
+    convert_to_fp8(model, PrecisionPolicy(min_features=0))
+    x = torch.randn(48, 256).requires_grad_()
+    assert model[0]._fused(x)[0] == interpret
+    assert model(x).dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    assert out.dtype == torch.bfloat16
+    out.float().square().sum().backward()
+    assert x.grad.dtype == torch.float32 and torch.isfinite(x.grad).all()
+    assert model[0].linear.bias.grad.dtype == torch.float32

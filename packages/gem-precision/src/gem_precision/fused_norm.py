@@ -35,7 +35,7 @@ from gem_precision.blockwise import (
     Fp8Operand,
     _quantize_operand,
 )
-from gem_precision.linear import Fp8Linear, Fp8Recipe, _path
+from gem_precision.linear import Fp8Linear, Fp8Recipe, _path, autocast_input, autocast_off
 from gem_precision.mx import MX_ELEMENT_DTYPES
 from gem_precision.scaled_gemm import _gemm_out_dtype, _scaled_mm_nt
 
@@ -613,22 +613,29 @@ class Fp8NormLinear(nn.Module):
         x2d = x.reshape(-1, in_f)
         fused, native = self._fused(x)
         if fused:
-            out = _fused_norm_fp8_linear(
-                x2d,
-                self.norm_weight,
-                self.norm_bias,
-                self.linear.weight,
-                self.linear.bias,
-                self.linear.recipe,
-                self.norm,
-                self.eps,
-                native,
-            )
+            # Under autocast the norm reads the activation in the autocast dtype: its output
+            # is quantised to FP8 next, 4 mantissa bits against bf16's 8.
+            x2d = autocast_input(x2d)
+            bias = self.linear.bias
+            if bias is not None and x2d.dtype != x.dtype:
+                bias = bias.to(x2d.dtype)
+            with autocast_off(x.device):
+                out = _fused_norm_fp8_linear(
+                    x2d,
+                    self.norm_weight,
+                    self.norm_bias,
+                    self.linear.weight,
+                    bias,
+                    self.linear.recipe,
+                    self.norm,
+                    self.eps,
+                    native,
+                )
         else:
             y, _, _ = norm_forward_reference(
                 x2d, self.norm_weight, self.norm_bias, self.norm, self.eps
             )
-            out = self.linear(y).to(x.dtype)
+            out = self.linear(y).to(autocast_input(x[:0]).dtype)  # x's, or autocast's
         return out.reshape(*x.shape[:-1], self.linear.out_features)
 
     def extra_repr(self) -> str:

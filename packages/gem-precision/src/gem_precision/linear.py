@@ -30,6 +30,7 @@ Blackwell, emulated elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 import warnings
@@ -140,6 +141,26 @@ class Fp8Recipe:
             raise ValueError(
                 f"mx_scale_rounding must be 'ceil' or 'floor', got {self.mx_scale_rounding!r}"
             )
+
+
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the autocast dtype when autocast is on for its device, as autocast casts a
+    linear's input: an FP8 layer under bf16 autocast then reads bf16 activations and writes
+    bf16 outputs, like the bf16 layer it replaces, not float32 ones (twice the bytes, and a
+    float32 bias that cuBLAS's epilogue does not take)."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type) and x.is_floating_point():
+        return x.to(torch.get_autocast_dtype(device_type))
+    return x
+
+
+def autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off on ``device`` for an FP8 operator's call: its operands are cast already
+    (:func:`autocast_input`), and autocast would otherwise reach the operator's own float32
+    GEMMs (the CPU emulation's, the bf16 wgrad's) and round them to bf16."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _rotated_operands(
@@ -465,13 +486,16 @@ class Fp8Linear(nn.Linear):
                 RuntimeWarning,
                 stacklevel=2,
             )
-        x2d = x.reshape(-1, self.in_features)
+        x2d = autocast_input(x).reshape(-1, self.in_features)
+        out_dtype = x2d.dtype
         if x2d.shape[0] == 0:
             # No rows: nothing to quantise (a tensorwise scale of nothing is undefined). The
             # empty result still depends on the parameters, whose gradients are then zero.
             out = F.linear(x2d.to(self.weight.dtype), self.weight, self.bias)
-            return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            return out.to(out_dtype).reshape(*x.shape[:-1], self.out_features)
         weight, bias = self.weight, self.bias
+        if bias is not None and x2d.dtype != x.dtype:  # autocast: the bias as well
+            bias = bias.to(x2d.dtype)
         # The FP8 operand kernels take float32, bfloat16 and float16: float64 is computed as
         # float32 (quantised from float32 values, like the emulation), cast back at the end.
         if x2d.dtype == torch.float64:
@@ -485,15 +509,16 @@ class Fp8Linear(nn.Linear):
             # the step's dgrad + wgrad draws; an evaluation forward does not move it.
             step = 2 * x2d.shape[0] * self.out_features if self.training else 0
             offset = torch.ops.gem_precision.advance_offset(self._sr_offset, step)
-        if path == "blockwise":
-            out = _fp8_linear(x2d, weight, bias, self.recipe, offset, native)
-        elif path == "mx":
-            out = _mx_linear(x2d, weight, bias, self.recipe, native)
-        else:
-            out = _fp8_hadamard_linear(x2d, weight, self.recipe, offset, native)
-            if bias is not None:
-                out = out + bias.to(out.dtype)
-        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        with autocast_off(x.device):
+            if path == "blockwise":
+                out = _fp8_linear(x2d, weight, bias, self.recipe, offset, native)
+            elif path == "mx":
+                out = _mx_linear(x2d, weight, bias, self.recipe, native)
+            else:
+                out = _fp8_hadamard_linear(x2d, weight, self.recipe, offset, native)
+                if bias is not None:
+                    out = out + bias.to(out.dtype)
+        return out.to(out_dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"
