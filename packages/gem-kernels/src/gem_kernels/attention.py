@@ -205,6 +205,20 @@ def _check_bias_tensor(bias: object, name: str, q: torch.Tensor, layout: str) ->
     return bias
 
 
+def _check_positions(positions: object, x: torch.Tensor, name: str) -> None:
+    """RoPE ``positions``: a ``(T,)`` int32/int64 tensor on the device of ``x`` (named ``name``)."""
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
+    if positions.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"positions must have dtype int64 or int32, got {positions.dtype}")
+    if positions.shape != (x.shape[0],):
+        raise ValueError(
+            f"positions must have shape (T,) = ({x.shape[0]},), got {tuple(positions.shape)}"
+        )
+    if positions.device != x.device:
+        raise ValueError(f"positions is on {positions.device} but {name} is on {x.device}")
+
+
 def _check_backend(backend: object, accepted: tuple[str, ...]) -> str:
     if backend not in accepted:
         raise ValueError(f"backend must be one of {accepted}, got {backend!r}")
@@ -442,16 +456,7 @@ def block_attention(
     if theta <= 0:
         raise ValueError(f"rope_theta must be finite and > 0, got {rope_theta}")
     if positions is not None:
-        if not isinstance(positions, torch.Tensor):
-            raise TypeError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
-        if positions.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"positions must have dtype int64 or int32, got {positions.dtype}")
-        if positions.shape != (q.shape[0],):
-            raise ValueError(
-                f"positions must have shape (T,) = ({q.shape[0]},), got {tuple(positions.shape)}"
-            )
-        if positions.device != q.device:
-            raise ValueError(f"positions is on {positions.device} but q is on {q.device}")
+        _check_positions(positions, q, "q")
     resolved_scale = _resolve_scale(scale, q.shape[2])
     _check_backend(backend, BLOCK_ATTENTION_BACKENDS)
     return _BLOCK_OP(
@@ -489,14 +494,7 @@ def rope(
     _check_float_tensor(x, "x", 3, "(tokens, heads, head_dim)")
     if x.shape[2] % 2 != 0:
         raise ValueError(f"x's head_dim must be even for rotary embedding, got {x.shape[2]}")
-    if not isinstance(positions, torch.Tensor):
-        raise TypeError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
-    if positions.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"positions must have dtype int64 or int32, got {positions.dtype}")
-    if positions.shape != (x.shape[0],):
-        raise ValueError(
-            f"positions must have shape (T,) = ({x.shape[0]},), got {tuple(positions.shape)}"
-        )
+    _check_positions(positions, x, "x")
     for name, table in (("cos", cos), ("sin", sin)):
         if not isinstance(table, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(table).__name__}")
@@ -511,7 +509,7 @@ def rope(
         raise ValueError(
             f"cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
         )
-    for name, tensor in (("positions", positions), ("cos", cos), ("sin", sin)):
+    for name, tensor in (("cos", cos), ("sin", sin)):
         if tensor.device != x.device:
             raise ValueError(f"{name} is on {tensor.device} but x is on {x.device}")
     _check_backend(backend, ops.BACKENDS)
