@@ -4,6 +4,8 @@ the scaled product exactly."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from gem_precision import Fp8Linear, Fp8Recipe, dequantize_mx, quantize_mx
@@ -179,6 +181,43 @@ def test_sm90_any_token_count_runs_all_three_gemms_natively(monkeypatch, fake_na
     monkeypatch.setattr(linear_mod, "gemm_backend", lambda device: "sm90")
     got = _run(native, x, grad)
     assert len(fake_native.calls) == 3
+    for g, w in zip(got, want, strict=True):
+        assert float((g.float() - w).norm() / w.norm()) < 4e-3
+
+
+@pytest.mark.parametrize("tokens", [301, 1000])
+@pytest.mark.parametrize("fused_norm", [False, True], ids=["linear", "norm_linear"])
+def test_sm90_activations_are_quantised_into_the_gemm_layouts(
+    monkeypatch, fake_native, fused_norm, tokens
+):
+    """The activation operands (x, normed x, dy, and their transposes along the tokens) are
+    written by the quantise kernels with the rows cuBLAS takes (M a multiple of 4, the wgrad's
+    K of 512), so no GEMM copies an operand to pad it (at K = 512 and 1024 no weight needs it
+    either), and the results equal the emulation's."""
+    from gem_precision import Fp8NormLinear
+    from gem_precision import scaled_gemm as gemm_mod
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the fused norm's kernels
+    torch.manual_seed(5)
+    emulated = Fp8NormLinear(512, 1024, norm="layer") if fused_norm else Fp8Linear(512, 1024)
+    native = copy.deepcopy(emulated)
+    x, grad = torch.randn(tokens, 512), torch.randn(tokens, 1024)
+
+    def run(layer):
+        xi = x.clone().requires_grad_(True)
+        layer(xi).backward(grad)
+        return [xi.grad] + [p.grad for p in layer.parameters()]
+
+    want = run(emulated)
+    pads = []
+    pad_data = gemm_mod._pad_data
+    monkeypatch.setattr(
+        gemm_mod, "_pad_data", lambda data, *shape: pads.append(shape) or pad_data(data, *shape)
+    )
+    monkeypatch.setattr(linear_mod, "gemm_backend", lambda device: "sm90")
+    got = run(native)
+    assert native._fused(x)[0] if fused_norm else True
+    assert len(fake_native.calls) == 3 and pads == []
     for g, w in zip(got, want, strict=True):
         assert float((g.float() - w).norm() / w.norm()) < 4e-3
 

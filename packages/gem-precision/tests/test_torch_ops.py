@@ -107,6 +107,10 @@ LINEAR_CASES = {
         True,
     ),
     "frozen_input": (Fp8Recipe(wgrad_x_tiles=False), torch.float32, False, True),
+    # The layouts of the native GEMMs (rows padded for cuBLAS; torch._scaled_mm, if the CPU
+    # refuses it, falls back to the emulation on the same padded operands).
+    "native_tiles": (Fp8Recipe(), torch.bfloat16, True, True),
+    "native_x_rows": (Fp8Recipe(wgrad_x_tiles=False), torch.float32, True, False),
 }
 
 
@@ -119,7 +123,7 @@ def _linear_args(case):
     return (
         x, weight, bias, recipe.fp8_dtype, recipe.grad_dtype, recipe.tensorwise,
         recipe.wgrad_in_bf16, recipe.wgrad_x_tiles, recipe.seed if sr else None,
-        torch.tensor(11) if sr else None, x_grad, True, False,
+        torch.tensor(11) if sr else None, x_grad, True, case.startswith("native"),
     )  # fmt: skip
 
 
@@ -142,7 +146,7 @@ def test_opcheck_fp8_linear_backward(case):
         torch.tensor(11) if sr else None, recipe.fp8_dtype, recipe.grad_dtype, recipe.tensorwise,
         recipe.wgrad_x_tiles and not recipe.tensorwise,
         recipe.seed if sr else None, 256, weight.dtype,
-        None if bias is None else bias.dtype, x_grad, True, with_bias, False,
+        None if bias is None else bias.dtype, x_grad, True, with_bias, case.startswith("native"),
     )  # fmt: skip
     _opcheck(torch.ops.gem_precision.fp8_linear_backward.default, backward_args)
 

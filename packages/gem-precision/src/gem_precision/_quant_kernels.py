@@ -526,6 +526,8 @@ def blockwise_tile_kernel(
     b_ptr,
     cs_ptr,
     R,
+    RQ,
+    RT,
     C,
     stride_xr,
     EMAX: tl.constexpr,
@@ -556,7 +558,10 @@ def blockwise_tile_kernel(
     ``(x - mean[r]) * rstd[r] * w[c] + b[c]``) with 1xBLOCK blocks (or one ``FIXED``,
     tensorwise, exponent read from ``exp_ptr``): ``q`` (R, C) with scales ``s`` stored
     (C/BLOCK, R), ``qt`` (C, R) = x.T with 1xBLOCK blocks along R, scales ``st`` stored
-    (R/BLOCK_R, C); ``COLSUM``: per-program column sums of ``x`` in ``cs`` (R/BLOCK_R, C). One
+    (R/BLOCK_R, C); ``COLSUM``: per-program column sums of ``x`` in ``cs`` (R/BLOCK_R, C).
+    ``RQ`` and ``RT`` (>= R) are the rows the outputs are stored with: ``q`` (RQ, C), ``s``
+    (C/BLOCK, RQ), ``qt`` (C, RT), ``st`` (RT/BLOCK_R, C) or (C/BLOCK, RT/BLOCK_R); rows from R
+    on are not written. One
     integer max per direction gives the block maximum and the non-finite flag
     (:func:`_abs_bits`), and ``EVEN`` (R % BLOCK_R == 0 and
     C % BLOCK == 0) drops the masks. Both block maxima are reduced before the row layout is
@@ -629,7 +634,7 @@ def blockwise_tile_kernel(
         offs = rows[:, None].to(tl.int64) * C + cols[None, :]
         _to_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS, MAX_NORMAL, EVEN)
         if not FIXED:
-            s_offs = pid_c.to(tl.int64) * R + rows
+            s_offs = pid_c.to(tl.int64) * RQ + rows
             if EVEN:
                 tl.store(s_ptr + s_offs, _pow2(e_r))
             else:
@@ -649,7 +654,7 @@ def blockwise_tile_kernel(
                 qt,
                 pid_r,
                 cols,
-                R,
+                RT,
                 SOFT,
                 MBITS,
                 BIAS,
@@ -659,7 +664,7 @@ def blockwise_tile_kernel(
                 RUN_ASM,
             )
         else:
-            t_offs = cols[:, None].to(tl.int64) * R + rows[None, :]
+            t_offs = cols[:, None].to(tl.int64) * RT + rows[None, :]
             t_mask = cmask[:, None] & rmask[None, :]
             if SOFT:
                 qt = _fp8_bits(_saturate(qt, MAX_NORMAL), MBITS, BIAS)
@@ -671,7 +676,7 @@ def blockwise_tile_kernel(
                 tl.store(qt_ptr + t_offs, tl.trans(qt), mask=t_mask)
         if COL_TILE:
             # (C/BLOCK, R/BLOCK_R) contiguous: the layout of a 128x128 operand's scale_t.
-            n_row_blocks = (R + BLOCK_R - 1) // BLOCK_R
+            n_row_blocks = (RT + BLOCK_R - 1) // BLOCK_R
             tl.store(st_ptr + pid_c.to(tl.int64) * n_row_blocks + pid_r, _pow2(e_t))
         else:
             if EVEN:
@@ -710,6 +715,7 @@ def norm_quantize_kernel(
     mean_ptr,
     rstd_ptr,
     R,
+    RQ,
     C,
     stride_xr,
     eps,
@@ -731,7 +737,8 @@ def norm_quantize_kernel(
 ):
     """Normalise ``ROWS`` full rows and write them as FP8 with one scale per 1xGROUP block.
 
-    Scales go to ``s`` stored (C/GROUP, R); ``mean`` (LayerNorm only) and ``rstd`` per row.
+    Scales go to ``s`` stored (C/GROUP, RQ), RQ >= R the rows ``q`` and ``s`` are stored with
+    (from R on not written); ``mean`` (LayerNorm only) and ``rstd`` per row.
     ``EVEN`` (C == BLOCK_C and R % ROWS == 0) drops the masks.
     """
     pid = tl.program_id(0)
@@ -771,7 +778,7 @@ def norm_quantize_kernel(
     offs = rows[:, None].to(tl.int64) * C + cols[None, :]
     _to_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS, MAX_NORMAL, EVEN)
     groups = tl.arange(0, NG)
-    s_offs = groups[None, :].to(tl.int64) * R + rows[:, None]
+    s_offs = groups[None, :].to(tl.int64) * RQ + rows[:, None]
     s_mask = rmask[:, None] & (groups[None, :] * GROUP < C)
     tl.store(s_ptr + s_offs, _pow2(e), mask=s_mask)
 

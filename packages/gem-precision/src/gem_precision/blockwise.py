@@ -36,6 +36,19 @@ _POSITIVE_NAN = float("nan")  # sign bit clear (Python's NaN)
 _MIN_SCALE_EXP = -120
 _MAX_SCALE_EXP = 120
 
+# What the H200's cuBLAS takes for 1x128-scaled operands (see scaled_gemm._pad_for_block_scales):
+# M a multiple of 4, and K a multiple of 4 blocks of 128.
+_GEMM_ROWS_MULTIPLE = 4
+_GEMM_K_MULTIPLE = 4 * 128
+
+
+def _gemm_rows(rows: int, transposed: bool) -> int:
+    """Rows an activation operand is stored with for the native GEMMs: in ``data`` a multiple
+    of 4 (the M of forward and dgrad), in ``data_t`` (``transposed``) a multiple of 512 (the K
+    of the wgrad). Works on SymInts (the operators' fake layouts)."""
+    multiple = _GEMM_K_MULTIPLE if transposed else _GEMM_ROWS_MULTIPLE
+    return -(-rows // multiple) * multiple
+
 
 def _tile_shape(x: torch.Tensor, block_shape: tuple[int, int] | None) -> tuple[int, int]:
     if x.dim() != 2:
@@ -401,20 +414,50 @@ def _quantize_operand(
     col_tiles,
     backend,
     config: OperandKernelConfig = _DEFAULT_OPERAND_CONFIG,
+    *,
+    gemm_padded: bool = False,
 ) -> Fp8Operand:
     """:func:`quantize_operand` on checked arguments: the body of the
-    ``gem_precision::quantize_operand`` operator, and what the linear operators call."""
+    ``gem_precision::quantize_operand`` operator, and what the linear operators call.
+
+    ``gemm_padded`` (``"1x128"`` only; the linear operators' native GEMMs): the layouts are
+    stored with :func:`_gemm_rows` rows, so cuBLAS takes them as they are: ``data`` (RQ, C) and
+    its scales with rows from R on unwritten (they only make output rows that are cut off),
+    ``data_t`` (C, RT) with zeros from column R on and unit scales for the blocks past R (they
+    add nothing to a wgrad). The GEMMs then copy no operand (``_pad_for_block_scales``)."""
     from gem_precision import _triton
 
+    r = x.shape[0]
+    padded = gemm_padded and kind == "1x128"
+    rq, rt = (_gemm_rows(r, False), _gemm_rows(r, True)) if padded else (r, r)
     use_triton = backend == "triton" or (
         backend == "auto" and stochastic_seed is None and _triton.can_run(x)
     )
     if use_triton:
-        return _quantize_operand_triton(x, kind, dtype, rows, cols, col_sum, col_tiles, config)
+        return _quantize_operand_triton(
+            x, kind, dtype, rows, cols, col_sum, col_tiles, config, rq, rt
+        )
     out = _quantize_operand_torch(x, kind, dtype, rows, cols, stochastic_seed, offset, col_tiles)
     if col_sum:
         out.col_sum = x.sum(0, dtype=torch.float32)
-    return out
+    return _pad_rows(out, r, rq, rt) if padded else out
+
+
+def _pad_rows(op: Fp8Operand, r: int, rq: int, rt: int) -> Fp8Operand:
+    """A 1x128 operand of ``r`` rows stored with ``rq`` rows in ``data`` and ``rt`` in ``data_t``,
+    as the Triton kernels write them with ``gemm_padded`` (the pad of ``data`` here zero): a
+    copy, on the PyTorch path only."""
+    if op.data is not None and rq > r:  # scale (R, C/128), strides (1, R)
+        op.data = F.pad(op.data.view(torch.uint8), (0, 0, 0, rq - r)).view(op.data.dtype)
+        op.scale = F.pad(op.scale.t(), (0, rq - r), value=1.0).t()
+    if op.data_t is not None and rt > r:
+        op.data_t = F.pad(op.data_t.view(torch.uint8), (0, rt - r)).view(op.data_t.dtype)
+        blocks = rt // BLOCK - op.scale_t.shape[1]
+        if op.kind_t == "128x128":  # scale_t (C/128, R/128) contiguous
+            op.scale_t = F.pad(op.scale_t, (0, blocks), value=1.0)
+        else:  # scale_t (C, R/128), strides (1, C)
+            op.scale_t = F.pad(op.scale_t.t(), (0, 0, 0, blocks), value=1.0).t()
+    return op
 
 
 def _quantize_operand_torch(x, kind, dtype, rows, cols, seed, offset, col_tiles) -> Fp8Operand:
@@ -479,8 +522,10 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _quantize_operand_triton(
-    x, kind, dtype, rows, cols, col_sum, col_tiles, config: OperandKernelConfig
+    x, kind, dtype, rows, cols, col_sum, col_tiles, config: OperandKernelConfig, rq=None, rt=None
 ) -> Fp8Operand:
+    """``rq`` / ``rt``: the rows ``data`` / ``data_t`` of a 1x128 kind are stored with (None:
+    those of ``x``), see ``_quantize_operand``'s ``gemm_padded``."""
     from gem_precision import _triton
 
     if kind == "tensorwise" and cols:
@@ -501,19 +546,24 @@ def _quantize_operand_triton(
     if kind != "128x128" and not cols:
         block_r = config.rows_only_block_r
     nr, nc = -(-r // block_r), -(-c // BLOCK)
+    rq, rt = rq or r, rt or r
     dev = x.device
     soft = _triton.soft_fp8(x)
     out = Fp8Operand(kind=kind)
-    q = torch.empty((r, c), dtype=dtype, device=dev) if rows else None
-    qt = torch.empty((c, r), dtype=dtype, device=dev) if cols else None
+    q = torch.empty((rq, c), dtype=dtype, device=dev) if rows else None
+    qt = torch.empty((c, rt), dtype=dtype, device=dev) if cols else None
     dummy = torch.empty(1, dtype=torch.float32, device=dev)
     s = st = exp = dummy
     col_tiles = col_tiles and cols
     if kind == "1x128":
-        s = torch.empty((nc, r), dtype=torch.float32, device=dev) if rows else dummy
-        st = torch.empty((nr, c), dtype=torch.float32, device=dev) if cols else dummy
-        if col_tiles:
-            st = torch.empty((nc, nr), dtype=torch.float32, device=dev)
+        s = torch.empty((nc, rq), dtype=torch.float32, device=dev) if rows else dummy
+        if cols:
+            nrt = -(-rt // block_r)
+            shape = (nc, nrt) if col_tiles else (nrt, c)
+            st = torch.empty(shape, dtype=torch.float32, device=dev)
+            if rt > r:  # the pad of x.T: zero data, unit scales (the kernel writes r columns)
+                qt[:, r:].view(torch.uint8).zero_()
+                (st[:, nr:] if col_tiles else st[nr:]).fill_(1.0)
     elif kind == "128x128":
         s = torch.empty((nr, nc), dtype=torch.float32, device=dev)
     else:
@@ -538,6 +588,8 @@ def _quantize_operand_triton(
         dummy,
         sums,
         r,
+        rq,
+        rt,
         c,
         x.stride(0),
     )

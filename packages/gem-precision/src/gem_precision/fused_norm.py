@@ -33,6 +33,7 @@ from gem_precision.blockwise import (
     _MIN_SCALE_EXP,
     BLOCK,
     Fp8Operand,
+    _gemm_rows,
     _quantize_operand,
 )
 from gem_precision.linear import Fp8Linear, Fp8Recipe, _path, autocast_input, autocast_off
@@ -131,14 +132,20 @@ def norm_quantize(
     return Fp8Operand(kind="1x128", data=data, scale=scale), mean if kind == "layer" else None, rstd
 
 
-def _norm_quantize(x, weight, bias, kind, eps, dtype, backend, rows_per_program, num_warps):
+def _norm_quantize(
+    x, weight, bias, kind, eps, dtype, backend, rows_per_program, num_warps, gemm_padded=False
+):
     """:func:`norm_quantize` on checked arguments: the body of its operator, and what the
-    fused linear's operator calls."""
+    fused linear's operator calls (``gemm_padded``: rows stored as ``_quantize_operand``
+    stores them for the native GEMMs)."""
     use_triton = backend == "triton" or (backend == "auto" and _triton.can_run(x))
     if not use_triton:
         with torch.no_grad():
             y, mean, rstd = norm_forward_reference(x, weight, bias, kind, eps)
-        op = _quantize_operand(y, "1x128", dtype, True, False, None, 0, False, False, "torch")
+        op = _quantize_operand(
+            y, "1x128", dtype, True, False, None, 0, False, False, "torch",
+            gemm_padded=gemm_padded,
+        )  # fmt: skip
         return op, mean, rstd
     rows_per_program = rows_per_program or _NORM_OPTIONS["rows_per_program"]
     num_warps = num_warps or _NORM_OPTIONS["num_warps"]
@@ -148,8 +155,9 @@ def _norm_quantize(x, weight, bias, kind, eps, dtype, backend, rows_per_program,
     x = x if x.stride(1) == 1 else x.contiguous()
     dev = x.device
     soft = _triton.soft_fp8(x)
-    q = torch.empty((r, c), dtype=dtype, device=dev)
-    s = torch.empty((c // BLOCK, r), dtype=torch.float32, device=dev)
+    rq = _gemm_rows(r, False) if gemm_padded else r
+    q = torch.empty((rq, c), dtype=dtype, device=dev)
+    s = torch.empty((c // BLOCK, rq), dtype=torch.float32, device=dev)
     rstd = torch.empty(r, dtype=torch.float32, device=dev)
     mean = torch.empty(r, dtype=torch.float32, device=dev) if kind == "layer" else None
     dummy = torch.empty(1, dtype=torch.float32, device=dev)
@@ -166,6 +174,7 @@ def _norm_quantize(x, weight, bias, kind, eps, dtype, backend, rows_per_program,
             dummy if mean is None else mean,
             rstd,
             r,
+            rq,
             c,
             x.stride(0),
             float(eps),
@@ -186,16 +195,21 @@ def _norm_quantize(x, weight, bias, kind, eps, dtype, backend, rows_per_program,
 
 
 def _normed_transposed_operand(
-    x, weight, bias, mean, rstd, dtype, col_tiles: bool = False
+    x, weight, bias, mean, rstd, dtype, col_tiles: bool = False, gemm_padded: bool = False
 ) -> Fp8Operand:
     """``norm(x).T`` quantised with 1x128 blocks along the rows of ``x`` (or, ``col_tiles``,
-    128x128 tiles) in one Triton pass."""
+    128x128 tiles) in one Triton pass (``gemm_padded``: stored as ``_quantize_operand`` stores
+    ``data_t`` for the native GEMMs)."""
     r, c = x.shape
     dev = x.device
     soft = _triton.soft_fp8(x)
-    qt = torch.empty((c, r), dtype=dtype, device=dev)
-    nr, nc = -(-r // BLOCK), -(-c // BLOCK)
-    st = torch.empty((nc, nr) if col_tiles else (nr, c), dtype=torch.float32, device=dev)
+    rt = _gemm_rows(r, True) if gemm_padded else r
+    qt = torch.empty((c, rt), dtype=dtype, device=dev)
+    nr, nc, nrt = -(-r // BLOCK), -(-c // BLOCK), -(-rt // BLOCK)
+    st = torch.empty((nc, nrt) if col_tiles else (nrt, c), dtype=torch.float32, device=dev)
+    if rt > r:  # the pad: zero data, unit scales (the kernel writes the first r columns)
+        qt[:, r:].view(torch.uint8).zero_()
+        (st[:, nr:] if col_tiles else st[nr:]).fill_(1.0)
     dummy = torch.empty(1, dtype=torch.float32, device=dev)
     x_arg, bf16_bits = _triton.float_arg(x, soft)
     grid = (-(-r // BLOCK), -(-c // BLOCK))
@@ -229,6 +243,8 @@ def _normed_transposed_operand(
         dummy if bias is None else bias,
         dummy,
         r,
+        r,
+        rt,
         c,
         x.stride(0),
     )
@@ -344,14 +360,16 @@ def _norm_linear(
     x, norm_w, norm_b, weight, bias, norm, eps, fp8_dtype, grad_dtype, wgrad_x_tiles,
     need_norm_grad, native,
 ):  # fmt: skip
-    xq, mean, rstd = _norm_quantize(x, norm_w, norm_b, norm, eps, fp8_dtype, "triton", None, None)
+    xq, mean, rstd = _norm_quantize(
+        x, norm_w, norm_b, norm, eps, fp8_dtype, "triton", None, None, native
+    )
     wq = _quantize_operand(
         weight, "128x128", fp8_dtype, True, need_norm_grad, None, 0, False, False, "auto"
     )
     out = _scaled_mm_nt(
         xq.data, xq.scale, "1x128", wq.data, wq.scale, "128x128",
         _gemm_out_dtype(x.dtype), native, bias,
-    ).to(x.dtype)  # fmt: skip
+    )[: x.shape[0]].to(x.dtype)  # fmt: skip
     mean = rstd.new_empty((0,)) if mean is None else mean
     w_t = wq.data_t.view(torch.uint8) if need_norm_grad else x.new_empty((0,), dtype=torch.uint8)
     w_t_scale = wq.scale_t if need_norm_grad else x.new_empty((0,), dtype=torch.float32)
@@ -414,18 +432,21 @@ def _norm_linear_backward_impl(
     need_norm = need_x or need_norm_w or need_norm_b
     grad_out = grad_out.contiguous()
     gq = _quantize_operand(
-        grad_out, "1x128", grad_dtype, need_norm, need_w, None, 0, need_b, False, "triton"
-    )
+        grad_out, "1x128", grad_dtype, need_norm, need_w, None, 0, need_b, False, "triton",
+        gemm_padded=native,
+    )  # fmt: skip
     grads = []
     if need_norm:
         grad_xn = _scaled_mm_nt(
             gq.data, gq.scale, "1x128", w_t.view(fp8_dtype), w_t_scale, "128x128",
             _gemm_out_dtype(x.dtype), native, None,
-        )  # fmt: skip
+        )[: x.shape[0]]  # fmt: skip
         dx, dnw, dnb = _norm_backward(grad_xn, x, norm_w, norm_b, mean, rstd)
         grads += [g for g, n in ((dx, need_x), (dnw, need_norm_w), (dnb, need_norm_b)) if n]
     if need_w:
-        xn_t = _normed_transposed_operand(x, norm_w, norm_b, mean, rstd, fp8_dtype, wgrad_x_tiles)
+        xn_t = _normed_transposed_operand(
+            x, norm_w, norm_b, mean, rstd, fp8_dtype, wgrad_x_tiles, native
+        )
         grad_w = _scaled_mm_nt(
             gq.data_t, gq.scale_t, "1x128", xn_t.data_t, xn_t.scale_t, xn_t.kind_t or "1x128",
             _gemm_out_dtype(w_dtype), native, None,

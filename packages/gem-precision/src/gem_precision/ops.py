@@ -64,7 +64,7 @@ from collections.abc import Sequence
 import torch
 from gem_kernels.library import OperatorLibrary
 
-from gem_precision.blockwise import BLOCK, Fp8Operand, _quantize_operand
+from gem_precision.blockwise import BLOCK, Fp8Operand, _gemm_rows, _quantize_operand
 from gem_precision.mx import MXTensor, quantize_mx
 from gem_precision.scaled_gemm import _gemm_out_dtype, _scaled_mm_nt, mx_scaled_mm_nt
 
@@ -148,21 +148,25 @@ def _outer_dim_major_scale(x: torch.Tensor, rows, blocks) -> torch.Tensor:
     return x.new_empty_strided((rows, blocks), (1, rows), dtype=torch.float32)
 
 
-def _fake_layouts(x, kind, dtype, rows, cols, col_tiles) -> list[torch.Tensor]:
-    """Fake ``data, scale`` (``rows``) and ``data_t, scale_t`` (``cols``) of ``x`` (R, C)."""
+def _fake_layouts(x, kind, dtype, rows, cols, col_tiles, gemm_padded=False) -> list[torch.Tensor]:
+    """Fake ``data, scale`` (``rows``) and ``data_t, scale_t`` (``cols``) of ``x`` (R, C)
+    (``gemm_padded``: R as ``_quantize_operand`` stores it for the native GEMMs)."""
     r, c = x.shape
-    nr, nc = -(-r // BLOCK), -(-c // BLOCK)
+    rq, rt = r, r
+    if gemm_padded and kind == "1x128":
+        rq, rt = _gemm_rows(r, False), _gemm_rows(r, True)
+    nr, nc = -(-rt // BLOCK), -(-c // BLOCK)
     out: list[torch.Tensor] = []
     if rows:
-        out.append(x.new_empty((r, c), dtype=dtype))
+        out.append(x.new_empty((rq, c), dtype=dtype))
         if kind == "1x128":
-            out.append(_outer_dim_major_scale(x, r, nc))
+            out.append(_outer_dim_major_scale(x, rq, nc))
         elif kind == "128x128":
             out.append(_scale_like(x, (nr, nc)))
         else:
             out.append(_scale_like(x, ()))
     if cols:
-        out.append(x.new_empty((c, r), dtype=dtype))
+        out.append(x.new_empty((c, rt), dtype=dtype))
         if kind == "1x128" and col_tiles:
             out.append(_scale_like(x, (nc, nr)))
         elif kind == "1x128":
@@ -280,14 +284,16 @@ def _linear(
 ):  # fmt: skip
     act_kind, w_kind = _kinds(tensorwise)
     x_t, x_t_tiles = _x_t_plan(tensorwise, wgrad_in_bf16, wgrad_x_tiles, need_w_grad)
-    xq = _quantize_operand(x, act_kind, fp8_dtype, True, x_t, None, 0, False, x_t_tiles, "auto")
+    xq = _quantize_operand(
+        x, act_kind, fp8_dtype, True, x_t, None, 0, False, x_t_tiles, "auto", gemm_padded=native
+    )
     wq = _quantize_operand(
         weight, w_kind, fp8_dtype, True, need_x_grad, None, 0, False, False, "auto"
     )
     out = _scaled_mm_nt(
         xq.data, xq.scale, act_kind, wq.data, wq.scale, w_kind,
         _gemm_out_dtype(x.dtype), native, bias,
-    ).to(x.dtype)  # fmt: skip
+    )[: x.shape[0]].to(x.dtype)  # fmt: skip
     empty_bytes = x.new_empty((0,), dtype=torch.uint8)
     empty_scale = x.new_empty((0,), dtype=torch.float32)
     saved = [
@@ -308,7 +314,9 @@ def _linear_fake(
     x_t, x_t_tiles = _x_t_plan(tensorwise, wgrad_in_bf16, wgrad_x_tiles, need_w_grad)
     out = x.new_empty((x.shape[0], weight.shape[0]))
     empty = [x.new_empty((0,), dtype=torch.uint8), x.new_empty((0,), dtype=torch.float32)]
-    saved_x = _fake_layouts(x, act_kind, torch.uint8, False, True, x_t_tiles) if x_t else empty
+    saved_x = (
+        _fake_layouts(x, act_kind, torch.uint8, False, True, x_t_tiles, native) if x_t else empty
+    )
     saved_w = (
         _fake_layouts(weight, w_kind, torch.uint8, False, True, False)
         if need_x_grad
@@ -380,7 +388,7 @@ def _linear_backward_impl(
     if need_x or fp8_wgrad or need_b:
         gq = _quantize_operand(
             grad_out, act_kind, grad_dtype, need_x, fp8_wgrad, stochastic_seed,
-            0 if sr_offset is None else sr_offset, need_b, False, "auto",
+            0 if sr_offset is None else sr_offset, need_b, False, "auto", gemm_padded=native,
         )  # fmt: skip
     x_dtype = grad_out.dtype
     grads = []
@@ -389,7 +397,7 @@ def _linear_backward_impl(
         grad_x = _scaled_mm_nt(
             gq.data, gq.scale, act_kind, w_t, w_t_scale, w_kind,
             _gemm_out_dtype(x_dtype), native, None,
-        )  # fmt: skip
+        )[: grad_out.shape[0]]  # fmt: skip
         grads.append(grad_x.to(x_dtype))
     if need_w:
         if fp8_wgrad:

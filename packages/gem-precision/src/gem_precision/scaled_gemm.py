@@ -22,7 +22,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from gem_precision.blockwise import dequantize_operand
+from gem_precision.blockwise import _GEMM_K_MULTIPLE, _GEMM_ROWS_MULTIPLE, dequantize_operand
 from gem_precision.mx import MXTensor, dequantize_mx
 
 __all__ = [
@@ -88,10 +88,6 @@ def _native_shape_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0
 
 
-_K_BLOCKS_MULTIPLE = 4
-_ROWS_MULTIPLE = 4
-
-
 def _pad_data(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """FP8 ``data`` zero-padded to (rows, cols) (through uint8: copies work for any torch)."""
     out = torch.zeros((rows, cols), dtype=torch.uint8, device=data.device)
@@ -115,7 +111,9 @@ def _pad_scale(scale: torch.Tensor, kind: str, rows: int, k_blocks: int) -> torc
 
 def _pad_for_block_scales(a_data, a_scale, a_kind, b_data, b_scale, b_kind):
     """Blockwise operands padded (zero data, unit scales: they add nothing) to what the H200's
-    cuBLAS handles, in one copy per operand.
+    cuBLAS handles, in one copy per operand that is not stored so already (the linear operators
+    quantise activations into padded layouts, ``_quantize_operand``'s ``gemm_padded``, and copy
+    only weights whose K needs it). An operand padded along K pads the other to its K.
 
     * K: K/128 a multiple of 4 (and K of 16). cuBLAS reads block scales as if the count of
       128-blocks along K were rounded up to a multiple of 4: with 2 blocks (K=256) the H200
@@ -127,18 +125,17 @@ def _pad_for_block_scales(a_data, a_scale, a_kind, b_data, b_scale, b_kind):
     """
     if not {a_kind, b_kind} & {"1x128", "128x128"}:
         return a_data, a_scale, b_data, b_scale
-    k = a_data.shape[1]
+    k = max(a_data.shape[1], b_data.shape[1])
     k_blocks = -(-k // 128)
-    padded_blocks = -(-k_blocks // _K_BLOCKS_MULTIPLE) * _K_BLOCKS_MULTIPLE
-    cols = k if padded_blocks == k_blocks and k % 16 == 0 else padded_blocks * 128
+    cols = k if k_blocks % 4 == 0 and k % 16 == 0 else -(-k // _GEMM_K_MULTIPLE) * _GEMM_K_MULTIPLE
     rows = a_data.shape[0]
     if a_kind == "1x128":
-        rows = -(-rows // _ROWS_MULTIPLE) * _ROWS_MULTIPLE
+        rows = -(-rows // _GEMM_ROWS_MULTIPLE) * _GEMM_ROWS_MULTIPLE
     scale_blocks = -(-cols // 128)
     if (rows, cols) != tuple(a_data.shape):
         a_data = _pad_data(a_data, rows, cols)
         a_scale = _pad_scale(a_scale, a_kind, rows, scale_blocks)
-    if cols != k:
+    if cols != b_data.shape[1]:
         b_data = _pad_data(b_data, b_data.shape[0], cols)
         b_scale = _pad_scale(b_scale, b_kind, b_data.shape[0], scale_blocks)
     return a_data, a_scale, b_data, b_scale
