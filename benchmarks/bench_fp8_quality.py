@@ -1,6 +1,7 @@
 """Model quality under FP8 GEMMs: eval NE of the GEM model trained with FP8 vs bf16 GEMMs.
 
-Every provider trains the same GEM model (recipe ``tiny`` architecture) from the same seed on
+Every provider trains the same GEM model (``--recipe``: ``tiny`` by default, ``h200`` for the
+GPU recipe's scale) from the same seed on
 the same synthetic data in the same order, for the same number of steps, and evaluates NE per
 task on the same held-out users. Only the numerics of the dense ``nn.Linear`` GEMMs differ
 (``TrainConfig.precision``, applied by gem-train through gem-precision):
@@ -58,7 +59,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from gem_train import apply_overrides, tiny
+from gem_train import RECIPES, apply_overrides, get_recipe
 from gem_train.cli import prepare_data
 from gem_train.trainer import Trainer
 from harness import ROOT, meta, write_results
@@ -94,6 +95,9 @@ TASKS = ("ctr", "cvr")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--recipe", default="tiny", choices=sorted(RECIPES), help="the model and data recipe"
+    )
     parser.add_argument("--steps", type=int, default=150, help="training steps per provider")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--num-train", type=int, default=40_000)
@@ -117,7 +121,7 @@ def main() -> None:
         "--providers",
         default=",".join(p for p in PROVIDERS if p not in _NOT_DEFAULT),
     )
-    parser.add_argument("--data-dir", default=str(ROOT / "data" / "fp8_quality"))
+    parser.add_argument("--data-dir", help="default: data/fp8_quality (tiny) or ..._<recipe>")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/cpu/fp8_quality.json"))
     parser.add_argument(
         "--device", default="cpu", help="cpu (emulated GEMMs) or cuda (native FP8 on Hopper)"
@@ -140,6 +144,9 @@ def main() -> None:
         "difference vs bf16)",
     )
     args = parser.parse_args()
+    if args.data_dir is None:
+        suffix = "" if args.recipe == "tiny" else f"_{args.recipe}"
+        args.data_dir = str(ROOT / "data" / f"fp8_quality{suffix}")
     if args.merge:
         rename = dict(pair.split("=", 1) for pair in args.rename if "=" in pair)
         if len(rename) != len(args.rename):
@@ -177,7 +184,8 @@ def main() -> None:
         f"device={args.device}",
         f"seed={args.seed}",
     ]
-    train_data, eval_data = prepare_data(apply_overrides(tiny(), base).data, progress=False)
+    recipe = get_recipe(args.recipe)
+    train_data, eval_data = prepare_data(apply_overrides(recipe, base).data, progress=False)
     if not providers:  # --providers "": only generate the data (before parallel runs)
         return
     rows: list[dict] = []
@@ -185,7 +193,7 @@ def main() -> None:
     converted: dict[str, int] = {}
     for provider in providers:
         config = apply_overrides(
-            tiny(),
+            get_recipe(args.recipe),
             [
                 *base,
                 f"output_dir=runs/fp8_quality/seed{args.seed}/{provider}",
@@ -269,7 +277,7 @@ def main() -> None:
         num_train=args.num_train,
         num_eval=args.num_eval,
         threads=args.threads,
-        architecture="recipe tiny (embedding_dim 32, 1 sequence layer, 2 DHEN layers)",
+        recipe=args.recipe,
         converted_linears=converted,
         emulation=(
             "CPU: FP8 and bf16 GEMMs are emulated (operands quantized/rounded, float32 matmul "
@@ -301,6 +309,7 @@ def run_seeds(args: argparse.Namespace, seeds: list[int], providers: list[str]) 
     then one merged file. The data is generated once, before the runs start."""
     script = str(Path(__file__).resolve())
     common = [
+        f"--recipe={args.recipe}",
         f"--steps={args.steps}",
         f"--batch-size={args.batch_size}",
         f"--num-train={args.num_train}",
