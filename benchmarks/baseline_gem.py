@@ -66,6 +66,7 @@ from gem_model.dhen import DHENLayer
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.utils.checkpoint import checkpoint
 from torchrec import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
@@ -523,9 +524,19 @@ def _select_keys(features: KeyedJaggedTensor, keys: list[str]) -> KeyedJaggedTen
 class BaselineGem(nn.Module):
     """GemModel in plain PyTorch (see the module docstring for how to benchmark it)."""
 
-    def __init__(self, config: GemModelConfig, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        config: GemModelConfig,
+        device: torch.device | None = None,
+        *,
+        checkpoint_layers: bool = False,
+    ) -> None:
         super().__init__()
         self.config = config
+        # Each self-attention layer under torch.utils.checkpoint (non-reentrant): what a user
+        # does when the activations do not fit (the FP8 shape of bench_train); the layers'
+        # inputs are kept and everything inside is recomputed in the backward.
+        self.checkpoint_layers = checkpoint_layers
         arch = config.architecture
         dim = arch.embedding_dim
         use_sequence = config.use_sequence_tower
@@ -736,7 +747,10 @@ class BaselineGem(nn.Module):
                 padded_positions = F.pad(positions, (0, rows - total))
                 rope = (self.rope_cos[padded_positions], self.rope_sin[padded_positions])
             for layer in self.sequence_layers:
-                tokens = layer(tokens, block_mask, rope)
+                if self.checkpoint_layers:
+                    tokens = checkpoint(layer, tokens, block_mask, rope, use_reentrant=False)
+                else:
+                    tokens = layer(tokens, block_mask, rope)
         tokens = tokens[:total]
         if self.history_cross is not None:
             features = torch.stack([*feature_tokens, candidate], dim=1)

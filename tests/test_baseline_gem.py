@@ -176,3 +176,29 @@ def test_compiles_with_one_graph_break_and_one_recompile():
     breaks = counters["graph_break"]
     assert len(breaks) == 1 and "BaselineGem.embed" in next(iter(breaks)), breaks
     assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_checkpointed_layers_recompute_in_the_backward_and_give_the_same_step():
+    """``checkpoint_layers``: each self-attention layer runs again in the backward (its
+    activations were not kept), with the eager and the compiled step unchanged. (RoPE: eager
+    FlexAttention on the CPU, which torch does not support for training, gives a wrong
+    ``score_mod`` bias gradient when recomputed; compiled it is right.)"""
+    gem, baseline = _models("v1")
+    baseline.checkpoint_layers = True
+    calls = []
+    hooks = [
+        layer.register_forward_pre_hook(lambda module, args: calls.append(module))
+        for layer in baseline.sequence_layers
+    ]
+    inputs = make_inputs(LENGTHS, torch.Generator().manual_seed(6))
+    weights = torch.ones(len(LENGTHS), 2)
+    expected = _step(gem, inputs, weights)
+    _assert_same_step(expected, _step(baseline, inputs, weights))
+    assert len(calls) == 2 * len(baseline.sequence_layers)  # forward, then the recompute
+    for hook in hooks:  # a side effect inside the checkpointed region would break the graph
+        hook.remove()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(baseline, backend="aot_eager")
+    _assert_same_step(expected, _step(baseline, inputs, weights, call=compiled))
+    assert len(counters["graph_break"]) == 1
