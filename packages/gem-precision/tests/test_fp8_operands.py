@@ -313,3 +313,40 @@ def test_cuda_kernel_bit_exact(in_dtype):
         want = finite.double().sum(0)
         bound = 1e-6 * finite.double().abs().sum(0) + 1e-3
         assert bool(((got.col_sum.cpu().double() - want).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("rows,cols", [(37, 256), (301, 336), (640, 512)])
+@pytest.mark.parametrize("layouts", ["rows", "both", "col_tiles"])
+def test_gemm_padded_layouts(backend, rows, cols, layouts):
+    """``gemm_padded`` (what the linear operators quantise activations with for cuBLAS):
+    ``data`` (rows to a multiple of 4, columns to a GEMM K) and ``data_t`` (columns to a
+    multiple of 512) hold the unpadded layouts' bits, zeros in the pad and unit scales for the
+    pad blocks; the pad rows of ``data`` are left unwritten."""
+    from gem_precision.blockwise import _quantize_operand
+
+    x = special_input(rows, cols, finite=True)
+    t, tiles = layouts != "rows", layouts == "col_tiles"
+    args = (x, "1x128", torch.float8_e4m3fn, True, t, None, 0, False, tiles, backend)
+    ref = _quantize_operand(*args)
+    got = _quantize_operand(*args, gemm_padded=True)
+    rq, rt, cq = -(-rows // 4) * 4, -(-rows // 512) * 512, 512
+    nc, nr = -(-cols // 128), -(-rows // 128)
+    assert got.data.shape == (rq, cq) and got.scale.shape == (rq, cq // 128)
+    assert got.scale.stride() == (1, rq)  # outer-dim-major, as _scaled_mm reads it
+    assert same(got.data[:rows, :cols], ref.data)
+    assert not got.data[:rows, cols:].view(torch.uint8).any()
+    assert torch.equal(got.scale[:rows, :nc], ref.scale)
+    assert bool((got.scale[:rows, nc:] == 1).all())
+    if not t:
+        assert got.data_t is None
+        return
+    assert got.data_t.shape == (cols, rt)
+    assert same(got.data_t[:, :rows], ref.data_t)
+    assert not got.data_t[:, rows:].view(torch.uint8).any()
+    assert torch.equal(got.scale_t[:, :nr], ref.scale_t)
+    assert bool((got.scale_t[:, nr:] == 1).all())
+    if tiles:
+        assert got.scale_t.shape == (nc, rt // 128) and got.scale_t.is_contiguous()
+    else:
+        assert got.scale_t.shape == (cols, rt // 128) and got.scale_t.stride() == (1, cols)

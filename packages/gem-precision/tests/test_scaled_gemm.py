@@ -186,22 +186,28 @@ def test_sm90_any_token_count_runs_all_three_gemms_natively(monkeypatch, fake_na
 
 
 @pytest.mark.parametrize("tokens", [301, 1000])
-@pytest.mark.parametrize("fused_norm", [False, True], ids=["linear", "norm_linear"])
+@pytest.mark.parametrize(
+    "fused_norm,features",
+    [(False, (512, 1024)), (False, (336, 688)), (True, (512, 1024)), (True, (512, 688))],
+    ids=["linear", "linear_ragged_k", "norm_linear", "norm_linear_ragged_n"],
+)
 def test_sm90_activations_are_quantised_into_the_gemm_layouts(
-    monkeypatch, fake_native, fused_norm, tokens
+    monkeypatch, fake_native, fused_norm, features, tokens
 ):
     """The activation operands (x, normed x, dy, and their transposes along the tokens) are
-    written by the quantise kernels with the rows cuBLAS takes (M a multiple of 4, the wgrad's
-    K of 512), so no GEMM copies an operand to pad it (at K = 512 and 1024 no weight needs it
-    either), and the results equal the emulation's."""
+    written by the quantise kernels with the rows and columns cuBLAS takes (M a multiple of 4,
+    K of 4 blocks of 128: the wgrad's token count, and 336 / 688 features), so no GEMM copies
+    one to pad it; only a weight whose K needs it is copied. The results equal the
+    emulation's."""
     from gem_precision import Fp8NormLinear
     from gem_precision import scaled_gemm as gemm_mod
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the fused norm's kernels
     torch.manual_seed(5)
-    emulated = Fp8NormLinear(512, 1024, norm="layer") if fused_norm else Fp8Linear(512, 1024)
+    n_in, n_out = features
+    emulated = Fp8NormLinear(n_in, n_out, norm="layer") if fused_norm else Fp8Linear(n_in, n_out)
     native = copy.deepcopy(emulated)
-    x, grad = torch.randn(tokens, 512), torch.randn(tokens, 1024)
+    x, grad = torch.randn(tokens, n_in), torch.randn(tokens, n_out)
 
     def run(layer):
         xi = x.clone().requires_grad_(True)
@@ -212,12 +218,15 @@ def test_sm90_activations_are_quantised_into_the_gemm_layouts(
     pads = []
     pad_data = gemm_mod._pad_data
     monkeypatch.setattr(
-        gemm_mod, "_pad_data", lambda data, *shape: pads.append(shape) or pad_data(data, *shape)
+        gemm_mod,
+        "_pad_data",
+        lambda data, *shape: pads.append(data.shape) or pad_data(data, *shape),
     )
     monkeypatch.setattr(linear_mod, "gemm_backend", lambda device: "sm90")
     got = run(native)
     assert native._fused(x)[0] if fused_norm else True
-    assert len(fake_native.calls) == 3 and pads == []
+    assert len(fake_native.calls) == 3
+    assert all(shape in ((n_out, n_in), (n_in, n_out)) for shape in pads), pads  # weights only
     for g, w in zip(got, want, strict=True):
         assert float((g.float() - w).norm() / w.norm()) < 4e-3
 

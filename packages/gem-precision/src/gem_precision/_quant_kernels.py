@@ -529,6 +529,7 @@ def blockwise_tile_kernel(
     RQ,
     RT,
     C,
+    CQ,
     stride_xr,
     EMAX: tl.constexpr,
     MAX_NORMAL: tl.constexpr,
@@ -559,9 +560,9 @@ def blockwise_tile_kernel(
     tensorwise, exponent read from ``exp_ptr``): ``q`` (R, C) with scales ``s`` stored
     (C/BLOCK, R), ``qt`` (C, R) = x.T with 1xBLOCK blocks along R, scales ``st`` stored
     (R/BLOCK_R, C); ``COLSUM``: per-program column sums of ``x`` in ``cs`` (R/BLOCK_R, C).
-    ``RQ`` and ``RT`` (>= R) are the rows the outputs are stored with: ``q`` (RQ, C), ``s``
-    (C/BLOCK, RQ), ``qt`` (C, RT), ``st`` (RT/BLOCK_R, C) or (C/BLOCK, RT/BLOCK_R); rows from R
-    on are not written. One
+    ``RQ``, ``RT`` (>= R) and ``CQ`` (>= C) are the rows and columns the outputs are stored with:
+    ``q`` (RQ, CQ), ``s`` (CQ/BLOCK, RQ), ``qt`` (C, RT), ``st`` (RT/BLOCK_R, C) or (C/BLOCK,
+    RT/BLOCK_R); rows from R and columns from C on are not written. One
     integer max per direction gives the block maximum and the non-finite flag
     (:func:`_abs_bits`), and ``EVEN`` (R % BLOCK_R == 0 and
     C % BLOCK == 0) drops the masks. Both block maxima are reduced before the row layout is
@@ -631,7 +632,7 @@ def blockwise_tile_kernel(
         else:
             e_r = _exponent_from_bits(row_bits, EMAX, MIN_EXP, MAX_EXP)
             q = x * _pow2(-e_r)[:, None]
-        offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+        offs = rows[:, None].to(tl.int64) * CQ + cols[None, :]
         _to_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS, MAX_NORMAL, EVEN)
         if not FIXED:
             s_offs = pid_c.to(tl.int64) * RQ + rows

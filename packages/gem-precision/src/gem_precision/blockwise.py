@@ -50,6 +50,14 @@ def _gemm_rows(rows: int, transposed: bool) -> int:
     return -(-rows // multiple) * multiple
 
 
+def _gemm_k(k: int) -> int:
+    """The K of a native block-scaled GEMM: ``k`` when its 128-blocks are a multiple of 4 and
+    it is one of 16, else the next multiple of 512."""
+    if -(-k // 128) % 4 == 0 and k % 16 == 0:
+        return k
+    return -(-k // _GEMM_K_MULTIPLE) * _GEMM_K_MULTIPLE
+
+
 def _tile_shape(x: torch.Tensor, block_shape: tuple[int, int] | None) -> tuple[int, int]:
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
@@ -421,35 +429,37 @@ def _quantize_operand(
     ``gem_precision::quantize_operand`` operator, and what the linear operators call.
 
     ``gemm_padded`` (``"1x128"`` only; the linear operators' native GEMMs): the layouts are
-    stored with :func:`_gemm_rows` rows, so cuBLAS takes them as they are: ``data`` (RQ, C) and
-    its scales with rows from R on unwritten (they only make output rows that are cut off),
-    ``data_t`` (C, RT) with zeros from column R on and unit scales for the blocks past R (they
-    add nothing to a wgrad). The GEMMs then copy no operand (``_pad_for_block_scales``)."""
+    stored with :func:`_gemm_rows` rows and :func:`_gemm_k` columns, so cuBLAS takes them as
+    they are: ``data`` (RQ, CQ) with zeros from column C on and unit scales for the blocks past
+    C (they add nothing), its rows from R on unwritten (they only make output rows that are cut
+    off); ``data_t`` (C, RT) with zeros from column R on and unit scales for the blocks past R.
+    The GEMMs then copy no activation operand (``_pad_for_block_scales``)."""
     from gem_precision import _triton
 
-    r = x.shape[0]
+    r, c = x.shape
     padded = gemm_padded and kind == "1x128"
-    rq, rt = (_gemm_rows(r, False), _gemm_rows(r, True)) if padded else (r, r)
+    rq, rt, cq = (_gemm_rows(r, False), _gemm_rows(r, True), _gemm_k(c)) if padded else (r, r, c)
     use_triton = backend == "triton" or (
         backend == "auto" and stochastic_seed is None and _triton.can_run(x)
     )
     if use_triton:
         return _quantize_operand_triton(
-            x, kind, dtype, rows, cols, col_sum, col_tiles, config, rq, rt
+            x, kind, dtype, rows, cols, col_sum, col_tiles, config, rq, rt, cq
         )
     out = _quantize_operand_torch(x, kind, dtype, rows, cols, stochastic_seed, offset, col_tiles)
     if col_sum:
         out.col_sum = x.sum(0, dtype=torch.float32)
-    return _pad_rows(out, r, rq, rt) if padded else out
+    return _pad_layouts(out, r, c, rq, rt, cq) if padded else out
 
 
-def _pad_rows(op: Fp8Operand, r: int, rq: int, rt: int) -> Fp8Operand:
-    """A 1x128 operand of ``r`` rows stored with ``rq`` rows in ``data`` and ``rt`` in ``data_t``,
-    as the Triton kernels write them with ``gemm_padded`` (the pad of ``data`` here zero): a
-    copy, on the PyTorch path only."""
-    if op.data is not None and rq > r:  # scale (R, C/128), strides (1, R)
-        op.data = F.pad(op.data.view(torch.uint8), (0, 0, 0, rq - r)).view(op.data.dtype)
-        op.scale = F.pad(op.scale.t(), (0, rq - r), value=1.0).t()
+def _pad_layouts(op: Fp8Operand, r: int, c: int, rq: int, rt: int, cq: int) -> Fp8Operand:
+    """A 1x128 operand of ``x`` (r, c) stored as the Triton kernels write it with
+    ``gemm_padded``: ``data`` (rq, cq), ``data_t`` (c, rt) (the pad rows of ``data`` here zero):
+    a copy, on the PyTorch path only."""
+    if op.data is not None and (rq, cq) != (r, c):  # scale (R, C/128), strides (1, R)
+        op.data = F.pad(op.data.view(torch.uint8), (0, cq - c, 0, rq - r)).view(op.data.dtype)
+        blocks = -(-cq // BLOCK) - op.scale.shape[1]
+        op.scale = F.pad(op.scale.t(), (0, rq - r, 0, blocks), value=1.0).t()
     if op.data_t is not None and rt > r:
         op.data_t = F.pad(op.data_t.view(torch.uint8), (0, rt - r)).view(op.data_t.dtype)
         blocks = rt // BLOCK - op.scale_t.shape[1]
@@ -522,10 +532,11 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _quantize_operand_triton(
-    x, kind, dtype, rows, cols, col_sum, col_tiles, config: OperandKernelConfig, rq=None, rt=None
+    x, kind, dtype, rows, cols, col_sum, col_tiles, config: OperandKernelConfig, *padded
 ) -> Fp8Operand:
-    """``rq`` / ``rt``: the rows ``data`` / ``data_t`` of a 1x128 kind are stored with (None:
-    those of ``x``), see ``_quantize_operand``'s ``gemm_padded``."""
+    """``padded``: ``(rq, rt, cq)``, the rows ``data`` / ``data_t`` and the columns ``data`` of
+    a 1x128 kind are stored with (default: those of ``x``), see ``_quantize_operand``'s
+    ``gemm_padded``."""
     from gem_precision import _triton
 
     if kind == "tensorwise" and cols:
@@ -546,17 +557,20 @@ def _quantize_operand_triton(
     if kind != "128x128" and not cols:
         block_r = config.rows_only_block_r
     nr, nc = -(-r // block_r), -(-c // BLOCK)
-    rq, rt = rq or r, rt or r
+    rq, rt, cq = padded or (r, r, c)
     dev = x.device
     soft = _triton.soft_fp8(x)
     out = Fp8Operand(kind=kind)
-    q = torch.empty((rq, c), dtype=dtype, device=dev) if rows else None
+    q = torch.empty((rq, cq), dtype=dtype, device=dev) if rows else None
     qt = torch.empty((c, rt), dtype=dtype, device=dev) if cols else None
     dummy = torch.empty(1, dtype=torch.float32, device=dev)
     s = st = exp = dummy
     col_tiles = col_tiles and cols
     if kind == "1x128":
-        s = torch.empty((nc, rq), dtype=torch.float32, device=dev) if rows else dummy
+        s = torch.empty((-(-cq // BLOCK), rq), dtype=torch.float32, device=dev) if rows else dummy
+        if rows and cq > c:  # the pad columns: zero data, unit scales
+            q[:, c:].view(torch.uint8).zero_()
+            s[nc:] = 1.0
         if cols:
             nrt = -(-rt // block_r)
             shape = (nc, nrt) if col_tiles else (nrt, c)
@@ -591,6 +605,7 @@ def _quantize_operand_triton(
         rq,
         rt,
         c,
+        cq,
         x.stride(0),
     )
     common = dict(

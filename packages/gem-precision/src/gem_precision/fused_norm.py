@@ -246,6 +246,7 @@ def _normed_transposed_operand(
         r,
         rt,
         c,
+        c,
         x.stride(0),
     )
     # 1x128 blocks of x.T: the warps of quantize_operand's tile kernel for both 1x128 layouts.

@@ -64,7 +64,7 @@ from collections.abc import Sequence
 import torch
 from gem_kernels.library import OperatorLibrary
 
-from gem_precision.blockwise import BLOCK, Fp8Operand, _gemm_rows, _quantize_operand
+from gem_precision.blockwise import BLOCK, Fp8Operand, _gemm_k, _gemm_rows, _quantize_operand
 from gem_precision.mx import MXTensor, quantize_mx
 from gem_precision.scaled_gemm import _gemm_out_dtype, _scaled_mm_nt, mx_scaled_mm_nt
 
@@ -152,15 +152,15 @@ def _fake_layouts(x, kind, dtype, rows, cols, col_tiles, gemm_padded=False) -> l
     """Fake ``data, scale`` (``rows``) and ``data_t, scale_t`` (``cols``) of ``x`` (R, C)
     (``gemm_padded``: R as ``_quantize_operand`` stores it for the native GEMMs)."""
     r, c = x.shape
-    rq, rt = r, r
+    rq, rt, cq = r, r, c
     if gemm_padded and kind == "1x128":
-        rq, rt = _gemm_rows(r, False), _gemm_rows(r, True)
+        rq, rt, cq = _gemm_rows(r, False), _gemm_rows(r, True), _gemm_k(c)
     nr, nc = -(-rt // BLOCK), -(-c // BLOCK)
     out: list[torch.Tensor] = []
     if rows:
-        out.append(x.new_empty((rq, c), dtype=dtype))
+        out.append(x.new_empty((rq, cq), dtype=dtype))
         if kind == "1x128":
-            out.append(_outer_dim_major_scale(x, rq, nc))
+            out.append(_outer_dim_major_scale(x, rq, -(-cq // BLOCK)))
         elif kind == "128x128":
             out.append(_scale_like(x, (nr, nc)))
         else:

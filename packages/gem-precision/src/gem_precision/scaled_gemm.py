@@ -22,7 +22,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from gem_precision.blockwise import _GEMM_K_MULTIPLE, _GEMM_ROWS_MULTIPLE, dequantize_operand
+from gem_precision.blockwise import _GEMM_ROWS_MULTIPLE, _gemm_k, dequantize_operand
 from gem_precision.mx import MXTensor, dequantize_mx
 
 __all__ = [
@@ -125,9 +125,7 @@ def _pad_for_block_scales(a_data, a_scale, a_kind, b_data, b_scale, b_kind):
     """
     if not {a_kind, b_kind} & {"1x128", "128x128"}:
         return a_data, a_scale, b_data, b_scale
-    k = max(a_data.shape[1], b_data.shape[1])
-    k_blocks = -(-k // 128)
-    cols = k if k_blocks % 4 == 0 and k % 16 == 0 else -(-k // _GEMM_K_MULTIPLE) * _GEMM_K_MULTIPLE
+    cols = _gemm_k(max(a_data.shape[1], b_data.shape[1]))
     rows = a_data.shape[0]
     if a_kind == "1x128":
         rows = -(-rows // _GEMM_ROWS_MULTIPLE) * _GEMM_ROWS_MULTIPLE
