@@ -300,7 +300,8 @@ def main() -> None:
                 if global_budget:
                     extra["activation_memory_budget"] = memory_budget
                 if provider == "baseline":
-                    extra["checkpointed_layers"] = config.model.num_sequence_layers * fp8_shape
+                    layers = config.model.num_sequence_layers if fp8_shape else 0
+                    extra["checkpointed_layers"] = layers
                 else:
                     extra["checkpointed_regions"] = len(trainer.checkpointed)
                     split = trainer.clock.take()

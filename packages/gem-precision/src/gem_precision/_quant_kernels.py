@@ -718,6 +718,7 @@ def norm_quantize_kernel(
     R,
     RQ,
     C,
+    CQ,
     stride_xr,
     eps,
     EMAX: tl.constexpr,
@@ -738,8 +739,8 @@ def norm_quantize_kernel(
 ):
     """Normalise ``ROWS`` full rows and write them as FP8 with one scale per 1xGROUP block.
 
-    Scales go to ``s`` stored (C/GROUP, RQ), RQ >= R the rows ``q`` and ``s`` are stored with
-    (from R on not written); ``mean`` (LayerNorm only) and ``rstd`` per row.
+    ``q`` is stored (RQ, CQ) and its scales ``s`` (CQ/GROUP, RQ), RQ >= R and CQ >= C (rows
+    from R and columns from C on not written); ``mean`` (LayerNorm only) and ``rstd`` per row.
     ``EVEN`` (C == BLOCK_C and R % ROWS == 0) drops the masks.
     """
     pid = tl.program_id(0)
@@ -776,7 +777,7 @@ def norm_quantize_kernel(
     y3 = tl.reshape(y, (ROWS, NG, GROUP))
     e = _exponent_from_bits(_rmax(_abs_bits(y3), axis=2), EMAX, MIN_EXP, MAX_EXP)
     q = tl.reshape(y3 * _pow2(-e)[:, :, None], (ROWS, BLOCK_C))
-    offs = rows[:, None].to(tl.int64) * C + cols[None, :]
+    offs = rows[:, None].to(tl.int64) * CQ + cols[None, :]
     _to_fp8(q_ptr + offs, q, mask, SOFT, MBITS, BIAS, MAX_NORMAL, EVEN)
     groups = tl.arange(0, NG)
     s_offs = groups[None, :].to(tl.int64) * RQ + rows[:, None]

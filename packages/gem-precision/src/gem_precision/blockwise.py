@@ -58,6 +58,34 @@ def _gemm_k(k: int) -> int:
     return -(-k // _GEMM_K_MULTIPLE) * _GEMM_K_MULTIPLE
 
 
+def _row_outputs(r, c, rq, cq, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 1x128 row layout the quantise kernels write into: ``q`` (rq, cq) and its scales
+    stored (cq/128, rq), columns from ``c`` on zero with unit scales (they add nothing to a
+    GEMM); the kernels write rows below ``r``, rows from ``r`` on only make cut-off outputs."""
+    q = torch.empty((rq, cq), dtype=dtype, device=device)
+    s = torch.empty((-(-cq // BLOCK), rq), dtype=torch.float32, device=device)
+    if cq > c:
+        q[:, c:].view(torch.uint8).zero_()
+        s[-(-c // BLOCK) :] = 1.0
+    return q, s
+
+
+def _transposed_outputs(
+    r, c, rt, block_r, col_tiles, dtype, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout of ``x.T`` the tile kernel writes into: ``qt`` (c, rt) and its scales, stored
+    (rt/block_r, c) (1x128 blocks) or (c/128, rt/block_r) (``col_tiles``), columns from ``r`` on
+    zero with unit scales (they add nothing to a wgrad)."""
+    qt = torch.empty((c, rt), dtype=dtype, device=device)
+    nr, nrt = -(-r // block_r), -(-rt // block_r)
+    shape = (-(-c // BLOCK), nrt) if col_tiles else (nrt, c)
+    st = torch.empty(shape, dtype=torch.float32, device=device)
+    if rt > r:
+        qt[:, r:].view(torch.uint8).zero_()
+        (st[:, nr:] if col_tiles else st[nr:]).fill_(1.0)
+    return qt, st
+
+
 def _tile_shape(x: torch.Tensor, block_shape: tuple[int, int] | None) -> tuple[int, int]:
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D, got shape {tuple(x.shape)}")
@@ -444,7 +472,7 @@ def _quantize_operand(
     )
     if use_triton:
         return _quantize_operand_triton(
-            x, kind, dtype, rows, cols, col_sum, col_tiles, config, rq, rt, cq
+            x, kind, dtype, rows, cols, col_sum, col_tiles, config, (rq, rt, cq)
         )
     out = _quantize_operand_torch(x, kind, dtype, rows, cols, stochastic_seed, offset, col_tiles)
     if col_sum:
@@ -532,10 +560,10 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _quantize_operand_triton(
-    x, kind, dtype, rows, cols, col_sum, col_tiles, config: OperandKernelConfig, *padded
+    x, kind, dtype, rows, cols, col_sum, col_tiles, config: OperandKernelConfig, padded=None
 ) -> Fp8Operand:
     """``padded``: ``(rq, rt, cq)``, the rows ``data`` / ``data_t`` and the columns ``data`` of
-    a 1x128 kind are stored with (default: those of ``x``), see ``_quantize_operand``'s
+    a 1x128 kind are stored with (None: those of ``x``), see ``_quantize_operand``'s
     ``gemm_padded``."""
     from gem_precision import _triton
 
@@ -561,23 +589,16 @@ def _quantize_operand_triton(
     dev = x.device
     soft = _triton.soft_fp8(x)
     out = Fp8Operand(kind=kind)
-    q = torch.empty((rq, cq), dtype=dtype, device=dev) if rows else None
-    qt = torch.empty((c, rt), dtype=dtype, device=dev) if cols else None
+    q = torch.empty((r, c), dtype=dtype, device=dev) if rows else None
+    qt = torch.empty((c, r), dtype=dtype, device=dev) if cols else None
     dummy = torch.empty(1, dtype=torch.float32, device=dev)
     s = st = exp = dummy
     col_tiles = col_tiles and cols
     if kind == "1x128":
-        s = torch.empty((-(-cq // BLOCK), rq), dtype=torch.float32, device=dev) if rows else dummy
-        if rows and cq > c:  # the pad columns: zero data, unit scales
-            q[:, c:].view(torch.uint8).zero_()
-            s[nc:] = 1.0
+        if rows:
+            q, s = _row_outputs(r, c, rq, cq, dtype, dev)
         if cols:
-            nrt = -(-rt // block_r)
-            shape = (nc, nrt) if col_tiles else (nrt, c)
-            st = torch.empty(shape, dtype=torch.float32, device=dev)
-            if rt > r:  # the pad of x.T: zero data, unit scales (the kernel writes r columns)
-                qt[:, r:].view(torch.uint8).zero_()
-                (st[:, nr:] if col_tiles else st[nr:]).fill_(1.0)
+            qt, st = _transposed_outputs(r, c, rt, block_r, col_tiles, dtype, dev)
     elif kind == "128x128":
         s = torch.empty((nr, nc), dtype=torch.float32, device=dev)
     else:

@@ -33,8 +33,11 @@ from gem_precision.blockwise import (
     _MIN_SCALE_EXP,
     BLOCK,
     Fp8Operand,
+    _gemm_k,
     _gemm_rows,
     _quantize_operand,
+    _row_outputs,
+    _transposed_outputs,
 )
 from gem_precision.linear import Fp8Linear, Fp8Recipe, _path, autocast_input, autocast_off
 from gem_precision.mx import MX_ELEMENT_DTYPES
@@ -155,9 +158,8 @@ def _norm_quantize(
     x = x if x.stride(1) == 1 else x.contiguous()
     dev = x.device
     soft = _triton.soft_fp8(x)
-    rq = _gemm_rows(r, False) if gemm_padded else r
-    q = torch.empty((rq, c), dtype=dtype, device=dev)
-    s = torch.empty((c // BLOCK, rq), dtype=torch.float32, device=dev)
+    rq, cq = (_gemm_rows(r, False), _gemm_k(c)) if gemm_padded else (r, c)
+    q, s = _row_outputs(r, c, rq, cq, dtype, dev)
     rstd = torch.empty(r, dtype=torch.float32, device=dev)
     mean = torch.empty(r, dtype=torch.float32, device=dev) if kind == "layer" else None
     dummy = torch.empty(1, dtype=torch.float32, device=dev)
@@ -176,6 +178,7 @@ def _norm_quantize(
             r,
             rq,
             c,
+            cq,
             x.stride(0),
             float(eps),
             **_triton.fp8_constexprs(dtype, soft),
@@ -204,12 +207,7 @@ def _normed_transposed_operand(
     dev = x.device
     soft = _triton.soft_fp8(x)
     rt = _gemm_rows(r, True) if gemm_padded else r
-    qt = torch.empty((c, rt), dtype=dtype, device=dev)
-    nr, nc, nrt = -(-r // BLOCK), -(-c // BLOCK), -(-rt // BLOCK)
-    st = torch.empty((nc, nrt) if col_tiles else (nrt, c), dtype=torch.float32, device=dev)
-    if rt > r:  # the pad: zero data, unit scales (the kernel writes the first r columns)
-        qt[:, r:].view(torch.uint8).zero_()
-        (st[:, nr:] if col_tiles else st[nr:]).fill_(1.0)
+    qt, st = _transposed_outputs(r, c, rt, BLOCK, col_tiles, dtype, dev)
     dummy = torch.empty(1, dtype=torch.float32, device=dev)
     x_arg, bf16_bits = _triton.float_arg(x, soft)
     grid = (-(-r // BLOCK), -(-c // BLOCK))

@@ -150,7 +150,8 @@ def _outer_dim_major_scale(x: torch.Tensor, rows, blocks) -> torch.Tensor:
 
 def _fake_layouts(x, kind, dtype, rows, cols, col_tiles, gemm_padded=False) -> list[torch.Tensor]:
     """Fake ``data, scale`` (``rows``) and ``data_t, scale_t`` (``cols``) of ``x`` (R, C)
-    (``gemm_padded``: R as ``_quantize_operand`` stores it for the native GEMMs)."""
+    (``gemm_padded``: rows and columns as ``_quantize_operand`` stores them for the native
+    GEMMs)."""
     r, c = x.shape
     rq, rt, cq = r, r, c
     if gemm_padded and kind == "1x128":

@@ -22,7 +22,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from gem_precision.blockwise import _GEMM_ROWS_MULTIPLE, _gemm_k, dequantize_operand
+from gem_precision.blockwise import _gemm_k, _gemm_rows, dequantize_operand
 from gem_precision.mx import MXTensor, dequantize_mx
 
 __all__ = [
@@ -126,9 +126,7 @@ def _pad_for_block_scales(a_data, a_scale, a_kind, b_data, b_scale, b_kind):
     if not {a_kind, b_kind} & {"1x128", "128x128"}:
         return a_data, a_scale, b_data, b_scale
     cols = _gemm_k(max(a_data.shape[1], b_data.shape[1]))
-    rows = a_data.shape[0]
-    if a_kind == "1x128":
-        rows = -(-rows // _GEMM_ROWS_MULTIPLE) * _GEMM_ROWS_MULTIPLE
+    rows = _gemm_rows(a_data.shape[0], False) if a_kind == "1x128" else a_data.shape[0]
     scale_blocks = -(-cols // 128)
     if (rows, cols) != tuple(a_data.shape):
         a_data = _pad_data(a_data, rows, cols)
