@@ -16,6 +16,7 @@ import torch
 from gem_train.cli import configure, prepare_data
 from gem_train.trainer import Trainer
 from torch.profiler import ProfilerActivity, profile
+from trace_kernels import summarise
 
 
 def main() -> None:
@@ -25,6 +26,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default=os.environ.get("OUT", "runs/profile"))
+    parser.add_argument(
+        "--stacks", type=int, default=0, help="also group ops by this many Python stack frames"
+    )
+    parser.add_argument("--no-trace", action="store_true", help="summarise, keep no trace.json")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -52,14 +57,28 @@ def main() -> None:
     step = (time.perf_counter() - t0) / args.steps
     print(f"step (no data wait) {step * 1e3:.1f} ms; split {trainer.clock.take()}", flush=True)
     host = [next(batches) for _ in range(3)]
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities, with_stack=args.stacks > 0) as prof:
         for b in host:
             trainer.train_step(b.to(trainer.device, non_blocking=True))
         torch.cuda.synchronize()
     prof.export_chrome_trace(str(out / "trace.json"))
+    summary = summarise(json.loads((out / "trace.json").read_text()), len(host), top=60)
+    if args.no_trace:
+        (out / "trace.json").unlink()
+    print(f"kernels: {summary['kernel_ms_per_step']:.1f} ms per step")
+    for label, ms in summary["by_kind_ms_per_step"].items():
+        print(f"  {label:14s} {ms:8.2f} ms")
+    for row in summary["top"]:
+        print(f"{row['ms_per_step']:8.2f} ms {row['calls_per_step']:6.0f}x  {row['kind']:12s} "
+              f"{row['name'][:110]}")  # fmt: skip
+    (out / "kernels.json").write_text(json.dumps(summary, indent=1) + "\n")
     averages = prof.key_averages()
-    print(averages.table(sort_by="cuda_time_total", row_limit=35, max_name_column_width=60))
-    print(averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+    print(averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
+    if args.stacks:
+        stacked = prof.key_averages(group_by_stack_n=args.stacks)
+        print(stacked.table(sort_by="self_device_time_total", row_limit=25,
+                            max_name_column_width=60, max_src_column_width=110))  # fmt: skip
     (out / "summary.json").write_text(json.dumps({"step_ms": step * 1e3}))
 
 
