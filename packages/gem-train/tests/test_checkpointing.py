@@ -6,7 +6,7 @@ import pytest
 import torch
 from gem_model import GemArchitecture
 from gem_train import Trainer
-from gem_train.checkpointing import RegionCost, choose_regions, measure_regions
+from gem_train.checkpointing import RegionCost, checkpoint_module, choose_regions, measure_regions
 from gem_train.cli import prepare_data
 
 GIB = 2**30
@@ -63,6 +63,46 @@ def test_measuring_keeps_no_region_activations_alive():
                             lambda: model(x))  # fmt: skip
     assert model.alive_during_second is False
     assert [c.freed_bytes for c in costs] == [8 * 64 * 4] * 2
+
+
+def test_a_checkpointed_module_compiles_into_one_graph():
+    """``module.compile()`` of a checkpointed module captures its forward (the recompute runs
+    in the compiled backward): no eager op of the region runs, and the gradients are those
+    of the module without checkpointing."""
+    from torch import nn
+    from torch._dynamo.utils import counters
+
+    class Region(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.norm = nn.Linear(16, 16), nn.LayerNorm(16)
+
+        def forward(self, x, *, scale):
+            return nn.functional.silu(self.norm(self.linear(x))) * scale
+
+    torch.manual_seed(0)
+    plain, checkpointed = Region(), Region()
+    checkpointed.load_state_dict(plain.state_dict())
+    checkpoint_module(checkpointed)
+    x = torch.randn(8, 16, requires_grad=True)
+    plain(x, scale=2.0).square().sum().backward()
+    want = [x.grad.clone(), *(p.grad.clone() for p in plain.parameters())]
+    torch.compiler.reset()
+    counters.clear()
+    checkpointed.compile()
+    checkpointed(x, scale=2.0).square().sum().backward()  # compiles
+    checkpointed.zero_grad()
+    x.grad = None
+    with torch.profiler.profile() as profile:
+        checkpointed(x, scale=2.0).square().sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+    eager = {e.key for e in profile.key_averages()} & {
+        "aten::silu", "aten::silu_backward", "aten::native_layer_norm"}  # fmt: skip
+    assert not eager, f"the checkpointed region ran eagerly: {eager}"
+    got = [x.grad, *(p.grad for p in checkpointed.parameters())]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
 
 
 @pytest.fixture

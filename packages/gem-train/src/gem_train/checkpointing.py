@@ -45,9 +45,19 @@ class RegionCost:
 
 
 def checkpoint_module(module: nn.Module) -> None:
-    """Runs ``module``'s forward under non-reentrant ``torch.utils.checkpoint`` from now on."""
+    """Runs ``module``'s forward under non-reentrant ``torch.utils.checkpoint`` from now on.
+
+    The wrapper is a plain function that calls ``checkpoint``: dynamo traces that call into
+    one graph (the recompute then happens inside the compiled backward). A
+    ``functools.partial(checkpoint, ...)`` as the forward is not traced: ``module.compile()``
+    then captured no graph and the region, with its recompute, ran eagerly."""
     forward = module.forward
-    module.forward = functools.partial(checkpoint, forward, use_reentrant=False)
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
