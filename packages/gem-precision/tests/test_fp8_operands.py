@@ -114,9 +114,11 @@ def test_kernel_config_rejects_bad_values(field, value, error):
 def test_packed_transpose(options, elem, in_dtype):
     # x.T stored as packed runs of rows: the reference bits on whole tiles (the packed path)
     # and on partial ones (the fallback); column sums as x.sum(0). float32 inputs are what a
-    # float32 model's layers quantize (the GEM quality runs).
+    # float32 model's layers quantize (the GEM quality runs). 300 and 301 rows: whole row
+    # tiles launched with the runs, the ragged last one masked in a launch of its own (301:
+    # x.T's rows are no whole int32 words, so no runs).
     config = OperandKernelConfig(**options)
-    for shape in ((384, 256), (200, 300)):
+    for shape in ((384, 256), (200, 300), (300, 256), (301, 256)):
         x = special_input(*shape, seed=7, dtype=in_dtype)
         finite = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0).to(x.dtype)
         for col_tiles in (False, True):
@@ -269,7 +271,8 @@ def test_cuda_l2_prefetch_bit_exact(per_sm):
     if per_sm is not None:
         names = ("prefetch_per_sm", "prefetch_per_sm_col_sum", "prefetch_per_sm_col_tiles")
         config = OperandKernelConfig(**dict.fromkeys(names, per_sm))
-    x = special_input(rows=128 * 300, cols=384, finite=True)
+    # 77 rows past the whole tiles: the tail launch, whose programs prefetch nothing.
+    x = special_input(rows=128 * 300 + 77, cols=384, finite=True)
     for col_sum, col_tiles in ((True, False), (False, False), (False, True)):
         if col_tiles and per_sm is None:
             continue  # no prefetch by default for x with tiles of x.T

@@ -531,6 +531,7 @@ def blockwise_tile_kernel(
     C,
     CQ,
     stride_xr,
+    ROW0,
     EMAX: tl.constexpr,
     MAX_NORMAL: tl.constexpr,
     MBITS: tl.constexpr,
@@ -564,8 +565,9 @@ def blockwise_tile_kernel(
     ``q`` (RQ, CQ), ``s`` (CQ/BLOCK, RQ), ``qt`` (C, RT), ``st`` (RT/BLOCK_R, C) or (C/BLOCK,
     RT/BLOCK_R); rows from R and columns from C on are not written. One
     integer max per direction gives the block maximum and the non-finite flag
-    (:func:`_abs_bits`), and ``EVEN`` (R % BLOCK_R == 0 and
-    C % BLOCK == 0) drops the masks. Both block maxima are reduced before the row layout is
+    (:func:`_abs_bits`), and ``EVEN`` (the launch covers whole tiles only) drops the masks.
+    ``ROW0``: the row tile of the launch's first program (``launch_tile_kernel`` launches the
+    whole tiles and a ragged last tile separately). Both block maxima are reduced before the row layout is
     written (the bits die sooner).
     ``COL_TILE``: ``qt`` gets one scale per BLOCK_R x BLOCK tile, ``st`` stored
     (C/BLOCK, R/BLOCK_R). The transposed tile is converted to FP8 first and transposed in
@@ -580,7 +582,7 @@ def blockwise_tile_kernel(
     ``RUN_ASM`` (with ``T_RUN``; compiled for sm_89+ only): each packed word of ``qt`` is made by
     inline PTX from its 4 float32 values (:func:`_store_fp8_t_runs`), same bits.
     """
-    pid_r = tl.program_id(0)
+    pid_r = tl.program_id(0) + ROW0
     pid_c = tl.program_id(1)
     if T_RUN > 0:
         # Tile position i holds row (i % GB) * T_RUN + i // GB: the rows a thread holds (GB

@@ -559,6 +559,32 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _launch_tile_kernel(x, args, block_r, options, whole_options) -> None:
+    """``blockwise_tile_kernel`` over ``x`` (R, C) with ``args`` (its pointer and size
+    arguments up to ``stride_xr``, ``qt`` fourth) and constexpr ``options``: the whole
+    ``block_r``-row tiles in one launch without masks (``EVEN``) and with ``whole_options``
+    (``T_RUN``, ``PREFETCH``, ``RUN_ASM``), the ragged last row tile in a second, masked one.
+    Jagged token counts are rarely a multiple of ``block_r``, and one masked launch over every
+    tile ran 1.4x slower (524289 x 1024 and x 5632 on the H200, both 1x128 layouts, with or
+    without column sums, against 524288 rows: docs/kernel-tuning.md)."""
+    from gem_precision import _triton
+
+    r, c = x.shape
+    nc = -(-c // BLOCK)
+    kernel = _triton.kernels(x).blockwise_tile_kernel
+    whole = r - r % block_r if c % BLOCK == 0 else 0
+    if whole:
+        whole_args = args
+        if whole_options["T_RUN"] and args[3].shape[-1] % 4 == 0:
+            whole_args = (*args[:3], args[3].view(torch.int32), *args[4:])
+        else:  # the runs are stored as int32 words of qt's rows
+            whole_options = dict(whole_options, T_RUN=0, RUN_ASM=False)
+        kernel[(whole // block_r, nc)](*whole_args, 0, **options, **whole_options, EVEN=True)
+    if whole < r:
+        tail = (-(-(r - whole) // block_r), nc)
+        kernel[tail](*args, whole // block_r, **options, EVEN=False)
+
+
 def _quantize_operand_triton(
     x, kind, dtype, rows, cols, col_sum, col_tiles, config: OperandKernelConfig, padded=None
 ) -> Fp8Operand:
@@ -650,31 +676,23 @@ def _quantize_operand_triton(
         if not cols:
             warps, t_run, prefetch_per_sm, run_asm = config.num_warps, 0, 0.0, False
         x_arg, bf16_bits = _triton.float_arg(x, soft)
-        even = r % block_r == 0 and c % BLOCK == 0
-        # Packed runs of x.T need whole tiles (no masks) and an int32 view of qt. Only for the
-        # H200-checked case: 1x128 blocks of bfloat16 x (the tensorwise kind with runs wrote a
-        # misordered data_t on the H200 with Triton 3.6, though bit-exact in the interpreter).
-        if not (even and kind == "1x128" and x.dtype == torch.bfloat16 and x.stride(0) % 16 == 0):
+        # Packed runs of x.T: only for the H200-checked case, 1x128 blocks of bfloat16 x (the
+        # tensorwise kind with runs wrote a misordered data_t on the H200 with Triton 3.6,
+        # though bit-exact in the interpreter).
+        if not (kind == "1x128" and x.dtype == torch.bfloat16 and x.stride(0) % 16 == 0):
             t_run = 0
-        if t_run:
-            outputs = (*outputs[:2], qt.view(torch.int32), *outputs[3:])
-        # L2 prefetch of a later program's tile: compiled (CUDA), whole tiles of bfloat16 x.
+        # L2 prefetch of a later program's tile: compiled (CUDA), bfloat16 x.
         prefetch = 0
-        if even and x.is_cuda and x.dtype == torch.bfloat16 and not bf16_bits:
+        if x.is_cuda and x.dtype == torch.bfloat16 and not bf16_bits:
             prefetch = _prefetch_distance(x, prefetch_per_sm)
         # PTX-packed runs: compiled for sm_89+ only.
         run_asm = bool(t_run) and run_asm and x.is_cuda and _capability(x.device) >= (8, 9)
-        _triton.kernels(x).blockwise_tile_kernel[(nr, nc)](
-            x_arg,
-            *outputs,
-            **common,
-            BF16_BITS=bf16_bits,
-            COL_TILE=col_tiles,
-            EVEN=even,
-            T_RUN=t_run,
-            PREFETCH=prefetch,
-            RUN_ASM=run_asm,
-            num_warps=warps,
+        _launch_tile_kernel(
+            x,
+            (x_arg, *outputs),
+            block_r,
+            dict(**common, BF16_BITS=bf16_bits, COL_TILE=col_tiles, num_warps=warps),
+            dict(T_RUN=t_run, PREFETCH=prefetch, RUN_ASM=run_asm),
         )
     elif x.numel():
         x_arg, bf16_bits = _triton.float_arg(x, soft)

@@ -35,6 +35,7 @@ from gem_precision.blockwise import (
     Fp8Operand,
     _gemm_k,
     _gemm_rows,
+    _launch_tile_kernel,
     _quantize_operand,
     _row_outputs,
     _transposed_outputs,
@@ -210,7 +211,6 @@ def _normed_transposed_operand(
     qt, st = _transposed_outputs(r, c, rt, BLOCK, col_tiles, dtype, dev)
     dummy = torch.empty(1, dtype=torch.float32, device=dev)
     x_arg, bf16_bits = _triton.float_arg(x, soft)
-    grid = (-(-r // BLOCK), -(-c // BLOCK))
     common = dict(
         **_triton.fp8_constexprs(dtype, soft),
         MIN_EXP=_MIN_SCALE_EXP,
@@ -249,12 +249,9 @@ def _normed_transposed_operand(
     )
     # 1x128 blocks of x.T: the warps of quantize_operand's tile kernel for both 1x128 layouts.
     warps = _NORM_OPTIONS["xt_warps"] if col_tiles else _DEFAULT_OPERAND_CONFIG.tile_warps
-    _triton.kernels(x).blockwise_tile_kernel[grid](
-        *args,
-        **common,
-        COL_TILE=col_tiles,
-        EVEN=r % BLOCK == 0 and c % BLOCK == 0,
-        num_warps=warps,
+    no_runs = dict(T_RUN=0, PREFETCH=0, RUN_ASM=False)
+    _launch_tile_kernel(
+        x, args, BLOCK, dict(**common, COL_TILE=col_tiles, num_warps=warps), no_runs
     )
     if col_tiles:
         return Fp8Operand(kind="1x128", data_t=qt, scale_t=st, kind_t="128x128")
