@@ -7,6 +7,7 @@ under ``$OUT`` (or ``--out``). Uses only public APIs: the recipe, ``Trainer.trai
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import time
@@ -30,6 +31,12 @@ def main() -> None:
         "--stacks", type=int, default=0, help="also group ops by this many Python stack frames"
     )
     parser.add_argument("--no-trace", action="store_true", help="summarise, keep no trace.json")
+    parser.add_argument(
+        "--kernel-shapes",
+        default="",
+        help="also sum the kernels whose name holds this by the op that launched them and its "
+        "input shapes (records shapes)",
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -58,7 +65,8 @@ def main() -> None:
     print(f"step (no data wait) {step * 1e3:.1f} ms; split {trainer.clock.take()}", flush=True)
     host = [next(batches) for _ in range(3)]
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    with profile(activities=activities, with_stack=args.stacks > 0) as prof:
+    shapes = bool(args.kernel_shapes)
+    with profile(activities=activities, with_stack=args.stacks > 0, record_shapes=shapes) as prof:
         for b in host:
             trainer.train_step(b.to(trainer.device, non_blocking=True))
         torch.cuda.synchronize()
@@ -73,6 +81,17 @@ def main() -> None:
         print(f"{row['ms_per_step']:8.2f} ms {row['calls_per_step']:6.0f}x  {row['kind']:12s} "
               f"{row['name'][:110]}")  # fmt: skip
     (out / "kernels.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if shapes:
+        launched: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])
+        for event in prof.events():
+            for kernel in event.kernels:
+                if args.kernel_shapes in kernel.name:
+                    total = launched[(event.name, str(event.input_shapes[:2]))]
+                    total[0] += kernel.duration / 1e3 / len(host)
+                    total[1] += 1 / len(host)
+        print(f"{args.kernel_shapes} by launching op and its first two input shapes, per step:")
+        for (op, shape), (ms, calls) in sorted(launched.items(), key=lambda i: -i[1][0])[:40]:
+            print(f"{ms:8.2f} ms {calls:5.1f}x  {op[:50]:50s} {shape[:90]}")
     averages = prof.key_averages()
     print(averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
     if args.stacks:
