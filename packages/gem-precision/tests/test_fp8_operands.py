@@ -116,9 +116,10 @@ def test_packed_transpose(options, elem, in_dtype):
     # and on partial ones (the fallback); column sums as x.sum(0). float32 inputs are what a
     # float32 model's layers quantize (the GEM quality runs). 300 and 301 rows: whole row
     # tiles launched with the runs, the ragged last one masked in a launch of its own (301:
-    # x.T's rows are no whole int32 words, so no runs).
+    # x.T's rows are no whole int32 words, so no runs); 300 columns: the ragged last column of
+    # tiles in a launch of its own too.
     config = OperandKernelConfig(**options)
-    for shape in ((384, 256), (200, 300), (300, 256), (301, 256)):
+    for shape in ((384, 256), (200, 300), (300, 256), (301, 256), (384, 300)):
         x = special_input(*shape, seed=7, dtype=in_dtype)
         finite = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0).to(x.dtype)
         for col_tiles in (False, True):

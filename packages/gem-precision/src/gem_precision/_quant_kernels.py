@@ -532,6 +532,7 @@ def blockwise_tile_kernel(
     CQ,
     stride_xr,
     ROW0,
+    COL0,
     EMAX: tl.constexpr,
     MAX_NORMAL: tl.constexpr,
     MBITS: tl.constexpr,
@@ -566,8 +567,9 @@ def blockwise_tile_kernel(
     RT/BLOCK_R); rows from R and columns from C on are not written. One
     integer max per direction gives the block maximum and the non-finite flag
     (:func:`_abs_bits`), and ``EVEN`` (the launch covers whole tiles only) drops the masks.
-    ``ROW0``: the row tile of the launch's first program (``launch_tile_kernel`` launches the
-    whole tiles and a ragged last tile separately). Both block maxima are reduced before the row layout is
+    ``ROW0``, ``COL0``: the row and column tile of the launch's first program
+    (``blockwise._launch_tile_kernel`` launches the whole tiles and the ragged last row and
+    column of tiles separately). Both block maxima are reduced before the row layout is
     written (the bits die sooner).
     ``COL_TILE``: ``qt`` gets one scale per BLOCK_R x BLOCK tile, ``st`` stored
     (C/BLOCK, R/BLOCK_R). The transposed tile is converted to FP8 first and transposed in
@@ -583,7 +585,7 @@ def blockwise_tile_kernel(
     inline PTX from its 4 float32 values (:func:`_store_fp8_t_runs`), same bits.
     """
     pid_r = tl.program_id(0) + ROW0
-    pid_c = tl.program_id(1)
+    pid_c = tl.program_id(1) + COL0
     if T_RUN > 0:
         # Tile position i holds row (i % GB) * T_RUN + i // GB: the rows a thread holds (GB
         # apart in the tile) are consecutive in x. Any order gives the same bits.

@@ -562,27 +562,28 @@ def _sm_count(device: torch.device) -> int:
 def _launch_tile_kernel(x, args, block_r, options, whole_options) -> None:
     """``blockwise_tile_kernel`` over ``x`` (R, C) with ``args`` (its pointer and size
     arguments up to ``stride_xr``, ``qt`` fourth) and constexpr ``options``: the whole
-    ``block_r``-row tiles in one launch without masks (``EVEN``) and with ``whole_options``
-    (``T_RUN``, ``PREFETCH``, ``RUN_ASM``), the ragged last row tile in a second, masked one.
-    Jagged token counts are rarely a multiple of ``block_r``, and one masked launch over every
-    tile ran 1.4x slower (524289 x 1024 and x 5632 on the H200, both 1x128 layouts, with or
-    without column sums, against 524288 rows: docs/kernel-tuning.md)."""
+    ``block_r`` x ``BLOCK`` tiles in one launch without masks (``EVEN``) and with
+    ``whole_options`` (``T_RUN``, ``PREFETCH``, ``RUN_ASM``), then the ragged last row of tiles
+    and the ragged last column of tiles in masked launches of their own. Jagged token counts
+    are rarely a multiple of ``block_r`` (nor is SwiGLU's 8/3 width of ``BLOCK``), and one
+    masked launch over every tile ran 1.4x slower (524289 x 1024 and x 5632 on the H200, both
+    1x128 layouts, with or without column sums, against 524288 rows: docs/kernel-tuning.md)."""
     from gem_precision import _triton
 
     r, c = x.shape
-    nc = -(-c // BLOCK)
     kernel = _triton.kernels(x).blockwise_tile_kernel
-    whole = r - r % block_r if c % BLOCK == 0 else 0
-    if whole:
+    whole_r, whole_c = r // block_r, c // BLOCK
+    if whole_r and whole_c:
         whole_args = args
         if whole_options["T_RUN"] and args[3].shape[-1] % 4 == 0:
             whole_args = (*args[:3], args[3].view(torch.int32), *args[4:])
         else:  # the runs are stored as int32 words of qt's rows
             whole_options = dict(whole_options, T_RUN=0, RUN_ASM=False)
-        kernel[(whole // block_r, nc)](*whole_args, 0, **options, **whole_options, EVEN=True)
-    if whole < r:
-        tail = (-(-(r - whole) // block_r), nc)
-        kernel[tail](*args, whole // block_r, **options, EVEN=False)
+        kernel[(whole_r, whole_c)](*whole_args, 0, 0, **options, **whole_options, EVEN=True)
+    if r % block_r and whole_c:  # the last row of tiles, but its corner
+        kernel[(1, whole_c)](*args, whole_r, 0, **options, EVEN=False)
+    if c % BLOCK and r:  # the last column of tiles, with the corner
+        kernel[(-(-r // block_r), 1)](*args, 0, whole_c, **options, EVEN=False)
 
 
 def _quantize_operand_triton(
