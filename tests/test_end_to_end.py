@@ -170,8 +170,9 @@ with open(f"{out}/resharded{world}_rank{rank}.json", "w") as handle:
 )
 
 
-def _start(script: Path, tmp_path: Path, world_size: int) -> list[subprocess.Popen]:
-    """Starts ``world_size`` ranks of ``script`` the way torchrun would (env:// rendezvous)."""
+def _start(script: Path, tmp_path: Path, world_size: int, *args: str) -> list[subprocess.Popen]:
+    """Starts ``world_size`` ranks of ``script`` the way torchrun would (env:// rendezvous),
+    each with the arguments ``tmp_path`` and ``args``."""
     port = _free_port()
     processes = []
     for rank in range(world_size):
@@ -186,7 +187,7 @@ def _start(script: Path, tmp_path: Path, world_size: int) -> list[subprocess.Pop
         )
         processes.append(
             subprocess.Popen(
-                [sys.executable, str(script), str(tmp_path)],
+                [sys.executable, str(script), str(tmp_path), *args],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -196,9 +197,9 @@ def _start(script: Path, tmp_path: Path, world_size: int) -> list[subprocess.Pop
     return processes
 
 
-def _launch(script: Path, tmp_path: Path, world_size: int) -> None:
+def _launch(script: Path, tmp_path: Path, world_size: int, *args: str) -> None:
     """Runs ``world_size`` ranks of ``script`` and asserts that every one exits 0."""
-    processes = _start(script, tmp_path, world_size)
+    processes = _start(script, tmp_path, world_size, *args)
     outputs = [p.communicate(timeout=600)[0] for p in processes]
     for p, output in zip(processes, outputs, strict=True):
         assert p.returncode == 0, output[-3000:]

@@ -195,3 +195,64 @@ def test_fsdp_2x2_with_expert_parallelism_trains_like_one_process_and_resumes_ex
     for r in ranks:
         assert len(r["continued"]) == 3
         assert r["resumed"] == r["continued"]
+
+
+# The h200x8 recipe's layout on this job's ranks: dense FSDP2 in shards of world / 2 (two
+# replicas), DHEN's experts over 2 ranks, fully sharded 2D tables over 2 replicas. argv[2]:
+# 'train' (4 steps, evaluate, checkpoint) or 'resume' (the 8-rank checkpoint, evaluate).
+_H200X8_LAYOUT = """
+import json, sys
+import torch
+from gem_model import GemArchitecture
+from gem_train import DataConfig, TrainConfig, Trainer
+from gem_train.cli import prepare_data
+from gem_train.config import ParallelConfig
+from gem_train.trainer import init_distributed
+
+out, mode = sys.argv[1], sys.argv[2]
+rank, world = init_distributed(torch.device("cpu"))
+parallel = ParallelConfig(dense="fsdp", shard=world // 2, expert_parallel=2,
+                          sparse="fully_sharded_2d", sparse_replicas=2)
+config = TrainConfig(
+    data=DataConfig(directory=out + "/data", num_train=1024, num_eval=256, max_seq_len=32,
+                    num_shards=2, workers=1),
+    model=GemArchitecture(embedding_dim=16, num_heads=2, dhen_layers=2, expert_hidden_dim=32),
+    batch_size=16, max_steps=4, device="cpu", output_dir=out + "/run", parallel=parallel,
+)
+train, evaluation = prepare_data(config.data, progress=False)
+if mode == "train":
+    trainer = Trainer(config, train, output_dir=out + "/run")
+    trainer.fit(progress=False)
+    metrics = trainer.evaluate(evaluation)
+    trainer.save(out + "/run/checkpoints")
+else:
+    trainer = Trainer(config, train, output_dir=f"{out}/resumed{world}")
+    assert trainer.resume(out + "/run/checkpoints", allow_mesh_change=True)
+    metrics = trainer.evaluate(evaluation)
+layout = trainer.parallel.describe() + "; " + trainer.sparse_parallel.describe()
+result = {"metrics": metrics, "step": trainer.step, "layout": layout}
+json.dump(result, open(f"{out}/{mode}{world}_rank{rank}.json", "w"))
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_eight_rank_checkpoint_of_the_h200x8_layout_resumes_on_four_and_eight(tmp_path):
+    """Issue 28's checkpoint check on gloo ranks: 8 ranks in the h200x8 layout (FSDP2 2 x 4,
+    experts over 2, fully sharded 2D tables over 2 replicas) train and checkpoint; DCP
+    reshards the checkpoint onto 4 ranks (FSDP2 2 x 2) and back onto 8, and evaluation gives
+    the 8-rank metrics to within 1e-6."""
+    script = tmp_path / "layout.py"
+    script.write_text(_H200X8_LAYOUT)
+    _launch(script, tmp_path, 8, "train")
+    saved = json.loads((tmp_path / "train8_rank0.json").read_text())
+    assert "fsdp (replicate 2 x shard 4)" in saved["layout"]
+    assert "sparse fully_sharded_2d (2 replica(s) x model-parallel 4)" in saved["layout"]
+    for world in (4, 8):
+        _launch(script, tmp_path, world, "resume")
+        for rank in range(world):
+            loaded = json.loads((tmp_path / f"resume{world}_rank{rank}.json").read_text())
+            assert loaded["step"] == 4
+            assert f"shard {world // 2})" in loaded["layout"]
+            for key, value in saved["metrics"].items():
+                assert abs(loaded["metrics"][key] - value) < 1e-6, (world, rank, key)
