@@ -17,7 +17,7 @@ import torch
 from gem_train.cli import configure, prepare_data
 from gem_train.trainer import Trainer
 from torch.profiler import ProfilerActivity, profile
-from trace_kernels import summarise
+from trace_kernels import print_summary, summarise
 
 
 def main() -> None:
@@ -74,12 +74,7 @@ def main() -> None:
     summary = summarise(json.loads((out / "trace.json").read_text()), len(host), top=60)
     if args.no_trace:
         (out / "trace.json").unlink()
-    print(f"kernels: {summary['kernel_ms_per_step']:.1f} ms per step")
-    for label, ms in summary["by_kind_ms_per_step"].items():
-        print(f"  {label:14s} {ms:8.2f} ms")
-    for row in summary["top"]:
-        print(f"{row['ms_per_step']:8.2f} ms {row['calls_per_step']:6.0f}x  {row['kind']:12s} "
-              f"{row['name'][:110]}")  # fmt: skip
+    print_summary(summary)
     (out / "kernels.json").write_text(json.dumps(summary, indent=1) + "\n")
     if shapes:
         launched: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0.0, 0])

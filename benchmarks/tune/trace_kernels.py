@@ -47,6 +47,16 @@ def summarise(trace: dict, steps: int, top: int) -> dict:
     }
 
 
+def print_summary(summary: dict) -> None:
+    """The kernel milliseconds per step: the total, by kind, and the top kernels by name."""
+    print(f"kernels: {summary['kernel_ms_per_step']:.1f} ms per step")
+    for label, ms in summary["by_kind_ms_per_step"].items():
+        print(f"  {label:14s} {ms:8.2f} ms")
+    for row in summary["top"]:
+        print(f"{row['ms_per_step']:8.2f} ms {row['calls_per_step']:6.0f}x  {row['kind']:12s} "
+              f"{row['name'][:110]}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", type=Path)
@@ -55,12 +65,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the summary here")
     args = parser.parse_args()
     summary = summarise(json.loads(args.trace.read_text()), args.steps, args.top)
-    print(f"kernels: {summary['kernel_ms_per_step']:.1f} ms per step")
-    for label, ms in summary["by_kind_ms_per_step"].items():
-        print(f"  {label:14s} {ms:8.2f} ms")
-    for row in summary["top"]:
-        print(f"{row['ms_per_step']:8.2f} ms {row['calls_per_step']:6.0f}x  {row['kind']:12s} "
-              f"{row['name'][:110]}")  # fmt: skip
+    print_summary(summary)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")
 
