@@ -27,9 +27,6 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default=os.environ.get("OUT", "runs/profile"))
-    parser.add_argument(
-        "--stacks", type=int, default=0, help="also group ops by this many Python stack frames"
-    )
     parser.add_argument("--no-trace", action="store_true", help="summarise, keep no trace.json")
     parser.add_argument(
         "--kernel-shapes",
@@ -66,7 +63,7 @@ def main() -> None:
     host = [next(batches) for _ in range(3)]
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     shapes = bool(args.kernel_shapes)
-    with profile(activities=activities, with_stack=args.stacks > 0, record_shapes=shapes) as prof:
+    with profile(activities=activities, record_shapes=shapes) as prof:
         for b in host:
             trainer.train_step(b.to(trainer.device, non_blocking=True))
         torch.cuda.synchronize()
@@ -89,10 +86,6 @@ def main() -> None:
             print(f"{ms:8.2f} ms {calls:5.1f}x  {op[:50]:50s} {shape[:90]}")
     averages = prof.key_averages()
     print(averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
-    if args.stacks:
-        stacked = prof.key_averages(group_by_stack_n=args.stacks)
-        print(stacked.table(sort_by="self_device_time_total", row_limit=25,
-                            max_name_column_width=60, max_src_column_width=110))  # fmt: skip
     (out / "summary.json").write_text(json.dumps({"step_ms": step * 1e3}))
 
 
