@@ -261,10 +261,6 @@ def _fwd_inner(
         rel_next = _strip_load(
             rs_base, g0 - start_n, strip_offsets, num_buckets, start_n < end_n, STRIP_P, STRIP_W
         )
-    # FP8: inside the loop acc is kept in units of the current value tile's scale / 2^8, so P V
-    # accumulates into it in the MMA instead of in a second register tile; it enters and leaves
-    # in plain units. Exact while the value blocks' scales stay within 2^100 of each other.
-    v_unit = 1.0
     for start in range(start_n, end_n, BLOCK_N):
         jb_tile = jb_next
         rel_tile = rel_next
@@ -329,19 +325,15 @@ def _fwd_inner(
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
         if FP8:
-            # P in [0, 1] times 2^8 keeps 1 exact and the top binades at full E4M3 precision.
-            # The change of unit (value scales are powers of two: exact) rides on alpha.
-            tile_unit = tl.load(vs_base + start * num_heads) * 0.00390625
-            acc = acc * (alpha * (v_unit / tile_unit))[:, None]
-            acc = _dot(_to_e4m3(p * 256.0, v.dtype, UPCAST), v, acc, DOT_PRECISION, UPCAST)
-            v_unit = tile_unit
+            # P in [0, 1] times 2^8 keeps 1 exact and the top binades at full E4M3 precision;
+            # the product is rescaled by the value tile's scale / 2^8 (powers of two: exact).
+            pv = _dot(_to_e4m3(p * 256.0, v.dtype, UPCAST), v, None, DOT_PRECISION, UPCAST)
+            acc += pv * (tl.load(vs_base + start * num_heads) * 0.00390625)
         else:
-            acc = acc * alpha[:, None]
             acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
         m_i = m_new
-    if FP8:
-        acc = acc * v_unit
     return acc, l_i, m_i
 
 
@@ -720,9 +712,6 @@ def _dkdv_inner(
             jb_base + start_m * k_len64, tile_offsets, start_m + queries, q_len,
             start_m < end_m, MASKED,
         )  # fmt: skip
-    # FP8: inside the loop dv is kept in units of the current dO tile's scale / 2^8 (so P^T dO
-    # accumulates into it in the MMA); it enters and leaves in plain units.
-    do_unit = 1.0
     for start in range(start_m, end_m, BLOCK_M):
         jb_tile = jb_next
         rel_tile = rel_next
@@ -792,10 +781,8 @@ def _dkdv_inner(
                 mask=m_ok[:, None] & d_ok[None, :],
                 other=0.0,
             )
-            tile_unit = tl.load(dos_base + start * num_heads) * 0.00390625
-            dv = dv * (do_unit / tile_unit)
-            dv = _dot(_to_e4m3(p_t * 256.0, do8.dtype, UPCAST), do8, dv, DOT_PRECISION, UPCAST)
-            do_unit = tile_unit
+            pdo = _dot(_to_e4m3(p_t * 256.0, do8.dtype, UPCAST), do8, None, DOT_PRECISION, UPCAST)
+            dv += pdo * (tl.load(dos_base + start * num_heads) * 0.00390625)
         else:
             dv = _dot(p_t.to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
         dp_t = _dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST)
@@ -826,8 +813,6 @@ def _dkdv_inner(
                     rel_acc, ds_t, start, n0, shift, num_buckets, BLOCK_M, BLOCK_N, DIAG_W,
                     BUCKETS_PAD,
                 )  # fmt: skip
-    if FP8:
-        dv = dv * do_unit
     return dk, dv, rel_acc, rel_const_sum
 
 
