@@ -10,7 +10,8 @@ torchrec tables with their fused row-wise Adagrad:
   causal + window ``mask_mod``, GDPA as padded matmul + activation, ``nn.Linear``), bf16
   autocast, ``torch.compile`` of everything after the lookups, torchrec's DMP for the tables,
   fused AdamW for the dense parameters, as a capable user writes it;
-- ablations: ``gem-eager`` (no compile); at the FP8 shape ``gem-bf16`` (without FP8),
+- ablations: ``gem-eager`` (no compile), ``gem-fp8`` (FP8 linears, as the ``h200-large``
+  recipe; at the bf16 shapes); at the FP8 shape ``gem-bf16`` (without FP8),
   ``gem-full-ac`` (every region checkpointed) and ``gem-memory-budget`` (no region
   checkpointed, Inductor's one global budget instead), against the recipe's per-region choice.
 
@@ -223,7 +224,7 @@ def main() -> None:
     parser.add_argument(
         "--providers",
         nargs="+",
-        choices=[*DEFAULT_PROVIDERS, *FP8_SHAPE_ABLATIONS],
+        choices=[*DEFAULT_PROVIDERS, "gem-fp8", *FP8_SHAPE_ABLATIONS],
         help=f"default: {' '.join(DEFAULT_PROVIDERS)}, and {' '.join(FP8_SHAPE_ABLATIONS)} "
         "instead of gem-eager at the FP8 shape",
     )
@@ -260,8 +261,9 @@ def main() -> None:
         )
         for provider in providers:
             changes = {"compile": False} if provider == "gem-eager" else {}
-            if provider == "gem-bf16":
-                changes["precision"] = dataclasses.replace(config.precision, mode="bf16")
+            if provider in ("gem-bf16", "gem-fp8"):
+                mode = provider.removeprefix("gem-")
+                changes["precision"] = dataclasses.replace(config.precision, mode=mode)
             if provider == "gem-full-ac":
                 changes["activation_checkpointing"] = "full"
             global_budget = provider == "gem-memory-budget"
