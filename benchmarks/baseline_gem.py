@@ -347,6 +347,19 @@ class _NormLinear(nn.Module):
         return self.linear(normed)
 
 
+class _SequenceInput(nn.Module):
+    """History tokens: the summed id embeddings plus a recency embedding, layer-normalised."""
+
+    def __init__(self, max_len: int, dim: int) -> None:
+        super().__init__()
+        self.recency = nn.Embedding(max_len, dim)
+        nn.init.normal_(self.recency.weight, std=0.1)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, values: torch.Tensor, from_end: torch.Tensor) -> torch.Tensor:
+        return self.norm(values + self.recency(from_end))
+
+
 class _FeedForward(nn.Module):
     def __init__(self, dim: int, kind: str, dropout: float) -> None:
         super().__init__()
@@ -581,9 +594,7 @@ class BaselineGem(nn.Module):
                 ],
                 device=device,
             )
-            self.recency = nn.Embedding(config.max_seq_len, dim)
-            nn.init.normal_(self.recency.weight, std=0.1)
-            self.token_norm = nn.LayerNorm(dim)
+            self.sequence_input = _SequenceInput(config.max_seq_len, dim)
             attention_dtype = (
                 None if arch.attention_dtype == "auto" else getattr(torch, arch.attention_dtype)
             )
@@ -735,7 +746,7 @@ class BaselineGem(nn.Module):
         sample = doc[:total]
         from_end = offsets[1:][sample] - 1 - token_index  # recency: distance from the end
         positions = token_index - start[:total]  # index in the history (RoPE)
-        tokens = self.token_norm(values + self.recency(from_end))
+        tokens = self.sequence_input(values, from_end)
         tokens = F.pad(tokens, (0, 0, 0, rows - total))  # padding rows: a history of their own
         if self.sequence_layers:
             if block_mask is None:

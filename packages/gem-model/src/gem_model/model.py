@@ -61,6 +61,30 @@ def _select_keys(features: KeyedJaggedTensor, keys: list[str]) -> KeyedJaggedTen
     return features.permute([index[key] for key in keys])
 
 
+class SequenceInput(nn.Module):
+    """The history's tokens entering the sequence tower: each event's id embeddings (one per
+    sequence feature) summed, plus a learned embedding of its recency (the distance from the
+    end of its history), layer-normalised. A module of the ``sequence`` region, so the trainer
+    compiles these token-sized passes into one kernel each way instead of running them eagerly
+    between regions."""
+
+    def __init__(self, max_len: int, dim: int) -> None:
+        super().__init__()
+        self.recency = nn.Embedding(max_len, dim)
+        # On the scale of the id embeddings, so recency does not drown the item signal.
+        nn.init.normal_(self.recency.weight, std=0.1)
+        # Unit-scale tokens: raw id embeddings are tiny next to freshly initialised
+        # sublayer outputs, which would otherwise drown the history signal.
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, embeddings: list[torch.Tensor], from_end: torch.Tensor) -> torch.Tensor:
+        # A plain sum() would start from 0: one more pass over the (tokens, dim) float32 sum.
+        tokens = embeddings[0]
+        for embedding in embeddings[1:]:
+            tokens = tokens + embedding
+        return self.norm(tokens + self.recency(from_end))
+
+
 class GemModel(nn.Module):
     """GEM for CTR/CVR prediction.
 
@@ -136,12 +160,7 @@ class GemModel(nn.Module):
                 ],
                 device=table_device,
             )
-            self.recency = nn.Embedding(config.max_seq_len, dim)
-            # On the scale of the id embeddings, so recency does not drown the item signal.
-            nn.init.normal_(self.recency.weight, std=0.1)
-            # Unit-scale tokens: raw id embeddings are tiny next to freshly initialised
-            # sublayer outputs, which would otherwise drown the history signal.
-            self.token_norm = nn.LayerNorm(dim)
+            self.sequence_input = SequenceInput(config.max_seq_len, dim)
             attention_dtype = (
                 None if arch.attention_dtype == "auto" else getattr(torch, arch.attention_dtype)
             )
@@ -218,8 +237,9 @@ class GemModel(nn.Module):
         ``cross`` (the history x feature and the target cross-attention), ``pma``, ``dhen``
         (the dense projection and the DHEN layers) and ``heads``; the names of
         :class:`~gem_model.ModelFlops`' fields (``sequence`` is its ``sequence_attention`` +
-        ``sequence_dense``). Regions the architecture leaves out are empty lists. The glue
-        between them (token sums, recency, the norms between regions) belongs to no region.
+        ``sequence_dense``; it starts with the :class:`SequenceInput`). Regions the
+        architecture leaves out are empty lists. The glue between them (the history's index
+        arithmetic, the norms between regions) belongs to no region.
         """
         sequence = self.config.use_sequence_tower
         embeddings: list[nn.Module] = [self.sparse_embeddings]
@@ -228,7 +248,7 @@ class GemModel(nn.Module):
         cross = [self.history_cross, self.cross_attention] if sequence else []
         return {
             "embeddings": embeddings,
-            "sequence": list(self.sequence_layers) if sequence else [],
+            "sequence": [self.sequence_input, *self.sequence_layers] if sequence else [],
             "cross": [module for module in cross if module is not None],
             "pma": [self.pma] if sequence else [],
             "dhen": [
@@ -299,10 +319,8 @@ class GemModel(nn.Module):
         with _region_scope("embeddings"):
             embedded = self.sequence_embeddings(lookup)
         history = embedded[self.sequence_keys[0]]
-        # A plain sum() would start from 0: one more pass over the (tokens, dim) float32 sum.
-        tokens = history.values()
-        for key in self.sequence_keys[1:]:
-            tokens = tokens + embedded[key].values()
+        embeddings = [embedded[key].values() for key in self.sequence_keys]
+        tokens = embeddings[0]
         if host_offsets is None:
             # One device-to-host copy per step: the attention layers get this same tensor and
             # reuse its host copy (gem_kernels.host_offsets caches it).
@@ -340,7 +358,6 @@ class GemModel(nn.Module):
         token_index = torch.arange(tokens.shape[0], device=tokens.device)
         from_end = offsets[1:][sample_of_token] - 1 - token_index
         positions = token_index - offsets[:-1][sample_of_token]  # index in the history (RoPE)
-        tokens = self.token_norm(tokens + self.recency(from_end))
 
         # The candidate has exactly one id per sample; its embedding comes from the shared table.
         candidate_embedding = embedded[config.candidate_feature].values()
@@ -351,6 +368,8 @@ class GemModel(nn.Module):
         max_len = config.max_seq_len
         # The kernels take the host offsets: they plan from them and read no device offsets.
         with _region_scope("sequence"):
+            _any_token_count(*embeddings, from_end)
+            tokens = self.sequence_input(embeddings, from_end)
             for layer in self.sequence_layers:
                 _any_token_count(tokens, positions)
                 tokens = layer(tokens, host_offsets, max_len, positions)
