@@ -12,8 +12,9 @@ logits) with none of our kernels: no gem_kernels, no gem_precision. What replace
 * GDPA (history x feature cross, PMA, target attention): matmuls + the activation on
   histories padded to ``(B, L, ...)``, ``L = max_seq_len``; padded rows hold zeros, so they
   add nothing (``act(0) * 0``) and need no mask;
-* ``NormLinear``: ``F.layer_norm`` + ``nn.Linear``; the torchrec tables and DHEN (already
-  plain ``nn.Linear`` + SDPA) are the same modules as GemModel's.
+* ``NormLinear``: ``F.layer_norm`` + ``nn.Linear``; the torchrec tables, DHEN (already
+  plain ``nn.Linear`` + SDPA) and ``SequenceInput`` (token sum + recency + LayerNorm) are the
+  same modules as GemModel's.
 
 How a benchmark runs it (H200, the same batches and optimizer as our stack)::
 
@@ -63,6 +64,7 @@ import math
 import torch
 from gem_model.config import GemModelConfig
 from gem_model.dhen import DHENLayer
+from gem_model.model import SequenceInput
 from torch import nn
 from torch.nn import functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -347,19 +349,6 @@ class _NormLinear(nn.Module):
         return self.linear(normed)
 
 
-class _SequenceInput(nn.Module):
-    """History tokens: the summed id embeddings plus a recency embedding, layer-normalised."""
-
-    def __init__(self, max_len: int, dim: int) -> None:
-        super().__init__()
-        self.recency = nn.Embedding(max_len, dim)
-        nn.init.normal_(self.recency.weight, std=0.1)
-        self.norm = nn.LayerNorm(dim)
-
-    def forward(self, values: torch.Tensor, from_end: torch.Tensor) -> torch.Tensor:
-        return self.norm(values + self.recency(from_end))
-
-
 class _FeedForward(nn.Module):
     def __init__(self, dim: int, kind: str, dropout: float) -> None:
         super().__init__()
@@ -594,7 +583,7 @@ class BaselineGem(nn.Module):
                 ],
                 device=device,
             )
-            self.sequence_input = _SequenceInput(config.max_seq_len, dim)
+            self.sequence_input = SequenceInput(config.max_seq_len, dim)
             attention_dtype = (
                 None if arch.attention_dtype == "auto" else getattr(torch, arch.attention_dtype)
             )
@@ -738,15 +727,14 @@ class BaselineGem(nn.Module):
         arch = config.architecture
         max_len = config.max_seq_len if max_len is None else max_len
         offsets = offsets.to(torch.int64)
-        values = sum(history)
-        total = values.shape[0]
+        total = history[0].shape[0]
         rows = padded_length(total)
         doc, start = _documents(offsets, rows)
-        token_index = torch.arange(total, device=values.device, dtype=offsets.dtype)
+        token_index = torch.arange(total, device=history[0].device, dtype=offsets.dtype)
         sample = doc[:total]
         from_end = offsets[1:][sample] - 1 - token_index  # recency: distance from the end
         positions = token_index - start[:total]  # index in the history (RoPE)
-        tokens = self.sequence_input(values, from_end)
+        tokens = self.sequence_input(history, from_end)
         tokens = F.pad(tokens, (0, 0, 0, rows - total))  # padding rows: a history of their own
         if self.sequence_layers:
             if block_mask is None:

@@ -320,7 +320,7 @@ class GemModel(nn.Module):
             embedded = self.sequence_embeddings(lookup)
         history = embedded[self.sequence_keys[0]]
         embeddings = [embedded[key].values() for key in self.sequence_keys]
-        tokens = embeddings[0]
+        events = embeddings[0]  # one row per history event
         if host_offsets is None:
             # One device-to-host copy per step: the attention layers get this same tensor and
             # reuse its host copy (gem_kernels.host_offsets caches it).
@@ -328,7 +328,7 @@ class GemModel(nn.Module):
         else:
             if not isinstance(host_offsets, torch.Tensor):
                 host_offsets = torch.tensor(host_offsets, dtype=torch.int64)
-                if tokens.is_cuda:  # the upload below then queues without blocking the host
+                if events.is_cuda:  # the upload below then queues without blocking the host
                     host_offsets = host_offsets.pin_memory()
             expected = (history.lengths().shape[0] + 1,)
             if host_offsets.device.type != "cpu" or host_offsets.shape != expected:
@@ -337,11 +337,11 @@ class GemModel(nn.Module):
                     f"the CPU, got shape {tuple(host_offsets.shape)} on {host_offsets.device}"
                 )
             # Dtype, start, order and total (remembered for the kernels' own checks).
-            validate_offsets(host_offsets, "sequence_offsets", num_rows=tokens.shape[0])
+            validate_offsets(host_offsets, "sequence_offsets", num_rows=events.shape[0])
             # The host copy is the one source of the split into histories (the lookups are per
             # id, so the tokens do not depend on it): the model's own index arithmetic reads
             # this upload of it, which queues behind the step's work instead of waiting for it.
-            offsets = host_offsets.to(tokens.device, non_blocking=True)
+            offsets = host_offsets.to(events.device, non_blocking=True)
         host_lengths = host_offsets_of(host_offsets).diff()
         if host_lengths.numel() and int(host_lengths.max()) > config.max_seq_len:
             raise ValueError(
@@ -353,9 +353,9 @@ class GemModel(nn.Module):
         sample_of_token = torch.repeat_interleave(
             torch.arange(lengths.numel(), device=lengths.device),
             lengths,
-            output_size=tokens.shape[0],  # known: no host sync
+            output_size=events.shape[0],  # known: no host sync
         )
-        token_index = torch.arange(tokens.shape[0], device=tokens.device)
+        token_index = torch.arange(events.shape[0], device=events.device)
         from_end = offsets[1:][sample_of_token] - 1 - token_index
         positions = token_index - offsets[:-1][sample_of_token]  # index in the history (RoPE)
 
