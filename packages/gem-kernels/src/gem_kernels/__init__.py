@@ -17,6 +17,7 @@ from gem_kernels.attention import (
     gdpa,
     jagged_flash_attention,
     rope,
+    swiglu,
 )
 from gem_kernels.jagged import (
     host_offsets,
@@ -40,5 +41,6 @@ __all__ = [
     "offsets_to_lengths",
     "rope",
     "rope_tables",
+    "swiglu",
     "validate_offsets",
 ]

@@ -39,6 +39,7 @@ __all__ = [
     "gdpa",
     "jagged_flash_attention",
     "rope",
+    "swiglu",
 ]
 
 #: Accepted values of ``jagged_flash_attention(backend=...)``.
@@ -61,6 +62,7 @@ _JFA_OP = torch.ops.gem_kernels.jagged_flash_attention.default
 _GDPA_OP = torch.ops.gem_kernels.gdpa.default
 _BLOCK_OP = torch.ops.gem_kernels.block_attention.default
 _ROPE_OP = torch.ops.gem_kernels.rope.default
+_SWIGLU_OP = torch.ops.gem_kernels.swiglu.default
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _FLOAT_DTYPE_NAMES = "float16, bfloat16, float32 or float64"
@@ -514,3 +516,34 @@ def rope(
             raise ValueError(f"{name} is on {tensor.device} but x is on {x.device}")
     _check_backend(backend, ops.BACKENDS)
     return _ROPE_OP(x, positions, cos, sin, False, backend)
+
+
+def swiglu(hidden: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """SwiGLU's gate after a fused up projection: ``silu(gate) * value`` of the two halves
+    ``(gate, value) = hidden.chunk(2, dim=-1)``, the FFN of the sequence layers.
+
+    Args:
+        hidden: ``(..., 2H)``, the last dimension even.
+        backend: ``"auto"`` (default): one Triton kernel each way for CUDA float16/bfloat16
+            ``hidden``, the PyTorch reference otherwise; ``"triton"``: the kernels or a
+            ``ValueError`` saying why they cannot run (CPU tensors only under
+            ``TRITON_INTERPRET=1``); ``"reference"``: always
+            :func:`gem_kernels.reference.swiglu_reference`.
+
+    Returns:
+        ``(..., H)`` in hidden's dtype, computed in float32 and rounded once. The gradient is one
+        kernel that writes both halves of hidden's gradient from one read of the gate, the
+        value and the output gradient.
+    """
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
+    if hidden.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"hidden must have dtype {_FLOAT_DTYPE_NAMES}, got {hidden.dtype}")
+    if hidden.dim() < 1 or hidden.shape[-1] % 2 != 0:
+        raise ValueError(
+            f"hidden's last dimension must be even (gate and value halves), got shape "
+            f"{tuple(hidden.shape)}"
+        )
+    _check_backend(backend, ops.BACKENDS)
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    return _SWIGLU_OP(rows, backend).view(*hidden.shape[:-1], hidden.shape[-1] // 2)

@@ -28,6 +28,8 @@ positions, block_size, rope_theta, scale, backend)``
 ``rope(x, positions, cos, sin, inverse, backend)``           ``(T, H, D)``, contiguous; its
                                                             gradient is ``rope`` with
                                                             ``not inverse``
+``swiglu(hidden, backend)``                                  ``(T, H)`` of ``(T, 2H)``
+``swiglu_backward(grad_out, hidden, backend)``               ``(T, 2H)``
 ==========================================================  =====================================
 
 (exact schemas: ``_*_SCHEMA`` below). Arguments mean what they mean in the public functions,
@@ -116,6 +118,9 @@ _BLOCK_BACKWARD_SCHEMA = (
 _ROPE_SCHEMA = (
     "(Tensor x, Tensor positions, Tensor cos, Tensor sin, bool inverse, str backend) -> Tensor"
 )
+
+_SWIGLU_SCHEMA = "(Tensor hidden, str backend) -> Tensor"
+_SWIGLU_BACKWARD_SCHEMA = "(Tensor grad_out, Tensor hidden, str backend) -> Tensor"
 
 _LIBRARY = OperatorLibrary("gem_kernels")
 _operator, _fake, _autograd = _LIBRARY.operator, _LIBRARY.fake, _LIBRARY.autograd
@@ -605,3 +610,53 @@ def _rope_backward(ctx, grad_out):
 
 
 _autograd("rope", _rope_backward, _rope_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# SwiGLU's gate.
+
+
+def _swiglu_triton(backend: str, hidden: torch.Tensor) -> ModuleType | None:
+    return _triton_module(
+        backend, hidden, "swiglu_triton", lambda m: m.triton_unsupported_reason(hidden)
+    )
+
+
+@_operator("swiglu", _SWIGLU_SCHEMA)
+def _swiglu(hidden, backend):
+    triton = _swiglu_triton(backend, hidden)
+    if triton is not None:
+        return triton.swiglu(hidden)
+    return reference.swiglu_reference(hidden)
+
+
+@_fake("swiglu")
+def _swiglu_fake(hidden, backend):
+    return hidden.new_empty((hidden.shape[0], hidden.shape[1] // 2))
+
+
+@_operator("swiglu_backward", _SWIGLU_BACKWARD_SCHEMA)
+def _swiglu_backward_impl(grad_out, hidden, backend):
+    triton = _swiglu_triton(backend, hidden)
+    if triton is not None:
+        return triton.swiglu_backward(grad_out, hidden)
+    return reference.swiglu_backward_reference(grad_out, hidden)
+
+
+@_fake("swiglu_backward")
+def _swiglu_backward_fake(grad_out, hidden, backend):
+    return hidden.new_empty(hidden.shape)
+
+
+def _swiglu_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.backend = inputs[1]
+
+
+def _swiglu_grad(ctx, grad_out):
+    (hidden,) = ctx.saved_tensors
+    return torch.ops.gem_kernels.swiglu_backward(grad_out, hidden, ctx.backend), None
+
+
+_autograd("swiglu", _swiglu_grad, _swiglu_setup_context)
+_once_differentiable("swiglu_backward")

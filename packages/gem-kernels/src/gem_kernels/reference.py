@@ -59,6 +59,8 @@ __all__ = [
     "jagged_flash_attention_reference",
     "quantize_fp8_blocks",
     "rel_pos_bucket",
+    "swiglu_backward_reference",
+    "swiglu_reference",
     "track_score_elements",
 ]
 
@@ -240,6 +242,24 @@ def apply_rope(
 
 # ---------------------------------------------------------------------------------------------
 # The bucketed jagged attention engine shared by all three functions.
+
+
+def swiglu_reference(hidden: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate on ``(T, 2H)`` rows: ``silu(gate) * value`` of the halves
+    ``(gate, value)``, computed in :func:`compute_dtype` and rounded once to hidden's dtype."""
+    gate, value = hidden.to(compute_dtype(hidden.dtype)).chunk(2, dim=-1)
+    return (gate * torch.sigmoid(gate) * value).to(hidden.dtype)
+
+
+def swiglu_backward_reference(grad_out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The ``(T, 2H)`` gradient of :func:`swiglu_reference` for ``grad_out`` ``(T, H)``:
+    ``(grad * value * s * (1 + gate * (1 - s)), grad * gate * s)`` with ``s = sigmoid(gate)``."""
+    dtype = compute_dtype(hidden.dtype)
+    gate, value = hidden.to(dtype).chunk(2, dim=-1)
+    grad = grad_out.to(dtype)
+    sig = torch.sigmoid(gate)
+    d_gate = grad * value * sig * (1.0 + gate * (1.0 - sig))
+    return torch.cat([d_gate, grad * gate * sig], dim=-1).to(hidden.dtype)
 
 
 def _padded_lengths(lengths: torch.Tensor) -> torch.Tensor:

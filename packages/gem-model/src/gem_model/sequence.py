@@ -10,7 +10,7 @@ FP8, it becomes the fused norm -> quantise ``Fp8NormLinear``.
 from __future__ import annotations
 
 import torch
-from gem_kernels import block_attention, gdpa, jagged_flash_attention, rope, rope_tables
+from gem_kernels import block_attention, gdpa, jagged_flash_attention, rope, rope_tables, swiglu
 from gem_precision import NormLinear
 from torch import nn
 from torch.nn import functional as F
@@ -60,11 +60,9 @@ class _FeedForward(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         hidden = self.up(tokens)
-        if self.kind == "gelu":
-            hidden = F.gelu(hidden)
-        else:
-            gate, value = hidden.chunk(2, dim=-1)
-            hidden = F.silu(gate) * value
+        # SwiGLU: one kernel each way on the GPU; Inductor's backward of the unfused form reads
+        # the gate and the output gradient twice (gem_kernels.swiglu_triton says where).
+        hidden = F.gelu(hidden) if self.kind == "gelu" else swiglu(hidden)
         return self.down(self.dropout(hidden))
 
 

@@ -1,0 +1,71 @@
+"""Triton SwiGLU gate: ``silu(gate) * value`` of the two halves of an up projection's rows, and
+its gradient, each one pass over memory.
+
+Inductor compiles SwiGLU's backward (the gradient of ``chunk`` is a concatenation) into one
+kernel over the ``(T, 2H)`` gradient that loads the gate and the output gradient once for each
+half, at 2.3 TB/s on the H200 at the h200 recipe's shape
+(``benchmarks/results/h200/tuning/train_d512_profile.json``). This backward reads the gate,
+the value and the output gradient once and writes both halves from the same program. The
+public, validating entry point is :func:`gem_kernels.swiglu`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from gem_kernels import _triton_host as host
+from gem_kernels.triton_loader import load_kernel_module
+
+__all__ = ["swiglu", "swiglu_backward", "triton_unsupported_reason"]
+
+# A (32, 128) tile: every row load is whole 128-byte lines at 16-bit, and a training batch
+# (hundreds of thousands of rows) gives hundreds of thousands of programs.
+_BLOCK_R, _BLOCK_C = 32, 128
+
+_KERNEL_FILE = Path(__file__).with_name("_swiglu_kernels.py")
+
+
+def _kernels(interpret: bool) -> ModuleType:
+    return load_kernel_module(_KERNEL_FILE, interpret)
+
+
+def triton_unsupported_reason(hidden: torch.Tensor) -> str | None:
+    """Why the kernels cannot run on ``hidden`` ``(T, 2H)``, or ``None`` when they can: float16,
+    bfloat16 or float32 on CUDA (or any device under ``TRITON_INTERPRET=1``)."""
+    # Any width: the head-dimension limit of the attention kernels does not apply.
+    return host.unsupported_reason(hidden.unsqueeze(1), max_head_dim=hidden.shape[1])
+
+
+def _grid(rows: int, width: int) -> tuple[int, int]:
+    return -(-rows // _BLOCK_R), -(-width // _BLOCK_C)
+
+
+def swiglu(hidden: torch.Tensor) -> torch.Tensor:
+    """``(T, 2H)`` -> ``(T, H)`` contiguous, in hidden's dtype (validated by the caller)."""
+    interpret = host.interpret_for(hidden)
+    hidden = host.unit_stride(hidden)
+    rows, width = hidden.shape[0], hidden.shape[1] // 2
+    out = torch.empty((rows, width), dtype=hidden.dtype, device=hidden.device)
+    if rows and width:
+        _kernels(interpret).swiglu_fwd_kernel[_grid(rows, width)](
+            hidden, out, rows, width, hidden.stride(0), out.stride(0),
+            BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def swiglu_backward(grad_out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The ``(T, 2H)`` gradient of ``hidden`` from ``grad_out`` ``(T, H)``, in hidden's dtype."""
+    interpret = host.interpret_for(hidden)
+    hidden, grad_out = host.unit_stride(hidden), host.unit_stride(grad_out)
+    rows, width = hidden.shape[0], hidden.shape[1] // 2
+    grad = torch.empty((rows, 2 * width), dtype=hidden.dtype, device=hidden.device)
+    if rows and width:
+        _kernels(interpret).swiglu_bwd_kernel[_grid(rows, width)](
+            hidden, grad_out, grad, rows, width, hidden.stride(0), grad_out.stride(0),
+            grad.stride(0), BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=4,
+        )  # fmt: skip
+    return grad
