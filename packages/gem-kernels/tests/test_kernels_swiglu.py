@@ -113,15 +113,20 @@ def test_triton_backend_on_cpu_without_interpreter_says_why(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_matches_float64_within_half_an_ulp(dtype):
-    """On the GPU the cast rounds to nearest: half an ulp of the exact result, at a training
-    shape (rows past a tile, a width off the 128-column tile)."""
+def test_gpu_rounds_once_to_nearest(dtype):
+    """On the GPU the cast rounds to nearest: within half an ulp of the exact result, plus the
+    float32 rounding of the terms (the gate's gradient cancels near gate = -1.28), at a
+    training shape (rows past a tile, a width off the 128-column tile)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     hidden = torch.randn(70_001, 2 * 1376, generator=gen, device="cuda").to(dtype)
     grad = torch.randn(70_001, 1376, generator=gen, device="cuda").to(dtype)
     want, want_grad = _oracle(hidden, grad)
     got = swiglu(hidden).double()
     got_grad = torch.ops.gem_kernels.swiglu_backward(grad, hidden, "auto").double()
-    for result, exact in ((got, want), (got_grad, want_grad)):
+    gate, value = hidden.double().chunk(2, dim=-1)
+    g = grad.double()
+    terms = (gate * value).abs(), torch.cat([g * value * (1 + gate.abs()), g * gate], -1).abs()
+    for result, exact, size in ((got, want, terms[0]), (got_grad, want_grad, terms[1])):
         half_ulp = 0.5 * torch.finfo(dtype).eps * exact.abs().clamp(min=torch.finfo(dtype).tiny)
-        assert ((result - exact).abs() <= half_ulp * 1.01 + 1e-30).all()
+        float32_error = 4 * torch.finfo(torch.float32).eps * size
+        assert ((result - exact).abs() <= half_ulp + float32_error).all()
