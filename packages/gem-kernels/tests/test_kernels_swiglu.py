@@ -75,14 +75,10 @@ def test_triton_and_reference_agree_in_float32(interpret):
     gen = torch.Generator().manual_seed(9)
     hidden = torch.randn(33, 2 * 130, generator=gen) * 4  # saturating sigmoids too
     grad = torch.randn(33, 130, generator=gen)
-    for backend_args in ((hidden,), (grad, hidden)):
-        op = (
-            torch.ops.gem_kernels.swiglu
-            if len(backend_args) == 1
-            else (torch.ops.gem_kernels.swiglu_backward)
-        )
+    ops = torch.ops.gem_kernels
+    for op, args in ((ops.swiglu, (hidden,)), (ops.swiglu_backward, (grad, hidden))):
         torch.testing.assert_close(
-            op(*backend_args, "triton"), op(*backend_args, "reference"), atol=1e-6, rtol=1e-6
+            op(*args, "triton"), op(*args, "reference"), atol=1e-6, rtol=1e-6
         )
 
 

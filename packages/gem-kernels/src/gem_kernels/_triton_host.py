@@ -77,17 +77,18 @@ class TunedConfig(NamedTuple):
 
 
 def unsupported_reason(
-    q: torch.Tensor, max_head_dim: int, *kernel_reasons: str | None
+    q: torch.Tensor, max_head_dim: int | None, *kernel_reasons: str | None
 ) -> str | None:
     """Why a Triton kernel cannot run on ``q`` (T, H, D), or ``None`` when it can.
 
-    Checks, in this order: dtype, head dim up to ``max_head_dim``, the kernel's own
+    Checks, in this order: dtype, head dim up to ``max_head_dim`` (``None``: no head
+    dimension, any shape), the kernel's own
     ``kernel_reasons`` (the first that is not ``None`` wins), then the device (CUDA, or any device
     with ``TRITON_INTERPRET=1``) and whether triton imports.
     """
     if q.dtype not in TRITON_DTYPES:
         return f"dtype {q.dtype} is not supported by the Triton kernels (float16/bfloat16/float32)"
-    if q.shape[2] > max_head_dim:
+    if max_head_dim is not None and q.shape[2] > max_head_dim:
         return f"head_dim {q.shape[2]} is larger than {max_head_dim}"
     for reason in kernel_reasons:
         if reason is not None:

@@ -35,8 +35,7 @@ def _kernels(interpret: bool) -> ModuleType:
 def triton_unsupported_reason(hidden: torch.Tensor) -> str | None:
     """Why the kernels cannot run on ``hidden`` ``(T, 2H)``, or ``None`` when they can: float16,
     bfloat16 or float32 on CUDA (or any device under ``TRITON_INTERPRET=1``)."""
-    # Any width: the head-dimension limit of the attention kernels does not apply.
-    return host.unsupported_reason(hidden.unsqueeze(1), max_head_dim=hidden.shape[1])
+    return host.unsupported_reason(hidden, None)
 
 
 def _grid(rows: int, width: int) -> tuple[int, int]:
