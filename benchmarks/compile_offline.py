@@ -11,7 +11,7 @@ shared memory); other Triton versions generate different code.
     python benchmarks/compile_offline.py gdpa_dkdv     # GDPA's fused dK/dV/dQ backward
     python benchmarks/compile_offline.py mx_dequant    # MX (1x32, E4M3) -> bfloat16
     python benchmarks/compile_offline.py jfa_dkdv_fp8  # JFA's FP8 dK/dV (also *_fwd_fp8, gdpa_*)
-    python benchmarks/compile_offline.py swiglu_bwd    # SwiGLU's gradient (also swiglu_fwd)
+    python benchmarks/compile_offline.py swiglu_bwd    # SwiGLU's gradient
     python benchmarks/compile_offline.py dy --warps 8 --set COLSUM=False
 
 Spills inside an inner loop cost every iteration: ``spills_in_innermost_loops`` counts them
@@ -165,10 +165,6 @@ PRESETS |= {
     "gdpa_dq_fp8": (
         _GDPA, "gdpa_bwd_dq_kernel", dict(_GDPA_FP8, BLOCK_M=128, BLOCK_N=64),
         dict(_e4m3("q_ptr", "k8_ptr"), dq_ptr="fp32"), 8, 3,
-    ),
-    "swiglu_fwd": (
-        "packages/gem-kernels/src/gem_kernels/_swiglu_kernels.py", "swiglu_fwd_kernel",
-        dict(BLOCK_R=8, BLOCK_C=512), {"*": "bf16"}, 4, 1,
     ),
     "swiglu_bwd": (
         "packages/gem-kernels/src/gem_kernels/_swiglu_kernels.py", "swiglu_bwd_kernel",
