@@ -3,14 +3,16 @@
 Providers, on the same batches (GEM-like lengths, about half the cap filled) and the same
 torchrec tables with their fused row-wise Adagrad:
 
-- ``gem``: ``gem_train.Trainer.train_step`` of the ``h200`` recipe at the case's shape (our
-  kernels as compiled operators, bf16 autocast, compiled regions; FP8 linears at the FP8
-  shape ``B512xL2048xD1024``, as the ``h200-large`` recipe);
+- ``gem``: ``gem_train.Trainer.train_steps`` of the ``h200`` recipe at the case's shape (our
+  kernels as compiled operators, bf16 autocast, compiled regions, torchrec's
+  ``TrainPipelineSparseDist``; FP8 linears at the FP8 shape ``B512xL2048xD1024``, as the
+  ``h200-large`` recipe);
 - ``baseline``: ``benchmarks/baseline_gem.BaselineGem`` (FlexAttention with a document +
   causal + window ``mask_mod``, GDPA as padded matmul + activation, ``nn.Linear``), bf16
   autocast, ``torch.compile`` of everything after the lookups, torchrec's DMP for the tables,
   fused AdamW for the dense parameters, as a capable user writes it;
-- ablations: ``gem-eager`` (no compile), ``gem-fp8`` (FP8 linears, as the ``h200-large``
+- ablations: ``gem-eager`` (no compile), ``gem-nopipeline`` (``Trainer.train_step`` per
+  batch: the lookups' input distribution inside the forward), ``gem-fp8`` (FP8 linears, as the ``h200-large``
   recipe; at the bf16 shapes); at the FP8 shape ``gem-bf16`` (without FP8),
   ``gem-full-ac`` (every region checkpointed) and ``gem-memory-budget`` (no region
   checkpointed, Inductor's one global budget instead), against the recipe's per-region choice.
@@ -87,7 +89,7 @@ FP8_SHAPE = (512, 2048, 1024)
 # would: with the global budget instead, torch 2.11's Inductor failed to lower the recomputed
 # FlexAttention ("convert FlexibleLayout to FixedLayout first", ff002a3).
 MEMORY_BUDGET = 0.5
-DEFAULT_PROVIDERS = ["gem", "baseline", "gem-eager"]
+DEFAULT_PROVIDERS = ["gem", "baseline", "gem-eager", "gem-nopipeline"]
 FP8_SHAPE_ABLATIONS = ["gem-bf16", "gem-full-ac", "gem-memory-budget"]
 MASKS = {"window256": 256, "causal": 0}
 PEAK = BF16_DENSE_PEAK_TFLOPS["H200"] * 1e12
@@ -123,30 +125,29 @@ def _config(case: str, steps: int, data_root: Path, **changes):
     return dataclasses.replace(config, **changes)
 
 
-def _time_steps(step, batches, device) -> tuple[float, float, int]:
-    """Mean milliseconds per step over ``batches`` run back to back (the host may run ahead
-    into the next step, as in training), the peak GiB allocated and the CUDA allocator's
-    retries (a fragmented cache freed to retry an allocation: each one syncs)."""
+def _time_steps(run, batches, device) -> tuple[float, float, int]:
+    """Mean milliseconds per step of ``run(batches)`` (one step per batch, back to back: the
+    host may run ahead into the next step, as in training), the peak GiB allocated and the
+    CUDA allocator's retries (a fragmented cache freed to retry an allocation: each one
+    syncs)."""
     torch.cuda.reset_peak_memory_stats(device)
     torch.cuda.synchronize(device)
     retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
     started = time.perf_counter()
-    for batch in batches:
-        step(batch.to(device, non_blocking=True))
+    run(batches)
     torch.cuda.synchronize(device)
     ms = (time.perf_counter() - started) * 1e3 / len(batches)
     retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries
     return ms, torch.cuda.max_memory_allocated(device) / 2**30, retries
 
 
-def _kernel_split(step, batches, device) -> dict[str, float]:
+def _kernel_split(run, batches, device) -> dict[str, float]:
     """GPU kernel milliseconds per step by kind (``harness.kernel_kind``) over ``batches``,
     from a profiler pass after the timed one."""
     torch.cuda.synchronize(device)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
-        for batch in batches:
-            step(batch.to(device, non_blocking=True))
+        run(batches)
         torch.cuda.synchronize(device)
     kernels = [
         (event.name, event.time_range.elapsed_us())
@@ -158,8 +159,13 @@ def _kernel_split(step, batches, device) -> dict[str, float]:
     }
 
 
+def _per_batch(step, device):
+    """Runs ``step`` on each batch, copied to ``device`` just before."""
+    return lambda batches: [step(batch.to(device, non_blocking=True)) for batch in batches]
+
+
 def _baseline(config, info, device, checkpoint_layers: bool):
-    """The plain-PyTorch step: DMP tables with the fused sparse optimizer, compiled dense."""
+    """The plain-PyTorch steps: DMP tables with the fused sparse optimizer, compiled dense."""
     with device:
         model = BaselineGem(
             model_config(config, info, use_sequence_tower=True),
@@ -192,7 +198,7 @@ def _baseline(config, info, device, checkpoint_layers: bool):
         torch.nn.utils.clip_grad_norm_(dense.values(), config.optim.max_grad_norm, foreach=True)
         optimizer.step()
 
-    return step
+    return _per_batch(step, device)
 
 
 def _rows(case, provider, ms, peak, flops, batch_size, extra=None) -> list[dict]:
@@ -249,7 +255,9 @@ def main() -> None:
         total = args.warmup + args.steps
         config = _config(case, total, data_root)
         info, _ = prepare_data(config.data, progress=False)
-        batches = list(ShardedBatchLoader(info.directory, config.batch_size, seed=0))[:total]
+        # Pinned, as the trainer's loader gives them: the copies are asynchronous.
+        loader = ShardedBatchLoader(info.directory, config.batch_size, seed=0)
+        batches = [batch.pin_memory() for batch in list(loader)[:total]]
         flops = statistics.mean(
             model_flops(model_config(config, info, use_sequence_tower=True),
                         b.sequence_offsets.diff()).total
@@ -271,26 +279,30 @@ def main() -> None:
                 changes["activation_checkpointing"] = "none"
             memory_budget = MEMORY_BUDGET if fp8_shape and global_budget else 1.0
             functorch_config.activation_memory_budget = memory_budget
-            extra, step, trainer = {}, None, None
+            extra, run, trainer = {}, None, None
             counters.clear()
             try:
                 if provider == "baseline":
-                    step = _baseline(config, info, device, checkpoint_layers=fp8_shape)
+                    run = _baseline(config, info, device, checkpoint_layers=fp8_shape)
                 else:
                     trainer = Trainer(
                         dataclasses.replace(config, **changes),
                         info,
                         output_dir=data_root / "runs" / provider,
                     )
-                    step = trainer.train_step
+                    run = (
+                        _per_batch(trainer.train_step, device)
+                        if provider == "gem-nopipeline"
+                        else trainer.train_steps
+                    )
                 # Untimed: the warm-up batches, then the timed ones, so that no compile falls in
                 # the timed window (Triton compiles a kernel again for each new divisibility of
                 # a batch-dependent int argument, such as the token count).
-                _time_steps(step, batches, device)
+                _time_steps(run, batches, device)
                 if provider != "baseline":
                     trainer.clock.take()
                 graphs = counters["stats"]["unique_graphs"]
-                ms, peak, retries = _time_steps(step, batches[args.warmup :], device)
+                ms, peak, retries = _time_steps(run, batches[args.warmup :], device)
                 # What makes a timing suspect: graphs compiled while timed, graph breaks,
                 # allocator retries.
                 extra = {
@@ -308,7 +320,7 @@ def main() -> None:
                     extra["checkpointed_regions"] = len(trainer.checkpointed)
                     split = trainer.clock.take()
                     extra |= {f"time_{k}_ms": v / args.steps * 1e3 for k, v in split.items()}
-                extra |= _kernel_split(step, batches[args.warmup :][:2], device)
+                extra |= _kernel_split(run, batches[args.warmup :][:2], device)
             except Exception as error:
                 # Out of memory, or a compile error: the row says which; the others still run.
                 metric = "oom" if isinstance(error, torch.OutOfMemoryError) else "failed"
@@ -319,7 +331,7 @@ def main() -> None:
                 write_results(Path(args.out), run_meta, earlier + rows)
                 continue
             finally:
-                step = trainer = None
+                run = trainer = None
                 torch.compiler.reset()  # the next provider compiles from scratch, as alone
                 # A failed step's frames and the trainer's module cycles hold device memory
                 # until collected: without this the next provider starts with it in use.

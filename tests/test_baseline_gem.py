@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "packages" / "gem-model" / "tests"))
 
 from baseline_gem import BLOCK_SIZE, BaselineGem, make_block_mask, padded_length  # noqa: E402
-from gem_model import GemModel  # noqa: E402
+from gem_model import GemInputs, GemModel  # noqa: E402
 from gem_model_inputs import V1, make_config, make_inputs  # noqa: E402
 
 # Odd lengths: empty, a single event, one at the cap (70), more than one 128-row block in all.
@@ -75,7 +75,9 @@ def _models(architecture, **changes):
 def _step(model, inputs, weights, *, call=None, **kwargs):
     """Logits and gradients of one step of ``model`` (run through ``call``, if given)."""
     model.zero_grad()
-    logits = (model if call is None else call)(*inputs, **kwargs)
+    # GemModel reads one inputs object; the baseline takes the features as a user writes them.
+    args = (GemInputs(*inputs),) if isinstance(model, GemModel) else inputs
+    logits = (model if call is None else call)(*args, **kwargs)
     (logits * weights).square().sum().backward()
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     return logits.detach(), grads

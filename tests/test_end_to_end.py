@@ -49,11 +49,17 @@ rank, world = init_distributed(torch.device("cpu"))
 train, evaluation = prepare_data(config.data, progress=False)
 """
 
-# How a worker that finished ends: every rank past its last collective, then the group ended
-# before the interpreter's teardown (PyTorch's recommended shutdown).
+# How a worker that finished ends: every rank past its last collective, the group ended
+# (PyTorch's recommended shutdown), then the process exits without the interpreter's teardown.
+# That teardown aborted now and then on CI machines, on any rank and after the results were
+# written ('terminate called without an active exception', no Python thread left; not seen in
+# 80 local runs): it is not what these tests check, and it must not fail them.
 _SHUTDOWN = """
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 """
 
 # Trains 6 steps, evaluates, checkpoints, and writes what it saw.

@@ -3,7 +3,7 @@ host copy of the offsets (``sequence_offsets``) in place of the device one."""
 
 import pytest
 import torch
-from gem_model import GemModel
+from gem_model import GemInputs, GemModel
 from gem_model_inputs import V1, make_config, make_inputs
 from torch._dynamo.utils import counters
 
@@ -16,7 +16,7 @@ def _grads(model):
 
 def _step(model, inputs, offsets=None):
     model.zero_grad()
-    logits = model(*inputs, sequence_offsets=offsets)
+    logits = model(GemInputs(*inputs, sequence_offsets=offsets))
     logits.square().sum().backward()
     return logits.detach(), _grads(model)
 
@@ -56,7 +56,7 @@ def test_bad_host_offsets_are_rejected(offsets, message):
     generator = torch.Generator().manual_seed(0)
     model = GemModel(make_config(**V1))
     with pytest.raises((ValueError, TypeError), match=message):
-        model(*make_inputs(LENGTHS, generator), sequence_offsets=offsets)
+        model(GemInputs(*make_inputs(LENGTHS, generator), sequence_offsets=offsets))
 
 
 def test_regions_hold_every_parameter_once():

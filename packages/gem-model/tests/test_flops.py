@@ -6,7 +6,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
-from gem_model import GemModel
+from gem_model import GemInputs, GemModel
 from gem_model.dhen import DotProductExpert
 from gem_model.flops import ModelFlops, model_flops
 from gem_model_inputs import V1, make_inputs
@@ -118,7 +118,7 @@ def measure(model, lengths):
     try:
         inputs = make_inputs(lengths, torch.Generator().manual_seed(0))
         with FlopCounterMode(display=False) as forward_counter:
-            logits = model(*inputs)
+            logits = model(GemInputs(*inputs))
         with BackwardFlops() as backward_counter:
             logits.sum().backward()
     finally:

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from gem_model import GemModel
+from gem_model import GemInputs, GemModel
 from gem_model_inputs import V1, make_config, make_inputs
 from torchrec import KeyedJaggedTensor
 
@@ -22,7 +22,7 @@ def test_forward_backward_reaches_every_parameter(architecture):
     model = GemModel(make_config(**ARCHITECTURES[architecture]))
     # an empty history, a length-1 history, one at the cap, odd lengths
     sequence, sparse, dense = make_inputs([0, 1, 70, 5, 33], generator)
-    logits = model(sequence, sparse, dense)
+    logits = model(GemInputs(sequence, sparse, dense))
     assert logits.shape == (5, 2)
     assert torch.isfinite(logits).all()
     logits.sum().backward()
@@ -41,7 +41,8 @@ def test_history_changes_the_prediction_only_with_the_sequence_tower():
         torch.manual_seed(0)
         model = GemModel(make_config(use_sequence_tower=use_sequence)).eval()
         differ = not torch.allclose(
-            model(sequence, sparse, dense), model(other_sequence, sparse, dense)
+            model(GemInputs(sequence, sparse, dense)),
+            model(GemInputs(other_sequence, sparse, dense)),
         )
         assert differ == should_differ
 
@@ -52,7 +53,7 @@ def test_prediction_of_a_sample_does_not_depend_on_the_rest_of_the_batch(archite
     torch.manual_seed(0)
     model = GemModel(make_config(**ARCHITECTURES[architecture])).eval()
     sequence, sparse, dense = make_inputs([3, 0, 12, 7], generator)
-    full = model(sequence, sparse, dense)
+    full = model(GemInputs(sequence, sparse, dense))
     for i in range(4):
         keep = torch.tensor([i])
         one_seq = KeyedJaggedTensor.from_jt_dict(
@@ -61,7 +62,7 @@ def test_prediction_of_a_sample_does_not_depend_on_the_rest_of_the_batch(archite
         one_sparse = KeyedJaggedTensor.from_jt_dict(
             {k: _take(sparse[k], keep) for k in sparse.keys()}
         )
-        alone = model(one_seq, one_sparse, dense[keep])
+        alone = model(GemInputs(one_seq, one_sparse, dense[keep]))
         torch.testing.assert_close(alone, full[keep], rtol=1e-5, atol=1e-5)
 
 
@@ -83,7 +84,7 @@ def test_bf16_attention_matches_fp32_and_keeps_the_residual_dtype(architecture):
     for dtype in ("float32", "bfloat16", "auto"):
         torch.manual_seed(0)
         model = GemModel(make_config(**ARCHITECTURES[architecture], attention_dtype=dtype))
-        logits = model(sequence, sparse, dense)
+        logits = model(GemInputs(sequence, sparse, dense))
         assert logits.dtype == torch.float32
         logits.sum().backward()
         outputs.append(logits.detach())
@@ -100,7 +101,7 @@ def test_too_long_history_is_rejected():
     model = GemModel(make_config(max_seq_len=8))
     sequence, sparse, dense = make_inputs([3, 9], generator)
     with pytest.raises(ValueError, match="max_seq_len"):
-        model(sequence, sparse, dense)
+        model(GemInputs(sequence, sparse, dense))
 
 
 @pytest.mark.parametrize(
@@ -138,7 +139,7 @@ def test_heads_start_at_the_base_rate():
         make_config(task_base_rates=(0.1,))
     with pytest.raises(ValueError, match="task_base_rates"):
         make_config(task_base_rates=(0.1, 1.0))
-    assert model(sequence, sparse, dense).shape == (2, 2)
+    assert model(GemInputs(sequence, sparse, dense)).shape == (2, 2)
 
 
 def test_new_dhen_layers_start_as_the_identity():

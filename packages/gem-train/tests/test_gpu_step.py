@@ -2,6 +2,7 @@
 sync-debug mode (runs under ``nox -s gpu`` on the GPU machine)."""
 
 import dataclasses
+import itertools
 import traceback
 
 import pytest
@@ -22,7 +23,7 @@ pytestmark = [
 MAX_SYNCS_PER_STEP = 1
 
 
-def test_compiled_step_syncs_only_for_the_loss(small_config):
+def _compiled_trainer(small_config) -> Trainer:
     config = dataclasses.replace(
         small_config,
         device="cuda",
@@ -34,18 +35,39 @@ def test_compiled_step_syncs_only_for_the_loss(small_config):
         ),
     )  # fmt: skip
     train, _ = prepare_data(config.data, progress=False)
-    trainer = Trainer(config, train, output_dir=config.output_dir)
+    return Trainer(config, train, output_dir=config.output_dir)
+
+
+def _ours(stacks: list[traceback.StackSummary]) -> list[traceback.StackSummary]:
+    """The syncs that are not torchrec's: a sync is torchrec's when a torchrec frame is on its
+    stack, wherever the innermost frame is (torchrec calls torch.cuda functions too)."""
+    return [stack for stack in stacks if not any("torchrec" in f.filename for f in stack)]
+
+
+def _shown(stacks: list[traceback.StackSummary]) -> str:
+    return "\n\n".join("".join(traceback.format_list(s[-6:])) for s in stacks)
+
+
+def test_compiled_step_syncs_only_for_the_loss(small_config):
+    trainer = _compiled_trainer(small_config)
     batches = iter(trainer.loader)
     for _ in range(4):  # compiles (the token count is dynamic from the first batch), warms up
         trainer.train_step(next(batches).to(trainer.device, non_blocking=True))
     torch.cuda.synchronize()
     batch = next(batches)
-    # A sync is torchrec's when a torchrec frame is on its stack, wherever the innermost frame
-    # is (torchrec calls torch.cuda functions too); the failure message shows the others.
     stacks = host_sync_stacks(
         lambda: trainer.train_step(batch.to(trainer.device, non_blocking=True))
     )
-    ours = [stack for stack in stacks if not any("torchrec" in f.filename for f in stack)]
-    assert len(ours) <= MAX_SYNCS_PER_STEP, "\n\n".join(
-        "".join(traceback.format_list(s[-6:])) for s in ours
-    )
+    ours = _ours(stacks)
+    assert len(ours) <= MAX_SYNCS_PER_STEP, _shown(ours)
+
+
+def test_pipelined_steps_sync_only_for_the_loss(small_config):
+    """Through torchrec's train pipeline (``train_steps``, as ``fit``) the step's own syncs are
+    the loss read-back; torchrec's input distribution runs on its side streams a step ahead."""
+    trainer = _compiled_trainer(small_config)
+    batches = [batch.pin_memory() for batch in itertools.islice(trainer.loader, 8)]
+    trainer.train_steps(batches[:4])  # compiles, warms up
+    stacks = host_sync_stacks(lambda: trainer.train_steps(batches[4:]))
+    ours = _ours(stacks)
+    assert len(ours) <= 4 * MAX_SYNCS_PER_STEP, _shown(ours)

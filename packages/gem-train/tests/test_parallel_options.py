@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -138,15 +139,16 @@ def test_row_wise_plan_places_sequence_and_large_tables_row_wise():
 # ----------------------------------------------------------------------------------- StepClock
 def test_step_clock_splits_host_time_into_issue_and_wait():
     clock = StepClock(torch.device("cpu"))
-    clock.add("data", 0.25)
     clock.start()
+    time.sleep(0.01)
+    clock.mark("data")
     clock.mark("forward")
     clock.mark("backward")
     clock.mark("optimizer")
     clock.finish()
     host = clock.take_host()
     assert set(host) == set(HOST_PHASES) == {*PHASES, "wait"}
-    assert host["data"] == 0.25 and all(v >= 0.0 for v in host.values())
+    assert host["data"] >= 0.01 and all(v >= 0.0 for v in host.values())
     assert clock.take_host() == dict.fromkeys(HOST_PHASES, 0.0)
     # take() reads its own (stream) split: take_host() did not reset it.
     assert clock.take()["data"] == 0.25

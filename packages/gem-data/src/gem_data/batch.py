@@ -6,13 +6,17 @@ from dataclasses import dataclass
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.streamable import Pipelineable
 
 __all__ = ["Batch"]
 
 
 @dataclass
-class Batch:
-    """One training batch of ``B`` samples whose histories hold ``T`` events in total."""
+class Batch(Pipelineable):
+    """One training batch of ``B`` samples whose histories hold ``T`` events in total.
+
+    A torchrec ``Pipelineable`` (``to`` and ``record_stream``): torchrec's train pipelines
+    copy it to the device and start its lookups' input distribution ahead of its step."""
 
     sequence_features: KeyedJaggedTensor
     """Keys ``hist_item_ids``, ``hist_category_ids``, ``hist_action_types``; every key's

@@ -3,7 +3,7 @@
 from gem_model.config import GemArchitecture, GemModelConfig
 from gem_model.dhen import AttentionExpert, CrossExpert, DHENLayer, DotProductExpert, MLPExpert
 from gem_model.flops import ModelFlops, model_flops
-from gem_model.model import REGION_SCOPE_PREFIX, GemModel
+from gem_model.model import REGION_SCOPE_PREFIX, GemInputs, GemModel
 from gem_model.sequence import (
     AttentionPrecision,
     CandidateCrossAttention,
@@ -14,6 +14,7 @@ from gem_model.sequence import (
 
 __all__ = [
     "GemModel",
+    "GemInputs",
     "REGION_SCOPE_PREFIX",
     "ModelFlops",
     "model_flops",

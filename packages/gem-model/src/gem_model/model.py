@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -14,7 +15,9 @@ from torchrec import (
     EmbeddingBagConfig,
     EmbeddingCollection,
     EmbeddingConfig,
+    JaggedTensor,
     KeyedJaggedTensor,
+    KeyedTensor,
     PoolingType,
 )
 
@@ -27,7 +30,7 @@ from gem_model.sequence import (
     PoolingByMultiheadAttention,
 )
 
-__all__ = ["REGION_SCOPE_PREFIX", "GemModel"]
+__all__ = ["REGION_SCOPE_PREFIX", "GemInputs", "GemModel"]
 
 
 REGION_SCOPE_PREFIX = "gem_model/"
@@ -61,6 +64,77 @@ def _select_keys(features: KeyedJaggedTensor, keys: list[str]) -> KeyedJaggedTen
     return features.permute([index[key] for key in keys])
 
 
+@dataclasses.dataclass
+class GemInputs:
+    """One batch as :class:`GemModel` reads it. Any object with these four attributes will do:
+    ``gem_data.Batch`` is one."""
+
+    sequence_features: KeyedJaggedTensor | None
+    """The history, one key per ``config.sequence_features``; every key has the per-sample
+    history lengths. ``None`` only without the sequence tower."""
+    sparse_features: KeyedJaggedTensor
+    """One key per ``config.sparse_features`` (more keys are ignored)."""
+    dense_features: torch.Tensor
+    """``(B, num_dense_features)`` floats."""
+    sequence_offsets: torch.Tensor | Sequence[int] | None = None
+    """The histories' ``(B + 1,)`` offsets on the host: a CPU integer tensor or a list of
+    ints. The attention kernels plan their tiles from it; without it they copy the device
+    offsets back once per step, which stalls the host until the GPU has caught up."""
+
+
+class _TableInputs(nn.Module):
+    """The two embedding collections' inputs from a batch's features: the pooled features in
+    the bag collection's order, and the history's keys followed by the candidate, which shares
+    the candidate-history table. A parameter-free module of its own, so that torchrec's train
+    pipeline can run it for the next batch ahead of its step (``pipeline_postproc``)."""
+
+    def __init__(self, config: GemModelConfig, pooled_features: list[str]) -> None:
+        super().__init__()
+        self.pooled_features = pooled_features
+        self.sequence_keys = list(config.sequence_features)
+        self.candidate_feature = config.candidate_feature
+        self.use_sequence_tower = config.use_sequence_tower
+
+    def forward(
+        self, sequence_features: KeyedJaggedTensor | None, sparse_features: KeyedJaggedTensor
+    ) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor | None]:
+        pooled = _select_keys(sparse_features, self.pooled_features)
+        if not self.use_sequence_tower:
+            return pooled, None
+        if sequence_features is None:
+            raise ValueError("sequence_features is required when use_sequence_tower=True")
+        candidate = sparse_features[self.candidate_feature]
+        lookup = KeyedJaggedTensor.concat(
+            [
+                _select_keys(sequence_features, self.sequence_keys),
+                # Its one length per key is the number of ids, known without reading the
+                # device lengths (from_lengths_sync would copy them back: a host sync).
+                KeyedJaggedTensor(
+                    keys=[self.candidate_feature],
+                    values=candidate.values(),
+                    lengths=candidate.lengths(),
+                    length_per_key=[candidate.values().shape[0]],
+                ),
+            ]
+        )
+        return pooled, lookup
+
+
+class _AfterLookups(nn.Module):
+    """Everything after the two lookups (sequence tower, DHEN, heads), as one call into the
+    model that owns it. torchrec's train pipeline traces ``GemModel.forward`` with torch.fx
+    to find the tables' inputs, and calls a submodule without tables one opaque step (a leaf):
+    this keeps the sequence tower's data-dependent Python out of that trace. It has no
+    parameters, so the model's parameter names do not change."""
+
+    def __init__(self, model: GemModel) -> None:
+        super().__init__()
+        object.__setattr__(self, "_model", model)  # not a submodule: no second parameter path
+
+    def forward(self, pooled, embedded, dense_features, sequence_offsets) -> torch.Tensor:
+        return self._model._after_lookups(pooled, embedded, dense_features, sequence_offsets)
+
+
 class SequenceInput(nn.Module):
     """The history's tokens entering the sequence tower: each event's id embeddings (one per
     sequence feature) summed, plus a learned embedding of its recency (the distance from the
@@ -88,14 +162,8 @@ class SequenceInput(nn.Module):
 class GemModel(nn.Module):
     """GEM for CTR/CVR prediction.
 
-    Inputs (one batch of ``B`` users):
-
-    - ``sequence_features``: ``KeyedJaggedTensor`` of the history, one key per
-      ``config.sequence_features``; every key has the same per-sample lengths.
-    - ``sparse_features``: ``KeyedJaggedTensor`` with one key per ``config.sparse_features``.
-    - ``dense_features``: ``(B, num_dense_features)`` float tensor.
-
-    Returns ``(B, len(config.tasks))`` logits.
+    ``forward(inputs)`` takes one batch of ``B`` users, a :class:`GemInputs` or any object
+    with its attributes (``gem_data.Batch``), and returns ``(B, len(config.tasks))`` logits.
 
     The history tokens are the sum of the history features' embeddings plus a
     learned recency embedding. They pass the self-attention layers (windowed, with the
@@ -104,8 +172,14 @@ class GemModel(nn.Module):
     ``target_attention``, the candidate's query reads them. The candidate feature shares its
     table with ``candidate_history_feature``, so the candidate and the history meet in one
     embedding space. The feature tokens (pooled sparse features, the dense projection, and
-    the sequence tower's tokens and the candidate's embedding) go through DHEN to the heads. Pass ``device=torch.device("meta")`` when torchrec's
-    ``DistributedModelParallel`` will shard and materialise the tables.
+    the sequence tower's tokens and the candidate's embedding) go through DHEN to the heads.
+    Pass ``device=torch.device("meta")`` when torchrec's ``DistributedModelParallel`` will
+    shard and materialise the tables.
+
+    The forward is three calls: the tables' inputs (:class:`_TableInputs`), the two lookups,
+    and the rest (:class:`_AfterLookups`). That is the shape torchrec's
+    ``TrainPipelineSparseDist`` needs to start the next batch's lookup inputs while this
+    batch trains.
     """
 
     def __init__(self, config: GemModelConfig, device: torch.device | None = None) -> None:
@@ -123,6 +197,7 @@ class GemModel(nn.Module):
             if not (use_sequence and name == config.candidate_feature)
         ]
         self.pooled_features = pooled_features
+        self.table_inputs = _TableInputs(config, pooled_features)
         self.sparse_embeddings = EmbeddingBagCollection(
             tables=[
                 EmbeddingBagConfig(
@@ -228,6 +303,7 @@ class GemModel(nn.Module):
         if config.task_base_rates is not None:
             for task, rate in zip(config.tasks, config.task_base_rates, strict=True):
                 nn.init.constant_(self.heads[task][-1].bias, math.log(rate / (1.0 - rate)))
+        self.after_lookups = _AfterLookups(self)
 
     def regions(self) -> dict[str, list[nn.Module]]:
         """The model's regions, each as the modules that run it, in forward order: the units
@@ -259,33 +335,30 @@ class GemModel(nn.Module):
             "heads": list(self.heads.values()),
         }
 
-    def forward(
-        self,
-        sequence_features: KeyedJaggedTensor | None,
-        sparse_features: KeyedJaggedTensor,
-        dense_features: torch.Tensor,
-        *,
-        sequence_offsets: torch.Tensor | Sequence[int] | None = None,
-    ) -> torch.Tensor:
-        """``sequence_offsets``: the histories' ``(B + 1,)`` offsets on the host, as
-        ``gem_data.Batch`` carries them: a CPU integer tensor, or a list of ints (which
-        data-parallel wrappers pass through as they are; DDP and FSDP move tensor arguments to
-        the GPU). The attention kernels plan their tiles from this copy; without it they copy
-        the device offsets back once per step, which stalls the host until the GPU has caught
-        up."""
-        config = self.config
+    def forward(self, inputs: GemInputs) -> torch.Tensor:
+        """The ``(B, len(config.tasks))`` logits of the batch ``inputs`` (see :class:`GemInputs`)."""
+        tables = self.table_inputs(inputs.sequence_features, inputs.sparse_features)
         with _region_scope("embeddings"):
-            pooled = self.sparse_embeddings(_select_keys(sparse_features, self.pooled_features))
+            pooled = self.sparse_embeddings(tables[0])
+            embedded = (
+                self.sequence_embeddings(tables[1]) if self.config.use_sequence_tower else None
+            )
+        return self.after_lookups(pooled, embedded, inputs.dense_features, inputs.sequence_offsets)
+
+    def _after_lookups(
+        self,
+        pooled: KeyedTensor,
+        embedded: dict[str, JaggedTensor] | None,
+        dense_features: torch.Tensor,
+        sequence_offsets: torch.Tensor | Sequence[int] | None,
+    ) -> torch.Tensor:
+        config = self.config
         tokens = [pooled[name] for name in self.pooled_features]
         if self.dense_projection is not None:
             with _region_scope("dhen"):
                 tokens.append(self.dense_projection(dense_features))
-        if config.use_sequence_tower:
-            if sequence_features is None:
-                raise ValueError("sequence_features is required when use_sequence_tower=True")
-            tokens.extend(
-                self._sequence_tokens(sequence_features, sparse_features, tokens, sequence_offsets)
-            )
+        if embedded is not None:
+            tokens.extend(self._sequence_tokens(embedded, tokens, sequence_offsets))
         features = torch.stack(tokens, dim=1)
         with _region_scope("dhen"):
             features = self.interaction_norm(self.interaction(features)).flatten(1)
@@ -294,30 +367,13 @@ class GemModel(nn.Module):
 
     def _sequence_tokens(
         self,
-        sequence_features: KeyedJaggedTensor,
-        sparse_features: KeyedJaggedTensor,
+        embedded: dict[str, JaggedTensor],
         feature_tokens: list[torch.Tensor],
         host_offsets: torch.Tensor | Sequence[int] | None,
     ) -> list[torch.Tensor]:
         """The sequence tower's tokens, then the candidate's embedding; ``feature_tokens`` (the
         pooled sparse and dense tokens, each ``(B, dim)``) are the history cross's keys."""
         config = self.config
-        candidate = sparse_features[config.candidate_feature]
-        lookup = KeyedJaggedTensor.concat(
-            [
-                _select_keys(sequence_features, self.sequence_keys),
-                # Its one length per key is the number of ids, known without reading the
-                # device lengths (from_lengths_sync would copy them back: a host sync).
-                KeyedJaggedTensor(
-                    keys=[config.candidate_feature],
-                    values=candidate.values(),
-                    lengths=candidate.lengths(),
-                    length_per_key=[candidate.values().shape[0]],
-                ),
-            ]
-        )
-        with _region_scope("embeddings"):
-            embedded = self.sequence_embeddings(lookup)
         history = embedded[self.sequence_keys[0]]
         embeddings = [embedded[key].values() for key in self.sequence_keys]
         events = embeddings[0]  # one row per history event

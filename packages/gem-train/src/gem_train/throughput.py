@@ -139,8 +139,9 @@ class StepClock:
     """Times the phases of each step without adding host-device syncs.
 
     ``mark(phase)`` ends ``phase`` at the current point of the stream: a CUDA event on GPUs
-    (read after the step's own sync, the loss ``.item()``), the host clock on CPUs. The data
-    wait is host time by nature. ``take()`` returns and resets the seconds per phase.
+    (read after the step's own sync, the loss ``.item()``), the host clock on CPUs. A phase
+    marked more than once in a step (the forward around the data wait) adds up. ``take()``
+    returns and resets the seconds per phase.
 
     Every mark also notes the host clock, so :meth:`take_host` tells how long the host took to
     issue each phase and how long it then waited for the device: on a GPU the two splits differ
@@ -168,11 +169,6 @@ class StepClock:
     def mark(self, phase: str) -> None:
         """``phase`` ended now."""
         self._marks.append((phase, *self._now()))
-
-    def add(self, phase: str, seconds: float) -> None:
-        """Host-measured time of ``phase`` (the data wait); counted in both splits."""
-        self._seconds[phase] += seconds
-        self._host_seconds[phase] += seconds
 
     def finish(self) -> None:
         """Accumulates the marked phases; call right after the step's host sync (the host

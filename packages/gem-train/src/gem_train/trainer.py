@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import datetime
+import itertools
 import json
 import math
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Generator, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,7 @@ from torch._dynamo.utils import counters as dynamo_counters
 from torch.nn import functional as F
 from torch.utils.tensorboard import SummaryWriter
 from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
@@ -159,6 +163,44 @@ def compile_modules(modules: Iterable[nn.Module], **options: Any) -> None:
         module.compile(**options)
 
 
+class _Pipeline(TrainPipelineSparseDist):
+    """torchrec's sparse-dist train pipeline with the trainer's forward, backward and
+    optimizer step.
+
+    Each ``progress`` trains batch i while batch i + 1's lookup inputs are distributed (the
+    splits all-to-all before the forward, the tensors after it; on CUDA on a side stream) and
+    batch i + 2 is copied to the device: the input distribution, which syncs the host with
+    the device when it runs inside the forward, overlaps the step before. GemModel computes
+    the tables' inputs in a parameter-free module, which the pipeline runs ahead with the
+    input distribution (``pipeline_postproc``). Not the semi-sync variant: it looks batch
+    i + 1 up before step i updates the tables, which a resumed run could not repeat.
+    """
+
+    def __init__(self, trainer: Trainer) -> None:
+        super().__init__(
+            trainer.model,
+            _OptimizerStep(trainer),
+            trainer.device,
+            execute_all_batches=True,
+            pipeline_postproc=True,
+            custom_model_fwd=trainer._pipelined_forward,
+        )
+        self._trainer = trainer
+
+    def _backward(self, losses: torch.Tensor) -> None:
+        self._trainer._backward(losses)
+
+
+class _OptimizerStep:
+    """The optimizer as the pipeline calls it (``zero_grad``, then ``step`` after backward):
+    the trainer's whole step, with the clip and the 2D sparse sync. torchrec 1.6 (the GPU
+    image's) calls ``optimizer.step()`` itself, with no method to override."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.zero_grad = trainer.optimizer.zero_grad
+        self.step = trainer._optimizer_step
+
+
 @dataclasses.dataclass
 class _Window:
     """What the steps since the last train log line did on this rank."""
@@ -250,11 +292,20 @@ class Trainer:
             raise ValueError(
                 f"batch_size={config.batch_size} leaves no full batch per rank in {train_data.directory}"
             )
-        # A background thread collates and pins the next batch, and on CUDA it is copied on a
-        # side stream, while the step before it runs: the host between steps (the device idle
-        # after the loss sync) does not wait for the loader. The prefetcher's state is the
-        # loader position after the batch being trained on.
-        self._batches = DevicePrefetcher(self.loader, self.device)
+        # A background thread collates the next batches (pinned on CUDA) while steps run;
+        # torchrec's train pipeline (``_Pipeline``) then copies each to the device on a side
+        # stream and distributes its lookups' inputs during the step before its own.
+        self._batches = DevicePrefetcher(
+            self.loader, "cpu", depth=2, pin_memory=self.device.type == "cuda"
+        )
+        self._pipeline: _Pipeline | None = None
+        self._source: Iterator[Batch] | None = None  # what the pipeline draws from now
+        # Per batch drawn by the pipeline and not yet trained on: the loader state after it
+        # (None for batches given to train_steps). The pipeline reads two batches ahead.
+        self._queued: deque[dict | None] = deque()
+        self._position: dict | None = None  # the loader state after the last trained batch
+        self._feed: Generator[Batch, None, None] | None = None
+        self._step_lengths: torch.Tensor | None = None  # host history lengths of the last step
         self.total_steps = config.max_steps or config.epochs * steps_per_epoch
         self.step = 0
         self._metrics_file = self.output_dir / "metrics.jsonl"
@@ -278,13 +329,7 @@ class Trainer:
     # ------------------------------------------------------------------ training
     def _forward(self, batch: Batch) -> torch.Tensor:
         with autocast(self.config.precision, self.device):
-            return self.model(
-                batch.sequence_features,
-                batch.sparse_features,
-                batch.dense_features,
-                # A list: DDP / FSDP would move a tensor argument to the GPU.
-                sequence_offsets=batch.sequence_offsets.tolist(),
-            )
+            return self.model(batch)
 
     def _dense_region_modules(self) -> dict[str, nn.Module]:
         """The dense regions' modules by qualified name (torchrec's lookups excluded)."""
@@ -321,15 +366,13 @@ class Trainer:
             compile_modules(modules.values())
         self._regions_ready = True
 
-    def train_step(self, batch: Batch) -> float:
-        """One optimizer step; returns the summed CTR + CVR log loss of the batch."""
-        if not self._regions_ready:
-            self._prepare_regions(batch)
-        self.model.train()
+    def _set_lr(self) -> None:
         lr = self.config.optim.dense_lr_at(self.step, self.total_steps)
         for group in self.dense_optimizer.param_groups:
             group["lr"] = lr
-        self.clock.start()
+
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        """The step's forward: the summed CTR + CVR log loss of ``batch``."""
         with self.saved_activations.step():
             logits = self._forward(batch)
             loss = (
@@ -338,19 +381,24 @@ class Trainer:
                 .sum()
             )
         self.clock.mark("forward")
-        self.optimizer.zero_grad()
+        return loss
+
+    def _backward(self, loss: torch.Tensor) -> None:
         loss.backward()  # the fused sparse optimizer updates embedding rows here
         self.clock.mark("backward")
+
+    def _optimizer_step(self) -> None:
         with torch.profiler.record_function(OPTIMIZER_SCOPE):
             # Expert gradients averaged over their replicas, then the global-norm clip.
             self.parallel.finish_gradients(self.dense_parameters, self.config.optim.max_grad_norm)
             self.sparse_parallel.step()  # 2D replica sync / fully sharded 2D table update
             self.dense_optimizer.step()
         self.clock.mark("optimizer")
-        # The trainer's one host sync per step (torchrec's input dist has its own): checking the
-        # loss before backward would stall the CPU until the forward finished and leave the GPU
-        # idle while backward is launched. A
-        # non-finite loss has updated the weights by now, so training stops here and resumes
+
+    def _finish_step(self, loss: torch.Tensor) -> float:
+        # The trainer's one host sync per step: checking the loss before backward would stall
+        # the CPU until the forward finished and leave the GPU idle while backward is launched.
+        # A non-finite loss has updated the weights by now, so training stops here and resumes
         # from the last (atomic) checkpoint.
         value = loss.item()
         self.clock.finish()
@@ -360,6 +408,107 @@ class Trainer:
             )
         self.step += 1
         return value
+
+    def train_step(self, batch: Batch) -> float:
+        """One optimizer step on ``batch`` (on the device) without the train pipeline: the
+        lookups' input distribution runs inside the forward, and on a GPU it waits for the
+        device there. :meth:`fit` and :meth:`train_steps` pipeline it. Returns the summed CTR
+        + CVR log loss of the batch."""
+        if not self._regions_ready:
+            self._prepare_regions(batch)
+        self.model.train()
+        self._set_lr()
+        self.clock.start()
+        loss = self._loss(batch)
+        self.optimizer.zero_grad()
+        self._backward(loss)
+        self._optimizer_step()
+        return self._finish_step(loss)
+
+    def _pipelined_forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The train pipeline's forward of the batch it trains on (``custom_model_fwd``)."""
+        state = self._queued.popleft()
+        if state is not None:
+            self._position = state
+        self._step_lengths = batch.sequence_offsets.diff()  # host offsets: no device sync
+        loss = self._loss(batch)
+        return loss, loss.detach()
+
+    def _timed(self, batches: Iterator[tuple[Batch, dict | None]]) -> Iterator[Batch]:
+        """The pipeline's feed: ``batches`` with each one's loader state queued (None: not
+        the loader's) and the wait for it timed as the step's data phase. The pipeline draws
+        batch i + 2 early in step i, after its zero_grad and the start of batch i + 1's input
+        distribution: that part counts as the forward."""
+        while True:
+            self.clock.mark("forward")
+            item = next(batches, None)
+            self.clock.mark("data")
+            if item is None:
+                return
+            batch, state = item
+            self._queued.append(state)
+            yield batch
+
+    def _loader_batches(self) -> Iterator[tuple[Batch, dict | None]]:
+        self._position = self.loader.state_dict()  # before the prefetch thread reads on
+        for batch in self._batches:
+            yield batch, self._batches.state_dict()
+
+    def _open_feed(self, feed: Generator[Batch, None, None]) -> None:
+        """Makes ``feed`` the pipeline's source; the pipeline is made on first use (torchrec
+        traces the model then) and kept while its batches are spent."""
+        if self._pipeline is not None and self._pipeline.batches:
+            self._close_pipeline()  # batches of another source in flight
+        first = next(feed, None)
+        if first is None:
+            return
+        if not self._regions_ready:  # compile and checkpoint before torchrec traces the model
+            self._prepare_regions(first.to(self.device))
+        self._feed = feed
+        self._source = itertools.chain([first], feed)
+        if self._pipeline is None:
+            self._pipeline = _Pipeline(self)
+
+    def _close_pipeline(self) -> None:
+        """Gives the model its own forwards back and drops the batches read ahead: the loader
+        goes back to the position after the last batch trained on."""
+        if self._pipeline is not None:
+            self._pipeline.detach()
+        if self._feed is not None:
+            self._feed.close()  # stops the loader's prefetch thread
+        self._pipeline = self._source = self._feed = None
+        self._queued.clear()
+        if self._position is not None:
+            self.loader.load_state_dict(self._position)
+
+    def _steps(self) -> Iterator[float]:
+        """Trains on the pipeline's source, yielding each step's loss once its step is done,
+        until the source and the batches in flight are spent. When the caller stops
+        (``close()``), the model gets its own forwards back (the pipeline keeps its batches in
+        flight and takes the model again at its next step): ``self.model`` can then be
+        called, and evaluated, directly."""
+        self.model.train()
+        try:
+            while True:
+                self._set_lr()
+                self.clock.start()
+                try:
+                    loss = self._pipeline.progress(self._source)
+                except StopIteration:
+                    self._source = self._feed = None
+                    return
+                yield self._finish_step(loss)
+        finally:
+            if self._pipeline is not None:
+                self._pipeline.detach()
+
+    def train_steps(self, batches: Iterable[Batch]) -> list[float]:
+        """One optimizer step per batch of ``batches`` (on the host; pinned on CUDA, so that
+        their copies overlap the steps), through torchrec's train pipeline as in :meth:`fit`;
+        returns the losses. Batches of :meth:`fit` still in flight are dropped, and the
+        loader goes back to the position after the last one trained on."""
+        self._open_feed(self._timed((batch, None) for batch in batches))
+        return list(self._steps()) if self._source is not None else []
 
     def fit(
         self,
@@ -401,34 +550,34 @@ class Trainer:
                 "train", total=self.total_steps, completed=self.step, loss=float("nan")
             )
             while self.step < self.total_steps:
-                waited = time.perf_counter()
-                for batch in self._batches:
-                    self.clock.add("data", time.perf_counter() - waited)
-                    # From the host copy of the lengths: no device sync.
-                    lengths = batch.sequence_offsets.diff()
-                    flops = model_flops(self.model_config, lengths)
-                    window.flops += flops.total
-                    window.tokens += int(lengths.sum())
-                    if profiled is not None and self.step == profile_from:
-                        profiled.begin()
-                    loss = self.train_step(batch)  # on the device already
-                    if profiled is not None and profiled.active:
-                        profiled.after_step(flops)
-                        self.profile = profiled.result
-                    losses.append(loss)
-                    window.losses.append(loss)
-                    bar.update(task, advance=1, loss=loss)
-                    if self.step % config.log_every == 0 or self.step == self.total_steps:
-                        self.last_speed = self._speed(window)
-                        self.log(split="train", step=self.step, **self.last_speed)
-                        window = _Window()
-                    if config.checkpoint_every and self.step % config.checkpoint_every == 0:
-                        saving = time.perf_counter()
-                        self.save(checkpoint_dir)
-                        window.paused += time.perf_counter() - saving  # not training time
-                    if self.step >= self.total_steps:
-                        break
-                    waited = time.perf_counter()
+                if self._source is None:  # the start, a new epoch, or after a resume
+                    self._open_feed(self._timed(self._loader_batches()))
+                if profiled is not None and self.step == profile_from:
+                    profiled.begin()
+                with contextlib.closing(self._steps()) as steps:
+                    for loss in steps:
+                        lengths = self._step_lengths
+                        flops = model_flops(self.model_config, lengths)
+                        window.flops += flops.total
+                        window.tokens += int(lengths.sum())
+                        if profiled is not None and profiled.active:
+                            profiled.after_step(flops)
+                            self.profile = profiled.result
+                        losses.append(loss)
+                        window.losses.append(loss)
+                        bar.update(task, advance=1, loss=loss)
+                        if self.step % config.log_every == 0 or self.step == self.total_steps:
+                            self.last_speed = self._speed(window)
+                            self.log(split="train", step=self.step, **self.last_speed)
+                            window = _Window()
+                        if config.checkpoint_every and self.step % config.checkpoint_every == 0:
+                            saving = time.perf_counter()
+                            self.save(checkpoint_dir)
+                            window.paused += time.perf_counter() - saving  # not training time
+                        if self.step >= self.total_steps:
+                            break  # the pipeline keeps its batches in flight for the next fit()
+                        if profiled is not None and self.step == profile_from:
+                            profiled.begin()
         return losses
 
     def _speed(self, window: _Window) -> dict[str, float | None]:
@@ -530,7 +679,7 @@ class Trainer:
         trainer_state = {
             "step": self.step,
             "world_size": self.world_size,
-            "loader": self._batches.state_dict(),
+            "loader": self.loader.state_dict() if self._position is None else self._position,
             "torch_rng": torch.get_rng_state().tolist(),
             # Dropout draws on the device; FP8 stochastic rounding has counters of its own.
             "cuda_rng": (
@@ -566,6 +715,7 @@ class Trainer:
         """
         self.skipped_checkpoints: list[tuple[Path, IncompleteCheckpointError]] = []
         self.resumed_from: Path | None = None
+        self._close_pipeline()  # its batches in flight belong to the position left
 
         def say(line: str) -> None:
             if self.rank == 0:
@@ -617,6 +767,7 @@ class Trainer:
         self.sparse_parallel.finish_load(app_state, self.step)
         if saved_world == self.world_size:
             self.loader.load_state_dict(trainer_state["loader"])
+        self._position = None
         torch.set_rng_state(torch.tensor(trainer_state["torch_rng"], dtype=torch.uint8))
         if trainer_state.get("cuda_rng") is not None and self.device.type == "cuda":
             cuda_rng = torch.tensor(trainer_state["cuda_rng"], dtype=torch.uint8)
