@@ -51,6 +51,14 @@ class DevicePrefetcher:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.depth = depth
         self.pin_memory = self.device.type == "cuda" if pin_memory is None else bool(pin_memory)
+        # Pinning touches CUDA: on the consumer's device (host batches pinned for a copy made
+        # later are pinned on the device current here), not a new context on cuda:0, which
+        # every rank of a multi-GPU process would otherwise hold.
+        self._pin_device: torch.device | None = None
+        if self.device.type == "cuda":
+            self._pin_device = self.device
+        elif self.pin_memory and torch.cuda.is_available():
+            self._pin_device = torch.device("cuda", torch.cuda.current_device())
         self._state: dict | None = None
         self._left_at: dict | None = None  # the source's state when the producer last stopped
 
@@ -81,10 +89,8 @@ class DevicePrefetcher:
             return False
 
         def produce() -> None:
-            if self.device.type == "cuda":
-                # Pinning touches CUDA: on the consumer's device, not a new context on cuda:0
-                # (every rank of a multi-GPU process would otherwise hold one there).
-                torch.cuda.set_device(self.device)
+            if self._pin_device is not None:
+                torch.cuda.set_device(self._pin_device)
             source = iter(self.batches)
             try:
                 for batch in source:
