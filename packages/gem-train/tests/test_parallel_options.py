@@ -151,7 +151,7 @@ def test_step_clock_splits_host_time_into_issue_and_wait():
     assert host["data"] >= 0.01 and all(v >= 0.0 for v in host.values())
     assert clock.take_host() == dict.fromkeys(HOST_PHASES, 0.0)
     # take() reads its own (stream) split: take_host() did not reset it.
-    assert clock.take()["data"] == 0.25
+    assert clock.take()["data"] >= 0.01
 
 
 # -------------------------------------------------------------------------- through the trainer
