@@ -1,6 +1,7 @@
 """``parallel.sparse``: the GEM model's pooled and history tables sharded 2D and fully sharded
-2D (gem_parallel.shard_sparse) train like 1D on four real gloo ranks, and every mode resumes
-exactly: the same losses and the same bits in every tensor a checkpoint holds."""
+2D (gem_parallel.shard_sparse) train like 1D on four real gloo ranks, through the train
+pipeline, and every mode resumes exactly: the same losses and the same bits in every tensor a
+checkpoint holds."""
 
 from __future__ import annotations
 
@@ -62,7 +63,9 @@ def _config(out: str, parallel: ParallelConfig) -> TrainConfig:
 
 
 def _train(trainer: Trainer, train, first: int, count: int) -> list[float]:
-    """Steps ``first .. first + count`` on fixed, unshuffled per-rank batches."""
+    """Steps ``first .. first + count`` on fixed, unshuffled per-rank batches, through
+    torchrec's train pipeline (``train_steps``, as ``fit``): its input distribution of the
+    next batch runs before the step's 2D sync or fully sharded 2D update."""
     loader = ParquetBatchLoader(
         train.directory,
         trainer.config.batch_size,
@@ -72,7 +75,7 @@ def _train(trainer: Trainer, train, first: int, count: int) -> list[float]:
         drop_last=True,
     )
     batches = [b for _, b in zip(range(first + count), loader, strict=False)][first:]
-    return [trainer.train_step(batch) for batch in batches]
+    return trainer.train_steps(batches)
 
 
 def _fingerprint(trainer: Trainer) -> str:

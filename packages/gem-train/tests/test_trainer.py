@@ -1,6 +1,7 @@
 import dataclasses
 import itertools
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -52,7 +53,7 @@ def test_resume_gives_the_same_next_losses_as_an_uninterrupted_run(
     assert resumed_losses == reference_losses[3:]
 
 
-def test_fit_pipelines_the_lookups_and_trains_as_plain_steps(small_config, tmp_path):
+def test_fit_pipelines_the_lookups_and_trains_as_plain_steps(small_config, tmp_path, caplog):
     """fit runs torchrec's train pipeline over both tables and the module that makes their
     inputs (torchrec would silently leave a lookup whose inputs it cannot trace unpipelined),
     and gives the losses of plain steps on the loader's batches: across an epoch's end, and
@@ -61,13 +62,13 @@ def test_fit_pipelines_the_lookups_and_trains_as_plain_steps(small_config, tmp_p
     config = dataclasses.replace(small_config, max_steps=10)  # 8 steps per epoch
     pipelined = Trainer(config, train_data, output_dir=tmp_path / "a")
     pipelined.total_steps = 3
-    losses = pipelined.fit(progress=False)
-    pipeline = pipelined._pipeline
-    assert sorted(type(m).__name__ for m in pipeline._pipelined_modules) == [
-        "ShardedEmbeddingBagCollection",
-        "ShardedEmbeddingCollection",
-    ]
-    assert len(pipeline._pipelined_postprocs) == 1
+    with caplog.at_level(logging.INFO, logger="torchrec.distributed.train_pipeline"):
+        losses = pipelined.fit(progress=False)
+    said = caplog.text
+    for module in ("sparse_embeddings", "sequence_embeddings"):
+        assert f"Module '{module}' will be pipelined" in said
+    assert "will NOT be pipelined" not in said
+    assert "_TableInputs() is a valid postproc module" in said
     metrics = pipelined.evaluate(eval_data)
     pipelined.total_steps = 10
     losses += pipelined.fit(progress=False)

@@ -298,13 +298,10 @@ class Trainer:
         self._batches = DevicePrefetcher(
             self.loader, "cpu", depth=2, pin_memory=self.device.type == "cuda"
         )
-        self._pipeline: _Pipeline | None = None
-        self._source: Iterator[Batch] | None = None  # what the pipeline draws from now
         # Per batch drawn by the pipeline and not yet trained on: the loader state after it
         # (None for batches given to train_steps). The pipeline reads two batches ahead.
         self._queued: deque[dict | None] = deque()
         self._position: dict | None = None  # the loader state after the last trained batch
-        self._feed: Generator[Batch, None, None] | None = None
         self._step_lengths: torch.Tensor | None = None  # host history lengths of the last step
         self.total_steps = config.max_steps or config.epochs * steps_per_epoch
         self.step = 0
@@ -454,61 +451,44 @@ class Trainer:
         for batch in self._batches:
             yield batch, self._batches.state_dict()
 
-    def _open_feed(self, feed: Generator[Batch, None, None]) -> None:
-        """Makes ``feed`` the pipeline's source; the pipeline is made on first use (torchrec
-        traces the model then) and kept while its batches are spent."""
-        if self._pipeline is not None and self._pipeline.batches:
-            self._close_pipeline()  # batches of another source in flight
+    def _steps(self, feed: Generator[Batch, None, None]) -> Iterator[float]:
+        """Trains on ``feed``'s batches through a train pipeline, yielding each step's loss
+        once its step is done, until ``feed`` is spent or the caller stops (``close()``).
+
+        Then the batches read ahead are dropped and the loader goes back to the position after
+        the last batch trained on: the next call reads them again. (Taking the model back
+        from torchrec's pipeline with batches in flight and giving it again later starts their
+        input distribution twice, which does not match across ranks.) The model is its own
+        again: ``self.model`` can be called, and evaluated, directly."""
         first = next(feed, None)
         if first is None:
             return
         if not self._regions_ready:  # compile and checkpoint before torchrec traces the model
             self._prepare_regions(first.to(self.device))
-        self._feed = feed
-        self._source = itertools.chain([first], feed)
-        if self._pipeline is None:
-            self._pipeline = _Pipeline(self)
-
-    def _close_pipeline(self) -> None:
-        """Gives the model its own forwards back and drops the batches read ahead: the loader
-        goes back to the position after the last batch trained on."""
-        if self._pipeline is not None:
-            self._pipeline.detach()
-        if self._feed is not None:
-            self._feed.close()  # stops the loader's prefetch thread
-        self._pipeline = self._source = self._feed = None
-        self._queued.clear()
-        if self._position is not None:
-            self.loader.load_state_dict(self._position)
-
-    def _steps(self) -> Iterator[float]:
-        """Trains on the pipeline's source, yielding each step's loss once its step is done,
-        until the source and the batches in flight are spent. When the caller stops
-        (``close()``), the model gets its own forwards back (the pipeline keeps its batches in
-        flight and takes the model again at its next step): ``self.model`` can then be
-        called, and evaluated, directly."""
+        source = itertools.chain([first], feed)
+        pipeline = _Pipeline(self)
         self.model.train()
         try:
             while True:
                 self._set_lr()
                 self.clock.start()
                 try:
-                    loss = self._pipeline.progress(self._source)
+                    loss = pipeline.progress(source)
                 except StopIteration:
-                    self._source = self._feed = None
                     return
                 yield self._finish_step(loss)
         finally:
-            if self._pipeline is not None:
-                self._pipeline.detach()
+            pipeline.detach()
+            feed.close()  # and with it the loader's prefetch thread
+            self._queued.clear()
+            if self._position is not None:
+                self.loader.load_state_dict(self._position)
 
     def train_steps(self, batches: Iterable[Batch]) -> list[float]:
         """One optimizer step per batch of ``batches`` (on the host; pinned on CUDA, so that
         their copies overlap the steps), through torchrec's train pipeline as in :meth:`fit`;
-        returns the losses. Batches of :meth:`fit` still in flight are dropped, and the
-        loader goes back to the position after the last one trained on."""
-        self._open_feed(self._timed((batch, None) for batch in batches))
-        return list(self._steps()) if self._source is not None else []
+        returns the losses. The loader's position does not move."""
+        return list(self._steps(self._timed((batch, None) for batch in batches)))
 
     def fit(
         self,
@@ -549,12 +529,10 @@ class Trainer:
             task = bar.add_task(
                 "train", total=self.total_steps, completed=self.step, loss=float("nan")
             )
-            while self.step < self.total_steps:
-                if self._source is None:  # the start, a new epoch, or after a resume
-                    self._open_feed(self._timed(self._loader_batches()))
+            while self.step < self.total_steps:  # an epoch per pass
                 if profiled is not None and self.step == profile_from:
                     profiled.begin()
-                with contextlib.closing(self._steps()) as steps:
+                with contextlib.closing(self._steps(self._timed(self._loader_batches()))) as steps:
                     for loss in steps:
                         lengths = self._step_lengths
                         flops = model_flops(self.model_config, lengths)
@@ -575,7 +553,7 @@ class Trainer:
                             self.save(checkpoint_dir)
                             window.paused += time.perf_counter() - saving  # not training time
                         if self.step >= self.total_steps:
-                            break  # the pipeline keeps its batches in flight for the next fit()
+                            break
                         if profiled is not None and self.step == profile_from:
                             profiled.begin()
         return losses
@@ -715,7 +693,6 @@ class Trainer:
         """
         self.skipped_checkpoints: list[tuple[Path, IncompleteCheckpointError]] = []
         self.resumed_from: Path | None = None
-        self._close_pipeline()  # its batches in flight belong to the position left
 
         def say(line: str) -> None:
             if self.rank == 0:
