@@ -12,7 +12,8 @@ torchrec tables with their fused row-wise Adagrad:
   autocast, ``torch.compile`` of everything after the lookups, torchrec's DMP for the tables,
   fused AdamW for the dense parameters, as a capable user writes it;
 - ablations: ``gem-eager`` (no compile), ``gem-nopipeline`` (``Trainer.train_step`` per
-  batch: the lookups' input distribution inside the forward), ``gem-fp8`` (FP8 linears, as the ``h200-large``
+  batch: the lookups' input distribution inside the forward, and the loss read back after
+  each step), ``gem-fp8`` (FP8 linears, as the ``h200-large``
   recipe; at the bf16 shapes); at the FP8 shape ``gem-bf16`` (without FP8),
   ``gem-full-ac`` (every region checkpointed) and ``gem-memory-budget`` (no region
   checkpointed, Inductor's one global budget instead), against the recipe's per-region choice.

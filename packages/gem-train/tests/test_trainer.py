@@ -197,6 +197,20 @@ def test_a_non_finite_loss_stops_training_with_a_clear_error(small_config, tmp_p
     assert trainer.step == 0, "the failed step is not counted"
 
 
+def test_a_non_finite_loss_in_fit_stops_before_the_next_checkpoint(small_config, tmp_path):
+    """fit reads the losses back at log lines and checkpoints only: the first non-finite one
+    is still named, and no checkpoint holds the weights it trained."""
+    train_data, _ = prepare_data(small_config.data, progress=False)
+    config = dataclasses.replace(small_config, max_steps=12, log_every=100, checkpoint_every=4)
+    trainer = Trainer(config, train_data, output_dir=tmp_path / "run")
+    forward, calls = trainer._forward, itertools.count()
+    trainer._forward = lambda b: forward(b) * (float("nan") if next(calls) >= 5 else 1.0)
+    with pytest.raises(FloatingPointError, match="loss became nan at step 5; resume from the last"):
+        trainer.fit(checkpoint_dir=tmp_path / "checkpoints", progress=False)
+    assert trainer.step == 5
+    assert latest_checkpoint(tmp_path / "checkpoints").name == "step_00000004"
+
+
 def test_profile_pass_tables_every_region_and_leaves_training_unchanged(small_config, tmp_path):
     from gem_model import GemArchitecture
     from gem_train.profiling import PROFILE_REGIONS

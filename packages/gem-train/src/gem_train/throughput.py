@@ -13,7 +13,7 @@ import itertools
 import time
 import traceback
 import warnings
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 
 import torch
@@ -46,8 +46,8 @@ rest (gradient clip, 2D table sync, dense optimizer)."""
 
 HOST_PHASES = (*PHASES, "wait")
 """The parts of a step :meth:`StepClock.take_host` reports: the host time spent issuing each
-phase of :data:`PHASES`, and ``wait``, the host blocked in the step's final sync (the loss
-``.item()``) until the device finishes. A step whose ``wait`` is near 0 is bound by the host."""
+phase of :data:`PHASES`, and ``wait``, the host blocked reading the steps' losses back until
+the device finishes them. Steps whose ``wait`` is near 0 are bound by the host."""
 
 
 def host_sync_stacks(fn: Callable[[], object]) -> list[traceback.StackSummary]:
@@ -138,14 +138,16 @@ def measured_matmul_peak(device: torch.device, size: int = 8192, iters: int = 20
 class StepClock:
     """Times the phases of each step without adding host-device syncs.
 
-    ``mark(phase)`` ends ``phase`` at the current point of the stream: a CUDA event on GPUs
-    (read after the step's own sync, the loss ``.item()``), the host clock on CPUs. A phase
-    marked more than once in a step (the forward around the data wait) adds up. ``take()``
-    returns and resets the seconds per phase.
+    ``mark(phase)`` ends ``phase`` at the current point of the stream: a CUDA event on GPUs,
+    the host clock on CPUs. A phase marked more than once in a step (the forward around the
+    data wait) adds up. ``finish()`` closes the step once it is issued; its CUDA events are
+    read when the device has passed them (polled, or at ``take()``, which waits for them), so
+    the host may run steps ahead. ``take()`` returns and resets the seconds per phase.
 
     Every mark also notes the host clock, so :meth:`take_host` tells how long the host took to
-    issue each phase and how long it then waited for the device: on a GPU the two splits differ
-    where the host runs ahead of (or behind) the stream; on a CPU they are the same.
+    issue each phase, and ``wait(seconds)`` adds the time it then sat blocked reading results
+    back: on a GPU the two splits differ where the host runs ahead of (or behind) the stream;
+    on a CPU they are the same.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -153,6 +155,7 @@ class StepClock:
         self._seconds: dict[str, float] = defaultdict(float)
         self._host_seconds: dict[str, float] = defaultdict(float)
         self._marks: list[tuple[str, object, float]] = []
+        self._issued: deque[list[tuple[str, object, float]]] = deque()  # finished, not yet read
 
     def _now(self) -> tuple[object, float]:
         host = time.perf_counter()
@@ -171,21 +174,35 @@ class StepClock:
         self._marks.append((phase, *self._now()))
 
     def finish(self) -> None:
-        """Accumulates the marked phases; call right after the step's host sync (the host
-        time since the last mark counts as ``wait``)."""
-        finished = time.perf_counter()
-        for (_, begin, host_begin), (phase, end, host_end) in itertools.pairwise(self._marks):
+        """The step is issued. Its phases are read once the device has run them: here for the
+        steps already done (an event query, not a sync), the rest at :meth:`take`."""
+        if self._marks:
+            self._issued.append(self._marks)
+        self._marks = []
+        while self._issued and (not self.cuda or self._issued[0][-1][1].query()):
+            self._read(self._issued.popleft())
+
+    def wait(self, seconds: float) -> None:
+        """The host sat ``seconds`` blocked on the device (reading the losses back)."""
+        self._host_seconds["wait"] += seconds
+
+    def _read(self, marks: list[tuple[str, object, float]]) -> None:
+        for (_, begin, host_begin), (phase, end, host_end) in itertools.pairwise(marks):
             if self.cuda:
                 self._seconds[phase] += begin.elapsed_time(end) * 1e-3
             else:
                 self._seconds[phase] += end - begin
             self._host_seconds[phase] += host_end - host_begin
-        if self._marks:
-            self._host_seconds["wait"] += finished - self._marks[-1][2]
-        self._marks = []
+
+    def _read_issued(self) -> None:
+        if self.cuda and self._issued:
+            self._issued[-1][-1][1].synchronize()  # a no-op after the caller's own sync
+        while self._issued:
+            self._read(self._issued.popleft())
 
     def take(self) -> dict[str, float]:
         """Seconds per phase since the last ``take`` (every phase of :data:`PHASES` present)."""
+        self._read_issued()
         seconds = {phase: self._seconds.get(phase, 0.0) for phase in PHASES}
         self._seconds = defaultdict(float)
         return seconds
@@ -193,6 +210,7 @@ class StepClock:
     def take_host(self) -> dict[str, float]:
         """Host seconds per phase since the last ``take_host`` (every phase of
         :data:`HOST_PHASES` present). Independent of :meth:`take`: each resets only its own."""
+        self._read_issued()
         seconds = {phase: self._host_seconds.get(phase, 0.0) for phase in HOST_PHASES}
         self._host_seconds = defaultdict(float)
         return seconds

@@ -206,7 +206,9 @@ class _Window:
     """What the steps since the last train log line did on this rank."""
 
     started: float = dataclasses.field(default_factory=time.perf_counter)
+    steps: int = 0
     losses: list[float] = dataclasses.field(default_factory=list)
+    """Read at the log line: the steps' losses stay on the device until then."""
     paused: float = 0.0
     """Seconds spent saving checkpoints, left out of the throughput."""
     flops: float = 0.0
@@ -303,6 +305,8 @@ class Trainer:
         self._queued: deque[dict | None] = deque()
         self._position: dict | None = None  # the loader state after the last trained batch
         self._step_lengths: torch.Tensor | None = None  # host history lengths of the last step
+        self._unread: list[torch.Tensor] = []  # the losses of the steps issued, still on device
+        self._losses: list[float] = []  # the losses read since the last _take_losses
         self.total_steps = config.max_steps or config.epochs * steps_per_epoch
         self.step = 0
         self._metrics_file = self.output_dir / "metrics.jsonl"
@@ -392,19 +396,41 @@ class Trainer:
             self.dense_optimizer.step()
         self.clock.mark("optimizer")
 
-    def _finish_step(self, loss: torch.Tensor) -> float:
-        # The trainer's one host sync per step: checking the loss before backward would stall
-        # the CPU until the forward finished and leave the GPU idle while backward is launched.
-        # A non-finite loss has updated the weights by now, so training stops here and resumes
-        # from the last (atomic) checkpoint.
-        value = loss.item()
+    def _finish_step(self, loss: torch.Tensor) -> None:
+        # The loss stays on the device until it is read (at a log line, a checkpoint or the end
+        # of the steps): a read per step would leave the GPU idle while the host issues the
+        # next step, and checking before backward would also stall it while backward is issued.
         self.clock.finish()
-        if not math.isfinite(value):
-            raise FloatingPointError(
-                f"loss became {value} at step {self.step}; resume from the last checkpoint"
-            )
+        self._unread.append(loss.detach())
         self.step += 1
-        return value
+
+    def _read_losses(self) -> None:
+        """Reads the losses of the steps not read yet (one host sync) into ``self._losses``.
+
+        A non-finite loss has updated the weights by now (and so have the steps issued after
+        it): training stops here, before any checkpoint holds them, and resumes from the last
+        (atomic) checkpoint. ``self.step`` then counts the steps before it."""
+        if not self._unread:
+            return
+        waiting = time.perf_counter()
+        values = torch.stack(self._unread).tolist()
+        self.clock.wait(time.perf_counter() - waiting)
+        first = self.step - len(self._unread)
+        self._unread.clear()
+        for offset, value in enumerate(values):
+            if not math.isfinite(value):
+                self.step = first + offset
+                raise FloatingPointError(
+                    f"loss became {value} at step {first + offset}; resume from the last "
+                    "checkpoint"
+                )
+        self._losses += values
+
+    def _take_losses(self) -> list[float]:
+        """The losses of the steps since the last call, read."""
+        self._read_losses()
+        losses, self._losses = self._losses, []
+        return losses
 
     def train_step(self, batch: Batch) -> float:
         """One optimizer step on ``batch`` (on the device) without the train pipeline: the
@@ -420,7 +446,8 @@ class Trainer:
         self.optimizer.zero_grad()
         self._backward(loss)
         self._optimizer_step()
-        return self._finish_step(loss)
+        self._finish_step(loss)
+        return self._take_losses()[-1]
 
     def _pipelined_forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """The train pipeline's forward of the batch it trains on (``custom_model_fwd``)."""
@@ -451,9 +478,9 @@ class Trainer:
         for batch in self._batches:
             yield batch, self._batches.state_dict()
 
-    def _steps(self, feed: Generator[Batch, None, None]) -> Iterator[float]:
-        """Trains on ``feed``'s batches through a train pipeline, yielding each step's loss
-        once its step is done, until ``feed`` is spent or the caller stops (``close()``).
+    def _steps(self, feed: Generator[Batch, None, None]) -> Iterator[None]:
+        """Trains on ``feed``'s batches through a train pipeline, yielding once each step is
+        issued (its loss left unread), until ``feed`` is spent or the caller stops (``close()``).
 
         Then the batches read ahead are dropped and the loader goes back to the position after
         the last batch trained on: the next call reads them again. (Taking the model back
@@ -476,7 +503,8 @@ class Trainer:
                     loss = pipeline.progress(source)
                 except StopIteration:
                     return
-                yield self._finish_step(loss)
+                self._finish_step(loss)
+                yield
         finally:
             pipeline.detach()
             feed.close()  # and with it the loader's prefetch thread
@@ -487,8 +515,11 @@ class Trainer:
     def train_steps(self, batches: Iterable[Batch]) -> list[float]:
         """One optimizer step per batch of ``batches`` (on the host; pinned on CUDA, so that
         their copies overlap the steps), through torchrec's train pipeline as in :meth:`fit`;
-        returns the losses. The loader's position does not move."""
-        return list(self._steps(self._timed((batch, None) for batch in batches)))
+        returns the losses. The loader's position does not move. The host reads the losses
+        back once, at the end, and may run ahead of the device until then."""
+        for _ in self._steps(self._timed((batch, None) for batch in batches)):
+            pass
+        return self._take_losses()
 
     def fit(
         self,
@@ -533,18 +564,20 @@ class Trainer:
                 if profiled is not None and self.step == profile_from:
                     profiled.begin()
                 with contextlib.closing(self._steps(self._timed(self._loader_batches()))) as steps:
-                    for loss in steps:
+                    for _ in steps:
                         lengths = self._step_lengths
                         flops = model_flops(self.model_config, lengths)
+                        window.steps += 1
                         window.flops += flops.total
                         window.tokens += int(lengths.sum())
                         if profiled is not None and profiled.active:
                             profiled.after_step(flops)
                             self.profile = profiled.result
-                        losses.append(loss)
-                        window.losses.append(loss)
-                        bar.update(task, advance=1, loss=loss)
+                        bar.update(task, advance=1)
                         if self.step % config.log_every == 0 or self.step == self.total_steps:
+                            window.losses = self._take_losses()
+                            losses += window.losses
+                            bar.update(task, loss=window.losses[-1])
                             self.last_speed = self._speed(window)
                             self.log(split="train", step=self.step, **self.last_speed)
                             window = _Window()
@@ -556,7 +589,7 @@ class Trainer:
                             break
                         if profiled is not None and self.step == profile_from:
                             profiled.begin()
-        return losses
+        return losses + self._take_losses()
 
     def _speed(self, window: _Window) -> dict[str, float | None]:
         """The train log line of ``window``: loss, throughput, MFU, time split, memory.
@@ -566,7 +599,7 @@ class Trainer:
         TFLOP/s by the GPU's bf16 dense datasheet peak (``mfu_measured``: by a bf16 matmul
         measured on it); both None on a CPU. ``time_<phase>`` are seconds per step."""
         seconds = time.perf_counter() - window.started - window.paused
-        steps = len(window.losses)
+        steps = window.steps
         achieved = window.flops / seconds / 1e12
         record: dict[str, float | None] = {
             "loss": sum(window.losses) / steps,
@@ -654,6 +687,7 @@ class Trainer:
         Raises ``gem_train.checkpoint.CheckpointSaveError`` on every rank when the save did
         not complete (full disk, unwritable path): the previous checkpoint stays the newest
         one and training must not go on as if it had saved."""
+        self._read_losses()  # no checkpoint of weights trained past a non-finite loss
         trainer_state = {
             "step": self.step,
             "world_size": self.world_size,
