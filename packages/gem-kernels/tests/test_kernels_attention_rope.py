@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gem_kernels import rope, rope_tables
+from gem_kernels import rope, rope_qkv, rope_tables
 from gem_kernels.reference import apply_rope
 from kernels_naive import _rope_complex
 
@@ -50,6 +50,36 @@ def test_forward_and_gradient_match_the_oracle(interpret, backend, tokens, heads
     assert out.is_contiguous() and out.dtype == x.dtype
     torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=2e-6)
     torch.testing.assert_close(leaf.grad.double(), oracle_x.grad, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize(("tokens", "heads", "head_dim"), [(37, 3, 10), (1, 1, 2), (0, 2, 8)])
+def test_rope_qkv_rotates_q_and_k_copies_v_and_packs_the_gradient(interpret, backend, tokens,
+                                                                 heads, head_dim):  # fmt: skip
+    """rope_qkv is rope of the q and k slices and v as it is, forward and gradient (against
+    the float64 oracle); the gradient of outputs left unused is zero."""
+    gen = torch.Generator().manual_seed(tokens + 1)
+    qkv = torch.randn(tokens, 3, heads, head_dim + 2, generator=gen)[..., 1:-1]  # strided
+    positions = torch.randint(0, 50, (tokens,), generator=gen)
+    cos, sin = rope_tables(50, head_dim, THETA)
+    grads = [torch.randn(tokens, heads, head_dim, generator=gen) for _ in range(3)]
+    leaf = qkv.clone().requires_grad_(True)
+    outs = rope_qkv(leaf, positions, cos, sin, backend=backend)
+    sum((out * grad).sum() for out, grad in zip(outs, grads, strict=True)).backward()
+    oracle = qkv.double().requires_grad_(True)
+    q, k, v = oracle.unbind(1)
+    wants = (_rope_complex(q, positions, THETA), _rope_complex(k, positions, THETA), v)
+    sum((w * g.double()).sum() for w, g in zip(wants, grads, strict=True)).backward()
+    for out, want in zip(outs, wants, strict=True):
+        assert out.is_contiguous() and out.dtype == qkv.dtype and out.shape == want.shape
+        torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=2e-6)
+    assert torch.equal(outs[2], qkv[:, 2])
+    torch.testing.assert_close(leaf.grad.double(), oracle.grad, atol=2e-6, rtol=2e-6)
+
+    leaf.grad = None
+    rope_qkv(leaf, positions, cos, sin, backend=backend)[1].backward(grads[1])  # k only
+    assert leaf.grad[:, 0].abs().sum() == 0 and leaf.grad[:, 2].abs().sum() == 0
+    torch.testing.assert_close(leaf.grad[:, 1].double(), oracle.grad[:, 1], atol=2e-6, rtol=2e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -98,6 +128,21 @@ def test_bad_arguments_name_the_argument():
         rope(x, positions, cos, sin, backend="cuda")
 
 
+def test_rope_qkv_bad_arguments_name_the_argument():
+    x, positions, (cos, sin) = _inputs(6, 2, 8, seed=0)
+    qkv = torch.stack([x, x, x], dim=1)
+    with pytest.raises(ValueError, match=r"qkv must be \(tokens, 3, heads, head_dim\)"):
+        rope_qkv(qkv[:, :2], positions, cos, sin)
+    with pytest.raises(ValueError, match="qkv must be 4-D"):
+        rope_qkv(x, positions, cos, sin)
+    with pytest.raises(ValueError, match="qkv's head_dim must be even"):
+        rope_qkv(qkv[..., :7], positions, cos[:, :3], sin[:, :3])
+    with pytest.raises(ValueError, match=r"positions must have shape \(T,\)"):
+        rope_qkv(qkv, positions[:5], cos, sin)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        rope_qkv(qkv, positions, cos, sin, backend="cuda")
+
+
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     x, positions, (cos, sin) = _inputs(6, 2, 8, seed=0)
@@ -120,3 +165,24 @@ def test_compiled_kernel_on_cuda():
     want.backward(grad.double())
     torch.testing.assert_close(out.double(), want, atol=0.02, rtol=0.01)
     torch.testing.assert_close(leaf.grad.double(), oracle.grad, atol=0.02, rtol=0.01)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_rope_qkv_on_cuda():
+    """rope_qkv's kernels at the model's shape class (bf16, D = 128), against rope of the
+    slices: the same rotations, bit for bit, and the same gradient."""
+    gen = torch.Generator().manual_seed(10)
+    qkv = torch.randn(4099, 3, 4, 128, generator=gen).bfloat16().cuda()
+    positions = torch.randint(0, 1024, (4099,), generator=gen).cuda()
+    cos, sin = (t.cuda() for t in rope_tables(1024, 128, THETA))
+    grads = [torch.randn(4099, 4, 128, generator=gen).bfloat16().cuda() for _ in range(3)]
+    fused, split = qkv.clone().requires_grad_(True), qkv.clone().requires_grad_(True)
+    outs = rope_qkv(fused, positions, cos, sin)
+    sum((out.float() * grad).sum() for out, grad in zip(outs, grads, strict=True)).backward()
+    q, k, v = split.unbind(1)
+    wants = (rope(q, positions, cos, sin), rope(k, positions, cos, sin), v)
+    sum((want.float() * grad).sum() for want, grad in zip(wants, grads, strict=True)).backward()
+    for out, want in zip(outs, wants, strict=True):
+        assert torch.equal(out, want)
+    assert torch.equal(fused.grad, split.grad)

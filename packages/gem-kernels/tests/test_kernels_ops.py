@@ -24,6 +24,7 @@ from gem_kernels import (
     jagged_flash_attention,
     jfa_triton,
     rope,
+    rope_qkv,
     rope_tables,
     swiglu,
 )
@@ -177,6 +178,16 @@ def test_opcheck_rope(inverse):
     _opcheck(torch.ops.gem_kernels.rope.default, (x, positions, cos, sin, inverse, "auto"))
 
 
+def test_opcheck_rope_qkv():
+    gen = torch.Generator().manual_seed(5)
+    qkv = _randn(9, 3, 2, 8, gen=gen).detach()[..., 1:-1].requires_grad_(True)  # strided rows
+    positions = torch.randint(0, 11, (9,), generator=gen)
+    cos, sin = rope_tables(11, 6, 300.0)
+    _opcheck(torch.ops.gem_kernels.rope_qkv.default, (qkv, positions, cos, sin, "auto"))
+    grads = tuple(torch.randn(9, 2, 6, generator=gen) for _ in range(3))
+    _opcheck(torch.ops.gem_kernels.rope_qkv_backward.default, (*grads, positions, cos, sin, "auto"))
+
+
 @pytest.mark.parametrize("shape", [(9, 14), (2, 3, 10)])
 def test_opcheck_swiglu(shape):
     gen = torch.Generator().manual_seed(6)
@@ -214,8 +225,9 @@ def test_compile_swiglu_fullgraph_matches_eager():
 
 
 def test_compile_rope_fullgraph_matches_eager():
-    """RoPE of a fused projection's q and k slices, as the model calls it: one graph, the
-    forward and the gradient equal to eager (the gradient is the inverse rotation)."""
+    """RoPE of a fused projection's q and k slices, by rope and by rope_qkv (as the model
+    calls it): one graph each, the forward and the gradient equal to eager rope (the gradient
+    is the inverse rotation)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -227,18 +239,24 @@ def test_compile_rope_fullgraph_matches_eager():
         q, k, v = qkv.unbind(1)
         return (rope(q, positions, cos, sin) * rope(k, positions, cos, sin) * v).sum()
 
+    def rotate_qkv(qkv, positions):  # the fused form: one (T, 3, H, D) gradient
+        q, k, v = rope_qkv(qkv, positions, cos, sin)
+        return (q * k * v).sum()
+
     compiled = torch.compile(rotate_qk, backend="aot_eager", fullgraph=True)
+    fused = torch.compile(rotate_qkv, backend="aot_eager", fullgraph=True)
     for tokens in (13, 21):
         qkv = torch.randn(tokens, 3, 2, 8, generator=gen)
         positions = torch.randint(0, 16, (tokens,), generator=gen)
         results = []
-        for fn in (rotate_qk, compiled):
+        for fn in (rotate_qk, compiled, rotate_qkv, fused):
             leaf = qkv.clone().requires_grad_(True)
             loss = fn(leaf, positions)
             loss.backward()
             results.append((loss.detach(), leaf.grad))
-        torch.testing.assert_close(results[1][0], results[0][0])
-        torch.testing.assert_close(results[1][1], results[0][1])
+        for result in results[1:]:
+            torch.testing.assert_close(result[0], results[0][0])
+            torch.testing.assert_close(result[1], results[0][1])
     assert dict(counters["graph_break"]) == {}
 
 

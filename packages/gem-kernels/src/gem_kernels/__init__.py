@@ -17,6 +17,7 @@ from gem_kernels.attention import (
     gdpa,
     jagged_flash_attention,
     rope,
+    rope_qkv,
     swiglu,
 )
 from gem_kernels.jagged import (
@@ -40,6 +41,7 @@ __all__ = [
     "lengths_to_offsets",
     "offsets_to_lengths",
     "rope",
+    "rope_qkv",
     "rope_tables",
     "swiglu",
     "validate_offsets",

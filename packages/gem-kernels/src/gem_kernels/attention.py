@@ -39,6 +39,7 @@ __all__ = [
     "gdpa",
     "jagged_flash_attention",
     "rope",
+    "rope_qkv",
     "swiglu",
 ]
 
@@ -62,6 +63,7 @@ _JFA_OP = torch.ops.gem_kernels.jagged_flash_attention.default
 _GDPA_OP = torch.ops.gem_kernels.gdpa.default
 _BLOCK_OP = torch.ops.gem_kernels.block_attention.default
 _ROPE_OP = torch.ops.gem_kernels.rope.default
+_ROPE_QKV_OP = torch.ops.gem_kernels.rope_qkv.default
 _SWIGLU_OP = torch.ops.gem_kernels.swiglu.default
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -494,28 +496,63 @@ def rope(
         kernel: no slices or concatenations for autograd to undo.
     """
     _check_float_tensor(x, "x", 3, "(tokens, heads, head_dim)")
+    _check_rope_arguments(x, "x", positions, cos, sin, backend)
+    return _ROPE_OP(x, positions, cos, sin, False, backend)
+
+
+def rope_qkv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`rope` of q and k taken from a fused qkv projection, with v: ``(q, k, v)``.
+
+    The same rotations as ``rope`` on ``qkv[:, 0]`` and ``qkv[:, 1]``, and ``v`` a copy of
+    ``qkv[:, 2]``. What it adds is the gradient: one ``(T, 3, H, D)`` tensor, written by the
+    two inverse rotations and v's copy into their slices, where unbinding ``qkv`` and calling
+    ``rope`` twice has autograd rotate into two new tensors and stack all three again.
+
+    Args:
+        qkv: ``(T, 3, H, D)``, ``D`` even; any strides with a contiguous last dimension (the
+            fused projection's output viewed as ``(T, 3, H, D)``).
+        positions, cos, sin, backend: as in :func:`rope`.
+
+    Returns:
+        ``(q, k, v)``, each ``(T, H, D)`` contiguous in qkv's dtype.
+    """
+    _check_float_tensor(qkv, "qkv", 4, "(tokens, 3, heads, head_dim)")
+    if qkv.shape[1] != 3:
+        raise ValueError(f"qkv must be (tokens, 3, heads, head_dim), got shape {tuple(qkv.shape)}")
+    _check_rope_arguments(qkv[:, 0], "qkv", positions, cos, sin, backend)
+    return _ROPE_QKV_OP(qkv, positions, cos, sin, backend)
+
+
+def _check_rope_arguments(x, name, positions, cos, sin, backend) -> None:
+    """The checks of :func:`rope` after ``x``'s own, for ``x`` ``(T, H, D)`` (named ``name``)."""
     if x.shape[2] % 2 != 0:
-        raise ValueError(f"x's head_dim must be even for rotary embedding, got {x.shape[2]}")
-    _check_positions(positions, x, "x")
-    for name, table in (("cos", cos), ("sin", sin)):
+        raise ValueError(f"{name}'s head_dim must be even for rotary embedding, got {x.shape[2]}")
+    _check_positions(positions, x, name)
+    for table_name, table in (("cos", cos), ("sin", sin)):
         if not isinstance(table, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(table).__name__}")
+            raise TypeError(f"{table_name} must be a torch.Tensor, got {type(table).__name__}")
         if table.dtype != torch.float32:
-            raise TypeError(f"{name} must have dtype float32, got {table.dtype}")
+            raise TypeError(f"{table_name} must have dtype float32, got {table.dtype}")
         if table.dim() != 2 or table.shape[1] != x.shape[2] // 2:
             raise ValueError(
-                f"{name} must be (positions, head_dim / 2) = (L, {x.shape[2] // 2}), got shape "
-                f"{tuple(table.shape)}"
+                f"{table_name} must be (positions, head_dim / 2) = (L, {x.shape[2] // 2}), got "
+                f"shape {tuple(table.shape)}"
             )
     if cos.shape != sin.shape:
         raise ValueError(
             f"cos and sin must have one shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
         )
-    for name, tensor in (("cos", cos), ("sin", sin)):
+    for table_name, tensor in (("cos", cos), ("sin", sin)):
         if tensor.device != x.device:
-            raise ValueError(f"{name} is on {tensor.device} but x is on {x.device}")
+            raise ValueError(f"{table_name} is on {tensor.device} but {name} is on {x.device}")
     _check_backend(backend, ops.BACKENDS)
-    return _ROPE_OP(x, positions, cos, sin, False, backend)
 
 
 def swiglu(hidden: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:

@@ -28,6 +28,11 @@ positions, block_size, rope_theta, scale, backend)``
 ``rope(x, positions, cos, sin, inverse, backend)``           ``(T, H, D)``, contiguous; its
                                                             gradient is ``rope`` with
                                                             ``not inverse``
+``rope_qkv(qkv, positions, cos, sin, backend)``              ``(q, k, v)`` of ``(T, 3, H, D)``:
+                                                            q, k rotated, v copied, each
+                                                            contiguous
+``rope_qkv_backward(grad_q, grad_k, grad_v, positions,      ``(T, 3, H, D)``
+cos, sin, backend)``
 ``swiglu(hidden, backend)``                                  ``(T, H)`` of ``(T, 2H)``
 ``swiglu_backward(grad_out, hidden, backend)``               ``(T, 2H)``
 ==========================================================  =====================================
@@ -117,6 +122,15 @@ _BLOCK_BACKWARD_SCHEMA = (
 )
 _ROPE_SCHEMA = (
     "(Tensor x, Tensor positions, Tensor cos, Tensor sin, bool inverse, str backend) -> Tensor"
+)
+
+_ROPE_QKV_SCHEMA = (
+    "(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, str backend) "
+    "-> (Tensor, Tensor, Tensor)"
+)
+_ROPE_QKV_BACKWARD_SCHEMA = (
+    "(Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor positions, Tensor cos, Tensor sin, "
+    "str backend) -> Tensor"
 )
 
 _SWIGLU_SCHEMA = "(Tensor hidden, str backend) -> Tensor"
@@ -610,6 +624,67 @@ def _rope_backward(ctx, grad_out):
 
 
 _autograd("rope", _rope_backward, _rope_setup_context)
+
+
+def _rotate(x, positions, cos, sin, inverse, backend, out):
+    """``out`` (a slice of a fused tensor) = ``x`` rotated, by the kernel or the reference."""
+    triton = _triton_module(backend, x, "rope_triton", lambda m: m.triton_unsupported_reason(x))
+    if triton is not None:
+        triton.rope(x, positions, cos, sin, inverse, out=out)
+    else:
+        out.copy_(reference.apply_rope(x, positions, tables=(cos, -sin if inverse else sin)))
+
+
+@_operator("rope_qkv", _ROPE_QKV_SCHEMA)
+def _rope_qkv(qkv, positions, cos, sin, backend):
+    q, k, v = (torch.empty(qkv.shape[:1] + qkv.shape[2:], dtype=qkv.dtype, device=qkv.device)
+               for _ in range(3))  # fmt: skip
+    _rotate(qkv[:, 0], positions, cos, sin, False, backend, q)
+    _rotate(qkv[:, 1], positions, cos, sin, False, backend, k)
+    v.copy_(qkv[:, 2])
+    return q, k, v
+
+
+@_fake("rope_qkv")
+def _rope_qkv_fake(qkv, *_):
+    shape = qkv.shape[:1] + qkv.shape[2:]
+    return qkv.new_empty(shape), qkv.new_empty(shape), qkv.new_empty(shape)
+
+
+@_operator("rope_qkv_backward", _ROPE_QKV_BACKWARD_SCHEMA)
+def _rope_qkv_backward_impl(grad_q, grad_k, grad_v, positions, cos, sin, backend):
+    # One (T, 3, H, D) gradient written in place of the stack autograd would build from three
+    # separate ones: the inverse rotations write their slices, v's gradient is copied into its.
+    grad = grad_q.new_empty((grad_q.shape[0], 3, *grad_q.shape[1:]))
+    _rotate(grad_q, positions, cos, sin, True, backend, grad[:, 0])
+    _rotate(grad_k, positions, cos, sin, True, backend, grad[:, 1])
+    grad[:, 2].copy_(grad_v)
+    return grad
+
+
+@_fake("rope_qkv_backward")
+def _rope_qkv_backward_fake(grad_q, *_):
+    return grad_q.new_empty((grad_q.shape[0], 3, *grad_q.shape[1:]))
+
+
+def _rope_qkv_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[1:4])
+    ctx.backend = inputs[4]
+
+
+def _rope_qkv_grad(ctx, grad_q, grad_k, grad_v):
+    positions, cos, sin = ctx.saved_tensors
+    present = next(g for g in (grad_q, grad_k, grad_v) if g is not None)
+    grad_q, grad_k, grad_v = (torch.zeros_like(present) if g is None else g
+                              for g in (grad_q, grad_k, grad_v))  # fmt: skip
+    grad = torch.ops.gem_kernels.rope_qkv_backward(
+        grad_q, grad_k, grad_v, positions, cos, sin, ctx.backend
+    )
+    return grad, None, None, None, None
+
+
+_autograd("rope_qkv", _rope_qkv_grad, _rope_qkv_setup_context)
+_once_differentiable("rope_qkv_backward")
 
 
 # ---------------------------------------------------------------------------------------------

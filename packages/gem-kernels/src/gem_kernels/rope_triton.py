@@ -48,13 +48,17 @@ def rope(
     cos: torch.Tensor,
     sin: torch.Tensor,
     inverse: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` ``(T, H, D)`` rotated by the ``(L, D/2)`` float32 tables' rows at ``positions``
-    (validated by the caller); ``inverse`` rotates the other way. Contiguous, in x's dtype."""
+    (validated by the caller); ``inverse`` rotates the other way. Contiguous, in x's dtype, or
+    written into ``out`` (``x``'s shape, unit stride in its last dimension: a slice of a fused
+    gradient)."""
     interpret = host.interpret_for(x)
     x = host.unit_stride(x)
     num_tokens, num_heads, head_dim = x.shape
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
     if num_tokens == 0 or num_heads == 0:
         return out
     half = head_dim // 2

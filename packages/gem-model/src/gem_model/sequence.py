@@ -10,7 +10,14 @@ FP8, it becomes the fused norm -> quantise ``Fp8NormLinear``.
 from __future__ import annotations
 
 import torch
-from gem_kernels import block_attention, gdpa, jagged_flash_attention, rope, rope_tables, swiglu
+from gem_kernels import (
+    block_attention,
+    gdpa,
+    jagged_flash_attention,
+    rope_qkv,
+    rope_tables,
+    swiglu,
+)
 from gem_precision import NormLinear
 from torch import nn
 from torch.nn import functional as F
@@ -164,15 +171,16 @@ class JaggedSelfAttentionLayer(AttentionPrecision, nn.Module):
     ) -> torch.Tensor:
         """``positions``: each token's index in its history (needed for ``"rope"``)."""
         num_tokens, dim = tokens.shape
-        q, k, v = (
-            self.qkv(tokens).view(num_tokens, 3, self.num_heads, dim // self.num_heads).unbind(1)
-        )
-        q, k, v = self._kernel_inputs(self.attention_dtype, q, k, v)
+        qkv = self.qkv(tokens).view(num_tokens, 3, self.num_heads, dim // self.num_heads)
+        (qkv,) = self._kernel_inputs(self.attention_dtype, qkv)
         if self.position == "rope" and self.kind != "block":
             if positions is None:
                 raise ValueError("position='rope' needs the tokens' positions")
-            q = rope(q, positions, self.rope_cos, self.rope_sin)
-            k = rope(k, positions, self.rope_cos, self.rope_sin)
+            # One operator for q, k and v, so that their gradients land in one (T, 3, H, D)
+            # tensor for the projection's backward instead of being stacked again.
+            q, k, v = rope_qkv(qkv, positions, self.rope_cos, self.rope_sin)
+        else:
+            q, k, v = qkv.unbind(1)
         if self.kind == "block":
             attended = block_attention(q, k, v, offsets, max_len)
         else:

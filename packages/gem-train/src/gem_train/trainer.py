@@ -421,8 +421,7 @@ class Trainer:
             if not math.isfinite(value):
                 self.step = first + offset
                 raise FloatingPointError(
-                    f"loss became {value} at step {first + offset}; resume from the last "
-                    "checkpoint"
+                    f"loss became {value} at step {first + offset}; resume from the last checkpoint"
                 )
         self._losses += values
 
