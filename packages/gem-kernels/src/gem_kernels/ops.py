@@ -626,13 +626,16 @@ def _rope_backward(ctx, grad_out):
 _autograd("rope", _rope_backward, _rope_setup_context)
 
 
-def _rotate(x, positions, cos, sin, inverse, backend, out):
-    """``out`` (a slice of a fused tensor) = ``x`` rotated, by the kernel or the reference."""
+def _rotate(x, positions, cos, sin, inverse, backend, out, rotate=True):
+    """``out`` (a slice of a fused tensor) = ``x`` rotated (``rotate=False``: copied), by the
+    kernel or the reference."""
     triton = _triton_module(backend, x, "rope_triton", lambda m: m.triton_unsupported_reason(x))
     if triton is not None:
-        triton.rope(x, positions, cos, sin, inverse, out=out)
-    else:
+        triton.rope(x, positions, cos, sin, inverse, out=out, rotate=rotate)
+    elif rotate:
         out.copy_(reference.apply_rope(x, positions, tables=(cos, -sin if inverse else sin)))
+    else:
+        out.copy_(x)
 
 
 @_operator("rope_qkv", _ROPE_QKV_SCHEMA)
@@ -641,7 +644,7 @@ def _rope_qkv(qkv, positions, cos, sin, backend):
                for _ in range(3))  # fmt: skip
     _rotate(qkv[:, 0], positions, cos, sin, False, backend, q)
     _rotate(qkv[:, 1], positions, cos, sin, False, backend, k)
-    v.copy_(qkv[:, 2])
+    _rotate(qkv[:, 2], positions, cos, sin, False, backend, v, rotate=False)
     return q, k, v
 
 
@@ -654,11 +657,12 @@ def _rope_qkv_fake(qkv, *_):
 @_operator("rope_qkv_backward", _ROPE_QKV_BACKWARD_SCHEMA)
 def _rope_qkv_backward_impl(grad_q, grad_k, grad_v, positions, cos, sin, backend):
     # One (T, 3, H, D) gradient written in place of the stack autograd would build from three
-    # separate ones: the inverse rotations write their slices, v's gradient is copied into its.
+    # separate ones: the inverse rotations write their slices, v's gradient is copied into its
+    # (by the same kernel: ATen's copy into a strided slice ran at 1.7 TB/s on the H200).
     grad = grad_q.new_empty((grad_q.shape[0], 3, *grad_q.shape[1:]))
     _rotate(grad_q, positions, cos, sin, True, backend, grad[:, 0])
     _rotate(grad_k, positions, cos, sin, True, backend, grad[:, 1])
-    grad[:, 2].copy_(grad_v)
+    _rotate(grad_v, positions, cos, sin, True, backend, grad[:, 2], rotate=False)
     return grad
 
 

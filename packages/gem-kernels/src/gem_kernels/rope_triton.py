@@ -49,11 +49,13 @@ def rope(
     sin: torch.Tensor,
     inverse: bool,
     out: torch.Tensor | None = None,
+    *,
+    rotate: bool = True,
 ) -> torch.Tensor:
     """``x`` ``(T, H, D)`` rotated by the ``(L, D/2)`` float32 tables' rows at ``positions``
     (validated by the caller); ``inverse`` rotates the other way. Contiguous, in x's dtype, or
     written into ``out`` (``x``'s shape, unit stride in its last dimension: a slice of a fused
-    gradient)."""
+    gradient). ``rotate=False``: ``x`` copied as it is (``rope_qkv``'s v)."""
     interpret = host.interpret_for(x)
     x = host.unit_stride(x)
     num_tokens, num_heads, head_dim = x.shape
@@ -66,6 +68,6 @@ def rope(
         x, out, positions.contiguous(), cos.contiguous(), sin.contiguous(),
         num_tokens, num_heads, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
         HALF=half, BLOCK_T=_BLOCK_T, BLOCK_HALF=host.padded_block(half), INVERSE=inverse,
-        num_warps=4,
+        ROTATE=rotate, num_warps=4,
     )  # fmt: skip
     return out
