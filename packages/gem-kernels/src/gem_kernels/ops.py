@@ -600,7 +600,7 @@ _qkv_autograd("block_attention", num_inputs=10, saved=5, options_from=6)
 
 @_operator("rope", _ROPE_SCHEMA)
 def _rope(x, positions, cos, sin, inverse, backend):
-    triton = _triton_module(backend, x, "rope_triton", lambda m: m.triton_unsupported_reason(x))
+    triton = _rope_triton(backend, x)
     if triton is not None:
         return triton.rope(x, positions, cos, sin, inverse)
     return reference.apply_rope(x, positions, tables=(cos, -sin if inverse else sin))
@@ -626,10 +626,9 @@ def _rope_backward(ctx, grad_out):
 _autograd("rope", _rope_backward, _rope_setup_context)
 
 
-def _rotate(x, positions, cos, sin, inverse, backend, out, rotate=True):
+def _rotate(triton, x, positions, cos, sin, inverse, out, rotate=True):
     """``out`` (a slice of a fused tensor) = ``x`` rotated (``rotate=False``: copied), by the
-    kernel or the reference."""
-    triton = _triton_module(backend, x, "rope_triton", lambda m: m.triton_unsupported_reason(x))
+    kernels of ``triton`` (the ``rope_triton`` module) or, when it is None, the reference."""
     if triton is not None:
         triton.rope(x, positions, cos, sin, inverse, out=out, rotate=rotate)
     elif rotate:
@@ -638,13 +637,18 @@ def _rotate(x, positions, cos, sin, inverse, backend, out, rotate=True):
         out.copy_(x)
 
 
+def _rope_triton(backend: str, x: torch.Tensor) -> ModuleType | None:
+    return _triton_module(backend, x, "rope_triton", lambda m: m.triton_unsupported_reason(x))
+
+
 @_operator("rope_qkv", _ROPE_QKV_SCHEMA)
 def _rope_qkv(qkv, positions, cos, sin, backend):
     q, k, v = (torch.empty(qkv.shape[:1] + qkv.shape[2:], dtype=qkv.dtype, device=qkv.device)
                for _ in range(3))  # fmt: skip
-    _rotate(qkv[:, 0], positions, cos, sin, False, backend, q)
-    _rotate(qkv[:, 1], positions, cos, sin, False, backend, k)
-    _rotate(qkv[:, 2], positions, cos, sin, False, backend, v, rotate=False)
+    triton = _rope_triton(backend, qkv[:, 0])
+    _rotate(triton, qkv[:, 0], positions, cos, sin, False, q)
+    _rotate(triton, qkv[:, 1], positions, cos, sin, False, k)
+    _rotate(triton, qkv[:, 2], positions, cos, sin, False, v, rotate=False)
     return q, k, v
 
 
@@ -660,9 +664,10 @@ def _rope_qkv_backward_impl(grad_q, grad_k, grad_v, positions, cos, sin, backend
     # separate ones: the inverse rotations write their slices, v's gradient is copied into its
     # (by the same kernel: ATen's copy into a strided slice ran at 1.7 TB/s on the H200).
     grad = grad_q.new_empty((grad_q.shape[0], 3, *grad_q.shape[1:]))
-    _rotate(grad_q, positions, cos, sin, True, backend, grad[:, 0])
-    _rotate(grad_k, positions, cos, sin, True, backend, grad[:, 1])
-    _rotate(grad_v, positions, cos, sin, True, backend, grad[:, 2], rotate=False)
+    triton = _rope_triton(backend, grad_q)
+    _rotate(triton, grad_q, positions, cos, sin, True, grad[:, 0])
+    _rotate(triton, grad_k, positions, cos, sin, True, grad[:, 1])
+    _rotate(triton, grad_v, positions, cos, sin, True, grad[:, 2], rotate=False)
     return grad
 
 
