@@ -206,7 +206,6 @@ class _Window:
     """What the steps since the last train log line did on this rank."""
 
     started: float = dataclasses.field(default_factory=time.perf_counter)
-    steps: int = 0
     losses: list[float] = dataclasses.field(default_factory=list)
     """Read at the log line: the steps' losses stay on the device until then."""
     paused: float = 0.0
@@ -566,7 +565,6 @@ class Trainer:
                     for _ in steps:
                         lengths = self._step_lengths
                         flops = model_flops(self.model_config, lengths)
-                        window.steps += 1
                         window.flops += flops.total
                         window.tokens += int(lengths.sum())
                         if profiled is not None and profiled.active:
@@ -598,7 +596,7 @@ class Trainer:
         TFLOP/s by the GPU's bf16 dense datasheet peak (``mfu_measured``: by a bf16 matmul
         measured on it); both None on a CPU. ``time_<phase>`` are seconds per step."""
         seconds = time.perf_counter() - window.started - window.paused
-        steps = window.steps
+        steps = len(window.losses)
         achieved = window.flops / seconds / 1e12
         record: dict[str, float | None] = {
             "loss": sum(window.losses) / steps,
