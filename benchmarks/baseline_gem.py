@@ -49,7 +49,8 @@ How a benchmark runs it (H200, the same batches and optimizer as our stack)::
   the padding rows form a history of their own and are dropped after the self-attention.
 * bf16: under autocast every linear, the attention and the GDPA matmuls run in bf16 (the
   attention inputs are cast like GemModel's ``_cast``: ``attention_dtype='auto'`` is bf16 on
-  CUDA), norms and softmax statistics in fp32, as in our stack.
+  CUDA), norms and softmax statistics in fp32, and the sequence tower's residual stream in
+  bf16 (``SequenceInput``'s tokens and the final norm's output), as in our stack.
 * No host sync in the forward: lengths above ``max_seq_len`` are not checked (GemModel
   checks them on the host), ``sequence_offsets`` (GemModel's host copy) is accepted and not
   needed. ``max_len`` (default ``config.max_seq_len``) is the padded length of the GDPA
@@ -755,6 +756,8 @@ class BaselineGem(nn.Module):
             features = torch.stack([*feature_tokens, candidate], dim=1)
             tokens = tokens + self.history_cross(tokens, offsets, max_len, features)
         tokens = self.sequence_norm(tokens)
+        if torch.is_autocast_enabled(tokens.device.type):  # bf16 on, like SequenceInput's
+            tokens = tokens.to(torch.get_autocast_dtype(tokens.device.type))
         pma_tokens = self.pma(tokens, offsets, max_len)
         if self.cross_attention is None:
             return [*pma_tokens.unbind(1), candidate]

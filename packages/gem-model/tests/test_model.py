@@ -96,6 +96,30 @@ def test_bf16_attention_matches_fp32_and_keeps_the_residual_dtype(architecture):
     assert (grads[1] != grads[0]).any(), "bfloat16 attention should round q/k/v"
 
 
+def test_autocast_carries_the_sequence_residual_stream_in_bf16():
+    """Under bf16 autocast the tower's tokens (its residual stream) are bf16 from SequenceInput
+    to PMA; without autocast they stay float32; the parameters' gradients are float32."""
+    generator = torch.Generator().manual_seed(4)
+    sequence, sparse, dense = make_inputs([0, 1, 70, 5, 33], generator)
+    torch.manual_seed(0)
+    model = GemModel(make_config(**V1, num_sequence_layers=2))
+    stream = {}
+    for name in ("sequence_layers.0", "sequence_layers.1", "history_cross", "pma"):
+        model.get_submodule(name).register_forward_hook(
+            lambda module, args, out, name=name: stream.__setitem__(
+                name, (args[0].dtype, out.dtype)
+            )
+        )
+    reference = model(GemInputs(sequence, sparse, dense))
+    assert set(stream.values()) == {(torch.float32, torch.float32)}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(GemInputs(sequence, sparse, dense))
+    assert set(stream.values()) == {(torch.bfloat16, torch.bfloat16)}
+    torch.testing.assert_close(logits.float(), reference, atol=2e-2, rtol=2e-2)
+    logits.float().sum().backward()
+    assert {p.grad.dtype for p in model.parameters() if p.grad is not None} == {torch.float32}
+
+
 def test_too_long_history_is_rejected():
     generator = torch.Generator().manual_seed(3)
     model = GemModel(make_config(max_seq_len=8))

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 from gem_kernels import host_offsets as host_offsets_of
 from gem_kernels import validate_offsets
+from gem_precision import autocast_input
 from torch import nn
 from torchrec import (
     EmbeddingBagCollection,
@@ -140,7 +141,12 @@ class SequenceInput(nn.Module):
     sequence feature) summed, plus a learned embedding of its recency (the distance from the
     end of its history), layer-normalised. A module of the ``sequence`` region, so the trainer
     compiles these token-sized passes into one kernel each way instead of running them eagerly
-    between regions."""
+    between regions.
+
+    Under autocast the tokens leave in the autocast dtype (bf16 in gem-train's bf16 and FP8
+    policies on CUDA), so the tower's residual stream, its largest activations, is bf16 as in
+    bf16 transformer training: half the bytes for every residual add, saved norm input and
+    their gradients. The norms still compute in float32 (autocast's policy)."""
 
     def __init__(self, max_len: int, dim: int) -> None:
         super().__init__()
@@ -156,7 +162,7 @@ class SequenceInput(nn.Module):
         tokens = embeddings[0]
         for embedding in embeddings[1:]:
             tokens = tokens + embedding
-        return self.norm(tokens + self.recency(from_end))
+        return autocast_input(self.norm(tokens + self.recency(from_end)))
 
 
 class GemModel(nn.Module):
@@ -434,7 +440,7 @@ class GemModel(nn.Module):
             _any_token_count(tokens)
             with _region_scope("cross"):
                 tokens = self.history_cross(tokens, host_offsets, max_len, features)
-        tokens = self.sequence_norm(tokens)
+        tokens = autocast_input(self.sequence_norm(tokens))  # as SequenceInput's
         _any_token_count(tokens)
         with _region_scope("pma"):
             pma_tokens = self.pma(tokens, host_offsets, max_len)
