@@ -67,8 +67,7 @@ def test_regions_hold_every_parameter_once():
             for parameter in module.parameters():
                 assert id(parameter) not in owner, f"{region} shares a parameter"
                 owner[id(parameter)] = region
-    glue = {"sequence_norm.weight", "sequence_norm.bias", "interaction_norm.weight",
-            "interaction_norm.bias"}  # fmt: skip
+    glue = {"interaction_norm.weight", "interaction_norm.bias"}
     loose = {name for name, p in model.named_parameters() if id(p) not in owner}
     assert loose == glue
     assert set(model.regions()) == {"embeddings", "sequence", "cross", "pma", "dhen", "heads"}

@@ -165,6 +165,16 @@ class SequenceInput(nn.Module):
         return autocast_input(self.norm(tokens + self.recency(from_end)))
 
 
+class SequenceOutput(nn.LayerNorm):
+    """The sequence tower's final LayerNorm, leaving in the autocast dtype as
+    :class:`SequenceInput`'s tokens do. A module of the ``pma`` region, the first to read it,
+    so the trainer compiles it into one token-sized pass each way: eager under autocast it is
+    four (a cast to float32, the norm, a cast back, and the same again in the backward)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return autocast_input(super().forward(tokens))
+
+
 class GemModel(nn.Module):
     """GEM for CTR/CVR prediction.
 
@@ -266,7 +276,7 @@ class GemModel(nn.Module):
                 if arch.history_cross
                 else None
             )
-            self.sequence_norm = nn.LayerNorm(dim)
+            self.sequence_norm = SequenceOutput(dim)
             self.pma = PoolingByMultiheadAttention(
                 dim, arch.num_heads, arch.pma_queries, arch.sequence_activation, attention_dtype
             )
@@ -316,12 +326,13 @@ class GemModel(nn.Module):
         the trainer compiles one by one (all but the embeddings), profiles and checkpoints.
 
         ``embeddings`` (the torchrec tables), ``sequence`` (the self-attention layers),
-        ``cross`` (the history x feature and the target cross-attention), ``pma``, ``dhen``
-        (the dense projection and the DHEN layers) and ``heads``; the names of
-        :class:`~gem_model.ModelFlops`' fields (``sequence`` is its ``sequence_attention`` +
-        ``sequence_dense``; it starts with the :class:`SequenceInput`). Regions the
-        architecture leaves out are empty lists. The glue between them (the history's index
-        arithmetic, the norms between regions) belongs to no region.
+        ``cross`` (the history x feature and the target cross-attention), ``pma`` (the
+        tower's :class:`SequenceOutput` norm, then PMA), ``dhen`` (the dense projection and
+        the DHEN layers) and ``heads``; the names of :class:`~gem_model.ModelFlops`' fields
+        (``sequence`` is its ``sequence_attention`` + ``sequence_dense``; it starts with the
+        :class:`SequenceInput`). Regions the architecture leaves out are empty lists. The glue
+        between them (the history's index arithmetic, the small ``(B, F, dim)`` interaction
+        norm) belongs to no region.
         """
         sequence = self.config.use_sequence_tower
         embeddings: list[nn.Module] = [self.sparse_embeddings]
@@ -332,7 +343,7 @@ class GemModel(nn.Module):
             "embeddings": embeddings,
             "sequence": [self.sequence_input, *self.sequence_layers] if sequence else [],
             "cross": [module for module in cross if module is not None],
-            "pma": [self.pma] if sequence else [],
+            "pma": [self.sequence_norm, self.pma] if sequence else [],
             "dhen": [
                 module
                 for module in (self.dense_projection, *self.interaction)
@@ -440,9 +451,9 @@ class GemModel(nn.Module):
             _any_token_count(tokens)
             with _region_scope("cross"):
                 tokens = self.history_cross(tokens, host_offsets, max_len, features)
-        tokens = autocast_input(self.sequence_norm(tokens))  # as SequenceInput's
         _any_token_count(tokens)
         with _region_scope("pma"):
+            tokens = self.sequence_norm(tokens)
             pma_tokens = self.pma(tokens, host_offsets, max_len)
         if self.cross_attention is None:
             return [*pma_tokens.unbind(1), candidate_embedding]

@@ -1,7 +1,7 @@
 """Activation checkpointing per model region, chosen by measured recompute time per byte.
 
 Checkpointing a region (``GemModel.regions()``: each self-attention layer, the cross-
-attentions, PMA, each DHEN layer, each head) frees the activations it saves for backward,
+attentions, the tower's output norm, PMA, each DHEN layer, each head) frees the activations it saves for backward,
 except its inputs, at the price of running its forward again in backward. Regions differ
 widely in both: a self-attention layer saves its whole jagged history at every projection,
 a head a few ``(B, d)`` tensors. So ``"auto"`` measures each region once, on the first
