@@ -107,15 +107,20 @@ def test_state_dict_logits_and_every_gradient_match_gem_model(architecture):
     _assert_same_step(expected, _step(baseline, inputs, weights))
 
 
-def test_under_autocast_the_sequence_tokens_are_bf16_as_in_gem_model():
+def test_under_autocast_the_sequence_tokens_are_bf16_as_in_gem_model(monkeypatch):
     """The residual-stream dtype is part of the model: both carry bf16 tokens into PMA. CUDA's
-    autocast runs LayerNorm in float32; the CPU's does not, so a hook gives the final norm
-    CUDA's float32 output."""
+    autocast runs LayerNorm in float32; the CPU's does not, so every LayerNorm here returns
+    float32 as on CUDA (inside gem's final norm, which casts its own output)."""
+    layer_norm = torch.nn.functional.layer_norm
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "layer_norm",
+        lambda *args, **kwargs: layer_norm(*args, **kwargs).float(),
+    )
     inputs = make_inputs(LENGTHS, torch.Generator().manual_seed(1))
     weights = torch.ones(len(LENGTHS), 2)
     for model in _models("v1"):
         seen = []
-        model.sequence_norm.register_forward_hook(lambda module, args, out: out.float())
         model.pma.register_forward_hook(
             lambda module, args, out, seen=seen: seen.append(args[0].dtype)
         )
