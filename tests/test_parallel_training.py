@@ -199,7 +199,9 @@ def test_fsdp_2x2_with_expert_parallelism_trains_like_one_process_and_resumes_ex
 
 # The h200x8 recipe's layout on this job's ranks: dense FSDP2 in shards of world / 2 (two
 # replicas), DHEN's experts over 2 ranks, fully sharded 2D tables over 2 replicas. argv[2]:
-# 'train' (4 steps, evaluate, checkpoint) or 'resume' (the 8-rank checkpoint, evaluate).
+# 'train' (4 steps, evaluate, checkpoint, then resume it in a fresh trainer and evaluate) or
+# 'resume' (the 8-rank checkpoint on this world, evaluate). Resuming on 8 ranks in the
+# training processes saves a launch of 8 more (each imports torch and torchrec: ~10 s).
 _H200X8_LAYOUT = """
 import json, sys
 import torch
@@ -220,17 +222,35 @@ config = TrainConfig(
     batch_size=16, max_steps=4, device="cpu", output_dir=out + "/run", parallel=parallel,
 )
 train, evaluation = prepare_data(config.data, progress=False)
+
+
+def resumed(allow_mesh_change):
+    # Fresh tables, and dense weights moved off their initial values: the checkpoint must
+    # overwrite every one of them for the metrics to match.
+    trainer = Trainer(config, train, output_dir=f"{out}/resumed{world}")
+    with torch.no_grad():
+        for param in trainer.dense_parameters:
+            param.add_(1.0)
+    assert trainer.resume(out + "/run/checkpoints", allow_mesh_change=allow_mesh_change)
+    return trainer, trainer.evaluate(evaluation)
+
+
+def describe(trainer):
+    layout = trainer.parallel.describe() + "; " + trainer.sparse_parallel.describe()
+    return {"step": trainer.step, "layout": layout}
+
+
 if mode == "train":
     trainer = Trainer(config, train, output_dir=out + "/run")
     trainer.fit(progress=False)
     metrics = trainer.evaluate(evaluation)
     trainer.save(out + "/run/checkpoints")
+    again, again_metrics = resumed(allow_mesh_change=False)
+    result = {"metrics": metrics, **describe(trainer),
+              "resumed": {"metrics": again_metrics, **describe(again)}}
 else:
-    trainer = Trainer(config, train, output_dir=f"{out}/resumed{world}")
-    assert trainer.resume(out + "/run/checkpoints", allow_mesh_change=True)
-    metrics = trainer.evaluate(evaluation)
-layout = trainer.parallel.describe() + "; " + trainer.sparse_parallel.describe()
-result = {"metrics": metrics, "step": trainer.step, "layout": layout}
+    trainer, metrics = resumed(allow_mesh_change=True)
+    result = {"metrics": metrics, **describe(trainer)}
 json.dump(result, open(f"{out}/{mode}{world}_rank{rank}.json", "w"))
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()
@@ -239,19 +259,20 @@ torch.distributed.destroy_process_group()
 
 def test_eight_rank_checkpoint_of_the_h200x8_layout_resumes_on_four_and_eight(tmp_path):
     """Issue 28's checkpoint check on gloo ranks: 8 ranks in the h200x8 layout (FSDP2 2 x 4,
-    experts over 2, fully sharded 2D tables over 2 replicas) train and checkpoint; DCP
-    reshards the checkpoint onto 4 ranks (FSDP2 2 x 2) and back onto 8, and evaluation gives
-    the 8-rank metrics to within 1e-6."""
+    experts over 2, fully sharded 2D tables over 2 replicas) train and checkpoint; DCP loads
+    the checkpoint on the same 8 ranks (a fresh trainer in the same processes) and reshards it
+    onto 4 ranks (FSDP2 2 x 2), and evaluation gives the 8-rank metrics to within 1e-6."""
     script = tmp_path / "layout.py"
     script.write_text(_H200X8_LAYOUT)
     _launch(script, tmp_path, 8, "train")
+    _launch(script, tmp_path, 4, "resume")
     saved = json.loads((tmp_path / "train8_rank0.json").read_text())
     assert "fsdp (replicate 2 x shard 4)" in saved["layout"]
     assert "sparse fully_sharded_2d (2 replica(s) x model-parallel 4)" in saved["layout"]
-    for world in (4, 8):
-        _launch(script, tmp_path, world, "resume")
+    for world, mode in ((8, "train"), (4, "resume")):
         for rank in range(world):
-            loaded = json.loads((tmp_path / f"resume{world}_rank{rank}.json").read_text())
+            loaded = json.loads((tmp_path / f"{mode}{world}_rank{rank}.json").read_text())
+            loaded = loaded["resumed"] if mode == "train" else loaded
             assert loaded["step"] == 4
             assert f"shard {world // 2})" in loaded["layout"]
             for key, value in saved["metrics"].items():
