@@ -77,6 +77,33 @@ def tile_configs() -> dict[str, JfaTritonConfig]:
     }
 
 
+def window_configs() -> dict[str, JfaTritonConfig]:
+    """Tile variants at the h200 recipe's self-attention (causal, window 256, samples up to
+    1024): its default (``d128_short_masked``) against longer tiles and the fused backward."""
+    short = default_config(D, max_len=WINDOW + 1, masked=True)
+    replace = dataclasses.replace
+    return {
+        "short": short,
+        "short_fused": replace(short, bwd_fused=True),
+        "short_fwd128x64": replace(short, fwd_block_m=128, fwd_block_n=64, fwd_warps=8),
+        "short_dkdv128": replace(short, dkdv_block_n=128, dkdv_block_m=32, bwd_warps=8),
+        "short_dq128": replace(short, dq_block_m=128, dq_block_n=64, dq_warps=8),
+        "medium": default_config(D, max_len=2048, masked=True),
+        "medium_fused": replace(default_config(D, max_len=2048, masked=True), bwd_fused=True),
+        "long": default_config(D, masked=True),
+        "long_fused": replace(default_config(D, masked=True), bwd_fused=True),
+        "d64_tiles": replace(
+            short,
+            dkdv_block_n=128,
+            dkdv_block_m=64,
+            dq_block_m=128,
+            dq_block_n=64,
+            bwd_warps=8,
+            bwd_stages=2,
+        ),
+    }
+
+
 #: (batch, max_len, causal, window) of the ``--tiles`` cases.
 TILE_CASES = [(32, 16384, True, WINDOW), (512, 1024, True, None), (512, 1024, False, None),
               (128, 4096, True, None), (128, 4096, False, None), (32, 16384, True, None),
@@ -168,23 +195,50 @@ def tile_sweep(run: Run, device, rounds: int) -> None:
         torch.cuda.empty_cache()
 
 
+def window_sweep(run: Run, device, rounds: int) -> None:
+    """:func:`window_configs` at the h200 recipe's attention shape, each variant checked against
+    the default's outputs and gradients."""
+    configs = window_configs()
+    precompile_variants(
+        {(True, WINDOW, None, dataclasses.astuple(c), "bf16") for c in configs.values()}
+    )
+    case = Case(1024, 1024, True, WINDOW, device)
+    providers = {"gem": provider_gem}
+    providers |= {
+        f"gem-{name}": lambda c, cfg=config: provider_gem(c, config=cfg)
+        for name, config in configs.items()
+    }
+    run.measure(case, providers, flops=case.flops, reference=provider_gem, rounds=rounds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", help="result JSON (default: see above)")
     parser.add_argument("--bias", action="store_true", help="the biased variants")
     parser.add_argument("--tiles", action="store_true", help="the unbiased variants (default)")
+    parser.add_argument(
+        "--window", action="store_true", help="the h200 recipe's windowed attention variants"
+    )
     parser.add_argument("--shapes", default="all", help="--bias: 'all' or e.g. 128x4096")
     parser.add_argument("--rounds", type=int, default=2, help="--tiles: alternating rounds")
     parser.add_argument("--machine", default="h200", help="results/<machine>/tuning/")
     args = parser.parse_args()
     require_cuda()
     device = torch.device("cuda")
-    name = "jagged_attention_bias_sweep" if args.bias else "jagged_attention_tile_sweep"
+    name = (
+        "jagged_attention_bias_sweep"
+        if args.bias
+        else "jagged_attention_window_sweep"
+        if args.window
+        else "jagged_attention_tile_sweep"
+    )
     out = args.out or tuning_path(args.machine, f"{name}.json")
     run = Run(name, out, script="benchmarks/tune/jagged_attention_tiles.py", timing=bench.TIMING,
               extra=bench.config_meta(None))  # fmt: skip
     if args.bias:
         bias_sweep(run, device, bench.parse_shapes(args.shapes))
+    elif args.window:
+        window_sweep(run, device, args.rounds)
     else:
         tile_sweep(run, device, args.rounds)
     run.write()
