@@ -35,6 +35,7 @@ def summarise(trace: dict, steps: int, top: int) -> dict:
         "steps": steps,
         "kernel_ms_per_step": sum(by_name.values()) / steps,
         "by_kind_ms_per_step": kernel_ms_by_kind(kernels, steps),
+        "idle": idle_gaps(trace, steps, top=25),
         "top": [
             {
                 "name": name[:160],
@@ -47,6 +48,62 @@ def summarise(trace: dict, steps: int, top: int) -> dict:
     }
 
 
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def idle_gaps(trace: dict, steps: int, top: int, min_us: float = 20.0) -> dict:
+    """Where the GPU waits: the gaps between its busy intervals (kernels, copies, sets, merged
+    over streams) from the first to the last, in ms per step, and the ``top`` longest with what
+    the host ran over them (the shortest host operators that cover most of the gap) and the
+    kernel that ended them."""
+    events = trace.get("traceEvents", [])
+    device = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"])
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in _DEVICE_CATS
+    )
+    host = [
+        (e["ts"], e["ts"] + e["dur"], e["name"])
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation")
+    ]
+    gaps, end = [], device[0][1] if device else 0.0
+    for start, stop, name in device:
+        if start - end >= min_us:
+            gaps.append((start - end, end, start, name))
+        end = max(end, stop)
+    gaps.sort(reverse=True)
+    rows = []
+    for length, start, stop, after in gaps[:top]:
+        covering = sorted(
+            (h_stop - h_start, name)
+            for h_start, h_stop, name in host
+            if min(h_stop, stop) - max(h_start, start) >= 0.5 * length
+        )
+        rows.append(
+            {
+                "ms": length / 1e3,
+                "host": [name[:80] for _, name in covering[:4]],
+                "next_kernel": after[:100],
+            }
+        )
+    return {
+        "idle_ms_per_step": sum(g[0] for g in gaps) / 1e3 / steps,
+        "gaps_per_step": len(gaps) / steps,
+        "span_ms_per_step": (end - device[0][0]) / 1e3 / steps if device else 0.0,
+        "longest": rows,
+    }
+
+
+def print_gaps(gaps: dict) -> None:
+    print(
+        f"GPU idle {gaps['idle_ms_per_step']:.2f} ms per step in {gaps['gaps_per_step']:.0f} gaps "
+        f"(busy span {gaps['span_ms_per_step']:.1f} ms)"
+    )
+    for row in gaps["longest"]:
+        print(f"{row['ms']:7.3f} ms before {row['next_kernel'][:60]}  host: {row['host']}")
+
+
 def print_summary(summary: dict) -> None:
     """The kernel milliseconds per step: the total, by kind, and the top kernels by name."""
     print(f"kernels: {summary['kernel_ms_per_step']:.1f} ms per step")
@@ -55,6 +112,7 @@ def print_summary(summary: dict) -> None:
     for row in summary["top"]:
         print(f"{row['ms_per_step']:8.2f} ms {row['calls_per_step']:6.0f}x  {row['kind']:12s} "
               f"{row['name'][:110]}")  # fmt: skip
+    print_gaps(summary["idle"])
 
 
 def main() -> None:
