@@ -60,6 +60,16 @@ def main() -> None:
     torch.cuda.synchronize()
     step = (time.perf_counter() - t0) / args.steps
     print(f"step (no data wait) {step * 1e3:.1f} ms; split {trainer.clock.take()}", flush=True)
+    # Each step alone: the host's time to queue it (train_step returning) and its time to the
+    # GPU's end, so that host-bound steps and one-off stalls (a Triton compile) show.
+    host = [next(batches) for _ in range(args.steps)]
+    for b in host:
+        t0 = time.perf_counter()
+        trainer.train_step(b.to(trainer.device, non_blocking=True))
+        queued = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        total = time.perf_counter() - t0
+        print(f"step alone: host {queued * 1e3:.1f} ms, total {total * 1e3:.1f} ms", flush=True)
     host = [next(batches) for _ in range(3)]
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     shapes = bool(args.kernel_shapes)
