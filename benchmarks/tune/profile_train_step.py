@@ -96,6 +96,7 @@ def main() -> None:
             print(f"{ms:8.2f} ms {calls:5.1f}x  {op[:50]:50s} {shape[:90]}")
     averages = prof.key_averages()
     print(averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
     (out / "summary.json").write_text(json.dumps({"step_ms": step * 1e3}))
 
 
