@@ -155,7 +155,7 @@ def _fwd_heads(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_samples", "num_items"])
 def block_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, meta_ptr, freq_ptr, pos_ptr, blocks_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -202,7 +202,7 @@ def _store_halves(base, rows64, stride_t, m_ok, offs_f, x1, x2, HALF: tl.constex
     tl.store(ptrs + HALF, x2.to(base.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_samples"])
 def block_attn_bwd_kernel(
     q_ptr,
     k_ptr,

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def rope_kernel(
     x_ptr,
     out_ptr,

@@ -24,7 +24,7 @@ def _gate_and_value(h_ptr, num_rows, width, stride_h, BLOCK_R: tl.constexpr, BLO
     return rows, cols, mask, gate, value
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def swiglu_fwd_kernel(
     h_ptr,
     out_ptr,
@@ -44,7 +44,7 @@ def swiglu_fwd_kernel(
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], out, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def swiglu_bwd_kernel(
     h_ptr,
     grad_ptr,
