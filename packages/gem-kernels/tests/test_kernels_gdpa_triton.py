@@ -603,3 +603,31 @@ def test_gpu_default_unmasked_matches_reference(kind, max_len, monkeypatch):
         error = float((new - ref).norm() / ref.norm())
         baseline = float((old - ref).norm() / ref.norm())
         assert error < 1e-2 and error < 1.2 * baseline + 1e-3, (label, error, baseline)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_training_call_plans_its_backward_once_in_the_forward(interpret, monkeypatch, training):
+    """As JFA's: one plan per lengths, with the backward's work lists when the inputs need
+    gradients, built by the forward and reused by the backward."""
+    built: list[bool] = []
+    original = gdpa_triton._plan
+
+    def counting(*args, **kwargs):
+        built.append(args[6])  # with_backward
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(gdpa_triton, "_plan", counting)
+    # Lengths no other test (nor the other parameter) plans.
+    q_lengths, k_lengths = torch.tensor([9, 0, 21, 2 + training]), torch.tensor([4, 3, 0, 17])
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(int(q_lengths.sum()), 2, 16, generator=gen)
+    k, v = (torch.randn(int(k_lengths.sum()), 2, 16, generator=gen) for _ in range(2))
+    q_offsets, k_offsets = offsets_of(q_lengths), offsets_of(k_lengths)
+    if training:
+        leaves = [t.requires_grad_(True) for t in (q, k, v)]
+        gdpa(*leaves, q_offsets, k_offsets, backend="triton").sum().backward()
+        assert built == [True]
+    else:
+        with torch.no_grad():
+            gdpa(q, k, v, q_offsets, k_offsets, backend="triton")
+        assert built == [False]

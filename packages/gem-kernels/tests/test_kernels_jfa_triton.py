@@ -656,3 +656,37 @@ def test_gpu_variants(regime, variant, causal, window, monkeypatch):
     if rel:  # biased calls keep the separate loops: the one-loop kernels unbiased as well
         _gpu_case(q_lengths, k_lengths, torch.bfloat16, seed=4, config=config, causal=causal,
                   window=window)  # fmt: skip
+
+
+def _plans_built(monkeypatch, module, name: str) -> list[bool]:
+    """The ``with_backward`` flag of every plan ``module.<name>`` builds from now on (its
+    seventh argument)."""
+    built: list[bool] = []
+    original = getattr(module, name)
+
+    def counting(*args, **kwargs):
+        built.append(args[6])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return built
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_training_call_plans_its_backward_once_in_the_forward(interpret, monkeypatch, training):
+    """The forward of a call whose inputs need gradients plans the backward's work lists too,
+    and the backward reuses that plan: one plan per lengths, none built mid-backward. Under
+    no_grad only the forward's is built."""
+    built = _plans_built(monkeypatch, jfa_triton, "_build_plan")
+    lengths = torch.tensor([7, 0, 23, 41, 3 + training])  # lengths no other test plans
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(int(lengths.sum()), 2, 16, generator=gen) for _ in range(3))
+    offsets = offsets_of(lengths)
+    if training:
+        leaves = [t.requires_grad_(True) for t in (q, k, v)]
+        jagged_flash_attention(*leaves, offsets, causal=True, backend="triton").sum().backward()
+        assert built == [True]
+    else:
+        with torch.no_grad():
+            jagged_flash_attention(q, k, v, offsets, causal=True, backend="triton")
+        assert built == [False]

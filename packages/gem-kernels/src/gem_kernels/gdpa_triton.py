@@ -1263,12 +1263,14 @@ def forward_from_lengths(
     normalize_by_length: bool = False,
     config: GdpaTritonConfig | None = None,
     precision: str = "bf16",
+    plan_backward: bool = False,
 ) -> torch.Tensor:
-    """The kernels' forward without autograd (the operator's forward)."""
+    """The kernels' forward without autograd (the operator's forward). ``plan_backward``: also
+    plan the backward's work lists now (cached for its call)."""
     q, k, v, plan, launch, out_rows = _prepare(
         q, k, v, q_lengths, k_lengths, activation=activation, scale=scale, causal=causal,
         window=window, normalize_by_length=normalize_by_length, config=config,
-        with_backward=False, precision=precision,
+        with_backward=plan_backward, precision=precision,
     )  # fmt: skip
     return _forward(q, k, v, plan, launch, out_rows)
 

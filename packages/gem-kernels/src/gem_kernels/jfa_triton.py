@@ -840,13 +840,15 @@ def forward_from_lengths(
     jagged_bias: torch.Tensor | None = None,
     config: JfaTritonConfig | None = None,
     precision: str = "bf16",
+    plan_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' forward without autograd: ``(out (Tq, H, D), lse (H, Tq) float32)`` (lse in
-    the log2 domain, ``+inf`` for rows without keys), as the operator returns them."""
+    the log2 domain, ``+inf`` for rows without keys), as the operator returns them.
+    ``plan_backward``: also plan the backward's work lists now (cached for its call)."""
     q, k, v, rel_pos_bias, jagged_bias, plan, launch = _prepare(
         q, k, v, q_lengths, k_lengths, scale=scale, causal=causal, window=window,
-        rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias, config=config, with_backward=False,
-        precision=precision,
+        rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias, config=config,
+        with_backward=plan_backward, precision=precision,
     )  # fmt: skip
     return _forward(q, k, v, rel_pos_bias, jagged_bias, plan, launch)
 

@@ -92,8 +92,8 @@ Window = tuple[int | None, int | None] | None
 _JFA_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor q_offsets, Tensor? k_offsets, Tensor? rel_pos_bias, "
     "Tensor? jagged_bias, SymInt? max_q, SymInt? max_k, float scale, bool causal, "
-    'SymInt? window_left, SymInt? window_right, str backend, str precision="bf16") '
-    "-> (Tensor, Tensor)"
+    'SymInt? window_left, SymInt? window_right, str backend, str precision="bf16", '
+    "bool plan_backward=False) -> (Tensor, Tensor)"
 )
 _JFA_BACKWARD_SCHEMA = (
     "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor q_offsets, "
@@ -104,8 +104,8 @@ _JFA_BACKWARD_SCHEMA = (
 _GDPA_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor? q_offsets, Tensor? k_offsets, SymInt? max_q, "
     "SymInt? max_k, str activation, float scale, bool causal, SymInt? window_left, "
-    'SymInt? window_right, bool normalize_by_length, str backend, str precision="bf16") '
-    "-> Tensor"
+    'SymInt? window_right, bool normalize_by_length, str backend, str precision="bf16", '
+    "bool plan_backward=False) -> Tensor"
 )
 _GDPA_BACKWARD_SCHEMA = (
     "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? q_offsets, Tensor? k_offsets, "
@@ -141,11 +141,13 @@ _operator, _fake, _autograd = _LIBRARY.operator, _LIBRARY.fake, _LIBRARY.autogra
 _once_differentiable = _LIBRARY.once_differentiable
 
 
-def _qkv_autograd(name: str, *, num_inputs: int, saved: int, options_from: int) -> None:
+def _qkv_autograd(
+    name: str, *, num_inputs: int, saved: int, options_from: int, options_to: int | None = None
+) -> None:
     """Fake and autograd of ``gem_kernels::<name>``, whose gradients are those of its
     ``<name>_backward`` operator, ``(dq, dk, dv)``: the backward takes ``grad_out``, the
-    forward's first ``saved`` inputs (q, k, v and the offsets-like tensors) and its inputs from
-    ``options_from`` on; the ``num_inputs - 3`` non-q/k/v inputs get no gradient."""
+    forward's first ``saved`` inputs (q, k, v and the offsets-like tensors) and its inputs
+    ``options_from:options_to``; the ``num_inputs - 3`` non-q/k/v inputs get no gradient."""
     backward_op = getattr(torch.ops.gem_kernels, f"{name}_backward").default
 
     @_fake(f"{name}_backward")
@@ -154,7 +156,7 @@ def _qkv_autograd(name: str, *, num_inputs: int, saved: int, options_from: int) 
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:saved])
-        ctx.options = inputs[options_from:]
+        ctx.options = inputs[options_from:options_to]
 
     def backward(ctx, grad_out):
         dq, dk, dv = backward_op(grad_out, *ctx.saved_tensors, *ctx.options)
@@ -297,7 +299,7 @@ def _fresh(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 @_operator("jagged_flash_attention", _JFA_SCHEMA)
 def _jfa(
     q, k, v, q_offsets, k_offsets, rel_pos_bias, jagged_bias, max_q, max_k, scale, causal,
-    window_left, window_right, backend, precision="bf16",
+    window_left, window_right, backend, precision="bf16", plan_backward=False,
 ):  # fmt: skip
     _check_precision(precision, q)
     q_lengths, k_lengths = _jagged_lengths(q, k, q_offsets, k_offsets, max_q, max_k)
@@ -318,8 +320,9 @@ def _jfa(
     triton = _jfa_triton(backend, q, rel_pos_bias, jagged_bias, scale, precision)
     if triton is not None:
         return triton.forward_from_lengths(
-            q, k, v, q_lengths, k_lengths, precision=precision, **options
-        )
+            q, k, v, q_lengths, k_lengths, precision=precision, plan_backward=plan_backward,
+            **options,
+        )  # fmt: skip
     return reference.jagged_flash_attention_reference(
         q, k, v, q_offsets, k_offsets, return_lse=True, precision=precision, **options
     )
@@ -414,7 +417,9 @@ def _jfa_setup_context(ctx, inputs, output):
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(q, k, v, out, lse, q_offsets, k_offsets, rel_pos_bias, jagged_bias)
-    ctx.options = tuple(inputs[9:])  # scale, causal, window_left, window_right, backend, precision
+    # scale, causal, window_left, window_right, backend, precision (not plan_backward)
+    ctx.options = tuple(inputs[9:15])
+    ctx.num_inputs = len(inputs)
 
 
 def _jfa_backward(ctx, grad_out, _grad_lse):
@@ -426,7 +431,7 @@ def _jfa_backward(ctx, grad_out, _grad_lse):
     dq, dk, dv, *bias_grads = grads
     d_rel = bias_grads.pop(0) if rel_pos_bias is not None else None
     d_jagged = bias_grads.pop(0) if jagged_bias is not None else None
-    return (dq, dk, dv, None, None, d_rel, d_jagged) + (None,) * (len(ctx.options) + 2)
+    return (dq, dk, dv, None, None, d_rel, d_jagged) + (None,) * (ctx.num_inputs - 7)
 
 
 _autograd("jagged_flash_attention", _jfa_backward, _jfa_setup_context)
@@ -463,7 +468,7 @@ def _gdpa_triton(backend, q, precision="bf16") -> ModuleType | None:
 @_operator("gdpa", _GDPA_SCHEMA)
 def _gdpa(
     q, k, v, q_offsets, k_offsets, max_q, max_k, activation, scale, causal, window_left,
-    window_right, normalize_by_length, backend, precision="bf16",
+    window_right, normalize_by_length, backend, precision="bf16", plan_backward=False,
 ):  # fmt: skip
     _check_precision(precision, q)
     q_lengths, k_lengths = _gdpa_lengths(q, k, q_offsets, k_offsets, max_q, max_k)
@@ -477,8 +482,9 @@ def _gdpa(
     triton = _gdpa_triton(backend, q, precision)
     if triton is not None:
         return triton.forward_from_lengths(
-            q, k, v, q_lengths, k_lengths, precision=precision, **options
-        )
+            q, k, v, q_lengths, k_lengths, precision=precision, plan_backward=plan_backward,
+            **options,
+        )  # fmt: skip
     return reference.gdpa_reference(q, k, v, q_offsets, k_offsets, precision=precision, **options)
 
 
@@ -524,8 +530,9 @@ def _gdpa_backward_impl(
     return tuple(_fresh(_reference_grads(forward, (q, k, v), grad_out)))
 
 
-# Saved: q, k, v, q_offsets, k_offsets; passed on: activation .. precision (not max_q, max_k).
-_qkv_autograd("gdpa", num_inputs=15, saved=5, options_from=7)
+# Saved: q, k, v, q_offsets, k_offsets; passed on: activation .. precision (not max_q, max_k
+# nor plan_backward).
+_qkv_autograd("gdpa", num_inputs=16, saved=5, options_from=7, options_to=15)
 
 
 # ---------------------------------------------------------------------------------------------
