@@ -27,6 +27,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default=os.environ.get("OUT", "runs/profile"))
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="steps through Trainer.train_steps (torchrec's train pipeline, as gem-train and "
+        "bench_train.py's gem run) instead of Trainer.train_step per batch",
+    )
     parser.add_argument("--no-trace", action="store_true", help="summarise, keep no trace.json")
     parser.add_argument(
         "--kernel-shapes",
@@ -50,19 +56,25 @@ def main() -> None:
     print(f"data {time.perf_counter() - started:.1f} s", flush=True)
     trainer = Trainer(config, train, output_dir=out / "run")
     batches = iter(trainer.loader)
-    for _ in range(args.warmup):
-        trainer.train_step(next(batches).to(trainer.device, non_blocking=True))
+
+    def run(host_batches) -> None:
+        if args.pipeline:
+            trainer.train_steps(host_batches)
+            return
+        for b in host_batches:
+            trainer.train_step(b.to(trainer.device, non_blocking=True))
+
+    run([next(batches) for _ in range(args.warmup)])
     torch.cuda.synchronize()
     host = [next(batches) for _ in range(args.steps)]
     t0 = time.perf_counter()
-    for b in host:
-        trainer.train_step(b.to(trainer.device, non_blocking=True))
+    run(host)
     torch.cuda.synchronize()
     step = (time.perf_counter() - t0) / args.steps
     print(f"step (no data wait) {step * 1e3:.1f} ms; split {trainer.clock.take()}", flush=True)
     # Each step alone: the host's time to queue it (train_step returning) and its time to the
     # GPU's end, so that host-bound steps and one-off stalls (a Triton compile) show.
-    host = [next(batches) for _ in range(args.steps)]
+    host = [] if args.pipeline else [next(batches) for _ in range(args.steps)]
     for b in host:
         t0 = time.perf_counter()
         trainer.train_step(b.to(trainer.device, non_blocking=True))
@@ -70,12 +82,12 @@ def main() -> None:
         torch.cuda.synchronize()
         total = time.perf_counter() - t0
         print(f"step alone: host {queued * 1e3:.1f} ms, total {total * 1e3:.1f} ms", flush=True)
-    host = [next(batches) for _ in range(3)]
+    # The pipeline's first and last steps fill and drain it: profile more steps there.
+    host = [next(batches) for _ in range(6 if args.pipeline else 3)]
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     shapes = bool(args.kernel_shapes)
     with profile(activities=activities, record_shapes=shapes) as prof:
-        for b in host:
-            trainer.train_step(b.to(trainer.device, non_blocking=True))
+        run(host)
         torch.cuda.synchronize()
     prof.export_chrome_trace(str(out / "trace.json"))
     summary = summarise(json.loads((out / "trace.json").read_text()), len(host), top=60)
