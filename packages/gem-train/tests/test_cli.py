@@ -1,8 +1,41 @@
 import json
+import subprocess
+import sys
 
+import gem_model
+import gem_train
 import pytest
 from gem_train import apply_overrides, get_recipe, tiny
 from gem_train.cli import main
+
+_NO_TORCH_PROBE = """
+import contextlib, io, sys
+from gem_train.cli import main
+for argv in (["--help"], ["--recipe", "h200", "--print-config"], ["--recipe", "gigantic"]):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            main(argv)
+        except SystemExit:
+            pass
+print(sorted(m for m in ("torch", "torchrec", "gem_model.model") if m in sys.modules))
+"""
+
+
+def test_help_print_config_and_misuse_import_no_torch():
+    """``gem-train --help``, ``--print-config`` and a bad ``--recipe`` answer without importing
+    torch or torchrec (about 10 s of a 2-core CPU's time): the packages import lazily and the CLI
+    imports the trainer only to run."""
+    probe = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH_PROBE], capture_output=True, text=True, check=True
+    )
+    assert probe.stdout.strip() == "[]", probe.stdout + probe.stderr
+
+
+@pytest.mark.parametrize("package", [gem_model, gem_train], ids=lambda p: p.__name__)
+def test_every_lazy_export_resolves(package):
+    assert sorted(package.__all__) == sorted(package._EXPORTS)
+    for name in package.__all__:
+        assert getattr(package, name) is not None, name
 
 
 def test_unknown_recipe_is_a_clear_error(capsys):
