@@ -1,0 +1,41 @@
+# The names this package exports, read by lazy_loader.attach_stub at import time (each
+# loads its module on first use) and by type checkers.
+
+from .balance import AffineCost as AffineCost
+from .balance import BalanceSimulation as BalanceSimulation
+from .balance import CostModel as CostModel
+from .balance import attention_cost as attention_cost
+from .balance import bbs_merge as bbs_merge
+from .balance import global_rebalance as global_rebalance
+from .balance import linear_cost as linear_cost
+from .balance import max_over_mean as max_over_mean
+from .balance import simulate_balance as simulate_balance
+from .balance import sub_batch_costs as sub_batch_costs
+from .batch import Batch as Batch
+from .config import NUM_ACTION_TYPES as NUM_ACTION_TYPES
+from .config import SyntheticConfig as SyntheticConfig
+from .device import DevicePrefetcher as DevicePrefetcher
+from .interactions import INTERACTION_DENSE_FEATURES as INTERACTION_DENSE_FEATURES
+from .interactions import InteractionConfig as InteractionConfig
+from .interactions import read_interactions as read_interactions
+from .interactions import write_interaction_dataset as write_interaction_dataset
+from .loader import ParquetBatchLoader as ParquetBatchLoader
+from .schema import LABEL_NAMES as LABEL_NAMES
+from .schema import SEQUENCE_FEATURE_NAMES as SEQUENCE_FEATURE_NAMES
+from .schema import SPARSE_FEATURE_NAMES as SPARSE_FEATURE_NAMES
+from .schema import DatasetFormatError as DatasetFormatError
+from .schema import dataset_schema as dataset_schema
+from .schema import validate_schema as validate_schema
+from .sharded import BALANCE_MODES as BALANCE_MODES
+from .sharded import ShardedBatchLoader as ShardedBatchLoader
+from .synthetic import HiddenParameters as HiddenParameters
+from .synthetic import generate_table as generate_table
+from .synthetic import hidden_parameters as hidden_parameters
+from .synthetic import normalized_entropy as normalized_entropy
+from .synthetic import reference_normalized_entropy as reference_normalized_entropy
+from .synthetic import sample_history_lengths as sample_history_lengths
+from .writer import SOURCE_INTERACTIONS as SOURCE_INTERACTIONS
+from .writer import SOURCE_SYNTHETIC as SOURCE_SYNTHETIC
+from .writer import DatasetInfo as DatasetInfo
+from .writer import read_dataset_info as read_dataset_info
+from .writer import write_synthetic_dataset as write_synthetic_dataset
