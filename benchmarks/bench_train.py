@@ -67,6 +67,7 @@ from gem_train.throughput import BF16_DENSE_PEAK_TFLOPS  # noqa: E402
 from gem_train.trainer import Trainer, init_distributed, model_config  # noqa: E402
 from harness import (  # noqa: E402
     earlier_rows,
+    gpu_idle,
     kernel_ms_by_kind,
     meta,
     require_cuda,
@@ -144,19 +145,26 @@ def _time_steps(run, batches, device) -> tuple[float, float, int]:
 
 def _kernel_split(run, batches, device) -> dict[str, float]:
     """GPU kernel milliseconds per step by kind (``harness.kernel_kind``) over ``batches``,
-    from a profiler pass after the timed one."""
+    and the GPU's idle milliseconds per step between its first and last kernel (waiting for
+    the host), from a profiler pass after the timed one."""
     torch.cuda.synchronize(device)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
         run(batches)
         torch.cuda.synchronize(device)
-    kernels = [
-        (event.name, event.time_range.elapsed_us())
+    events = [
+        event
         for event in profiler.events()
         if event.device_type == DeviceType.CUDA and not event.is_user_annotation
     ]
+    kernels = [(event.name, event.time_range.elapsed_us()) for event in events]
+    busy = [(event.time_range.start, event.time_range.end) for event in events]
+    idle_us = sum(end - start for start, end in gpu_idle(busy))
     return {
-        f"kernel_{kind}_ms": ms for kind, ms in kernel_ms_by_kind(kernels, len(batches)).items()
+        **{
+            f"kernel_{kind}_ms": ms for kind, ms in kernel_ms_by_kind(kernels, len(batches)).items()
+        },
+        "gpu_idle_ms": idle_us / 1e3 / len(batches),
     }
 
 

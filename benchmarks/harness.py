@@ -238,6 +238,21 @@ def kernel_ms_by_kind(kernels: Iterable[tuple[str, float]], steps: int) -> dict[
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
+def gpu_idle(
+    intervals: Iterable[tuple[float, float]], min_gap: float = 0.0
+) -> list[tuple[float, float]]:
+    """The ``(start, end)`` gaps of at least ``min_gap`` in which none of the busy
+    ``intervals`` (kernels, copies: any units, streams merged) runs, from the first interval's
+    start to the last one's end: where the GPU waited for the host."""
+    gaps: list[tuple[float, float]] = []
+    end = None
+    for start, stop in sorted(intervals):
+        if end is not None and start - end >= max(min_gap, 1e-12):
+            gaps.append((end, start))
+        end = stop if end is None else max(end, stop)
+    return gaps
+
+
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """``||got - want|| / ||want||`` in float32 (the denominator clamped at 1e-12)."""
     got, want = got.detach().float(), want.detach().float()

@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from harness import earlier_rows, kernel_ms_by_kind, write_results  # noqa: E402
+from harness import earlier_rows, gpu_idle, kernel_ms_by_kind, write_results  # noqa: E402
 
 
 def _row(case, provider="gem", value=1.0):
@@ -80,3 +80,11 @@ def test_kernels_are_split_by_kind_per_step():
             "other": 0.005,
         }
     )
+
+
+def test_gpu_idle_merges_streams_and_keeps_only_real_gaps():
+    # Two streams overlap (0-100, 50-150), then a gap to 400, a touching interval, a short gap.
+    busy = [(400, 410), (0, 100), (50, 150), (410, 420), (425, 430)]
+    assert gpu_idle(busy) == [(150, 400), (420, 425)]
+    assert gpu_idle(busy, min_gap=10) == [(150, 400)]
+    assert gpu_idle([]) == []

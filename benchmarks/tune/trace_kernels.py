@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness
 
-from harness import kernel_kind, kernel_ms_by_kind  # noqa: E402
+from harness import gpu_idle, kernel_kind, kernel_ms_by_kind  # noqa: E402
 
 
 def summarise(trace: dict, steps: int, top: int) -> dict:
@@ -67,12 +67,13 @@ def idle_gaps(trace: dict, steps: int, top: int, min_us: float = 20.0) -> dict:
         for e in events
         if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation")
     ]
-    gaps, end = [], device[0][1] if device else 0.0
-    for start, stop, name in device:
-        if start - end >= min_us:
-            gaps.append((start - end, end, start, name))
-        end = max(end, stop)
-    gaps.sort(reverse=True)
+    next_kernel = {start: name for start, _, name in reversed(device)}
+    gaps = sorted(
+        ((stop - start, start, stop, next_kernel[stop]) for start, stop in
+         gpu_idle(((a, b) for a, b, _ in device), min_us)),
+        reverse=True,
+    )  # fmt: skip
+    end = max((stop for _, stop, _ in device), default=0.0)
     rows = []
     for length, start, stop, after in gaps[:top]:
         covering = sorted(
