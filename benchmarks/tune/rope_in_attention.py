@@ -27,7 +27,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotated(x_ptr, rows, cols, partner, sign, cos_ptr, sin_ptr, HALF: tl.constexpr, ROWS_FIRST):
+def _rotated(
+    x_ptr, rows, cols, partner, sign, cos_ptr, sin_ptr, HALF: tl.constexpr,
+    ROWS_FIRST: tl.constexpr,
+):  # fmt: skip
     """The rotate-half RoPE of the tile at ``rows`` x ``cols`` (row-major ``(n, D)``); the
     tile is (rows, cols) when ``ROWS_FIRST``, else (cols, rows), as the dot wants it."""
     if ROWS_FIRST:

@@ -18,7 +18,22 @@ __all__ = [
     "naive_gdpa",
     "naive_jfa",
     "offsets_of",
+    "plans_built",
 ]
+
+
+def plans_built(monkeypatch, module, name: str) -> list[bool]:
+    """The ``with_backward`` flag (seventh argument) of every plan ``module.<name>`` builds from
+    now on: JFA's ``_build_plan`` and GDPA's ``_plan``."""
+    built: list[bool] = []
+    original = getattr(module, name)
+
+    def counting(*args, **kwargs):
+        built.append(args[6])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return built
 
 
 def offsets_of(lengths: list[int]) -> torch.Tensor:

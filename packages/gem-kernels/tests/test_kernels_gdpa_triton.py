@@ -24,7 +24,7 @@ from gem_kernels.gdpa_triton import (
     schedule_loads,
 )
 from gem_kernels.reference import _GELU_FAST_COEFFS
-from kernels_naive import naive_gdpa, offsets_of
+from kernels_naive import naive_gdpa, offsets_of, plans_built
 
 H, D = 2, 16
 ACTIVATIONS = ["silu", "gelu", "gelu_tanh", "gelu_fast", "relu2", "identity"]
@@ -609,14 +609,7 @@ def test_gpu_default_unmasked_matches_reference(kind, max_len, monkeypatch):
 def test_a_training_call_plans_its_backward_once_in_the_forward(interpret, monkeypatch, training):
     """As JFA's: one plan per lengths, with the backward's work lists when the inputs need
     gradients, built by the forward and reused by the backward."""
-    built: list[bool] = []
-    original = gdpa_triton._plan
-
-    def counting(*args, **kwargs):
-        built.append(args[6])  # with_backward
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(gdpa_triton, "_plan", counting)
+    built = plans_built(monkeypatch, gdpa_triton, "_plan")
     # Lengths no other test (nor the other parameter) plans.
     q_lengths, k_lengths = torch.tensor([9, 0, 21, 2 + training]), torch.tensor([4, 3, 0, 17])
     gen = torch.Generator().manual_seed(6)

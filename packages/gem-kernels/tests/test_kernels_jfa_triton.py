@@ -23,7 +23,7 @@ from gem_kernels.jfa_triton import (
 from gem_kernels.reference import jagged_flash_attention_reference
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
-from kernels_naive import naive_jfa, offsets_of
+from kernels_naive import naive_jfa, offsets_of, plans_built
 
 H, D = 2, 16
 SELF_LENGTHS = [0, 1, 5, 37, 16, 0, 17]  # empty, 1, multiple of the tile and not
@@ -658,26 +658,12 @@ def test_gpu_variants(regime, variant, causal, window, monkeypatch):
                   window=window)  # fmt: skip
 
 
-def _plans_built(monkeypatch, module, name: str) -> list[bool]:
-    """The ``with_backward`` flag of every plan ``module.<name>`` builds from now on (its
-    seventh argument)."""
-    built: list[bool] = []
-    original = getattr(module, name)
-
-    def counting(*args, **kwargs):
-        built.append(args[6])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, counting)
-    return built
-
-
 @pytest.mark.parametrize("training", [True, False])
 def test_a_training_call_plans_its_backward_once_in_the_forward(interpret, monkeypatch, training):
     """The forward of a call whose inputs need gradients plans the backward's work lists too,
     and the backward reuses that plan: one plan per lengths, none built mid-backward. Under
     no_grad only the forward's is built."""
-    built = _plans_built(monkeypatch, jfa_triton, "_build_plan")
+    built = plans_built(monkeypatch, jfa_triton, "_build_plan")
     lengths = torch.tensor([7, 0, 23, 41, 3 + training])  # lengths no other test plans
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(int(lengths.sum()), 2, 16, generator=gen) for _ in range(3))

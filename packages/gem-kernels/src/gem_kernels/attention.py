@@ -225,9 +225,9 @@ def _check_positions(positions: object, x: torch.Tensor, name: str) -> None:
 
 def _needs_backward(*tensors: torch.Tensor | None) -> bool:
     """Whether autograd will call the operator's backward: the kernels then plan its work lists
-    with the forward's, once per batch's lengths, instead of again inside the backward (where
-    that host work left the GPU idle: 3-6 ms per GDPA backward on the h200 recipe). Under
-    ``torch.compile`` this is decided at trace time (grad mode is guarded)."""
+    with the forward's, once per batch's lengths, instead of again inside the backward, where
+    the host work would leave the GPU waiting. Under ``torch.compile`` this is decided at trace
+    time (grad mode is guarded)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 

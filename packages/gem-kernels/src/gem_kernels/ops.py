@@ -142,12 +142,12 @@ _once_differentiable = _LIBRARY.once_differentiable
 
 
 def _qkv_autograd(
-    name: str, *, num_inputs: int, saved: int, options_from: int, options_to: int | None = None
+    name: str, *, saved: int, options_from: int, options_to: int | None = None
 ) -> None:
     """Fake and autograd of ``gem_kernels::<name>``, whose gradients are those of its
     ``<name>_backward`` operator, ``(dq, dk, dv)``: the backward takes ``grad_out``, the
     forward's first ``saved`` inputs (q, k, v and the offsets-like tensors) and its inputs
-    ``options_from:options_to``; the ``num_inputs - 3`` non-q/k/v inputs get no gradient."""
+    ``options_from:options_to``; the forward's other inputs get no gradient."""
     backward_op = getattr(torch.ops.gem_kernels, f"{name}_backward").default
 
     @_fake(f"{name}_backward")
@@ -157,10 +157,11 @@ def _qkv_autograd(
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:saved])
         ctx.options = inputs[options_from:options_to]
+        ctx.num_inputs = len(inputs)
 
     def backward(ctx, grad_out):
         dq, dk, dv = backward_op(grad_out, *ctx.saved_tensors, *ctx.options)
-        return (dq, dk, dv) + (None,) * (num_inputs - 3)
+        return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
     _autograd(name, backward, setup_context)
     _once_differentiable(f"{name}_backward")
@@ -532,7 +533,7 @@ def _gdpa_backward_impl(
 
 # Saved: q, k, v, q_offsets, k_offsets; passed on: activation .. precision (not max_q, max_k
 # nor plan_backward).
-_qkv_autograd("gdpa", num_inputs=16, saved=5, options_from=7, options_to=15)
+_qkv_autograd("gdpa", saved=5, options_from=7, options_to=15)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -598,7 +599,7 @@ def _block_backward_impl(
 
 
 # Saved: q, k, v, offsets, positions; passed on: block_size .. backend (not max_len).
-_qkv_autograd("block_attention", num_inputs=10, saved=5, options_from=6)
+_qkv_autograd("block_attention", saved=5, options_from=6)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """``gem-train``: generate (or reuse) the data, train GEM, evaluate, and compare with reference points.
 
-torch, torchrec and the trainer are imported where a run needs them, not at the top: parsing
-the command line, ``--help``, ``--print-config`` and misuse of ``--recipe`` / ``--set`` answer
-in well under a second instead of after ~10 s of imports.
+torch, torchrec and the trainer are imported where a run needs them, not at the top, so that
+``--help``, ``--print-config`` and misuse of ``--recipe`` / ``--set`` answer without waiting
+for those imports.
 """
 
 from __future__ import annotations
