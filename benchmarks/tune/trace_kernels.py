@@ -17,13 +17,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: har
 
 from harness import gpu_idle, kernel_kind, kernel_ms_by_kind  # noqa: E402
 
+#: Trace categories of the GPU's own work.
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
 
 def summarise(trace: dict, steps: int, top: int) -> dict:
     """Milliseconds per step by kind and for the ``top`` kernels (by name)."""
     kernels = [
         (event["name"], event["dur"])
         for event in trace.get("traceEvents", [])
-        if event.get("ph") == "X" and event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+        if event.get("ph") == "X" and event.get("cat") in _DEVICE_CATS
     ]
     by_name: dict[str, float] = collections.defaultdict(float)
     calls: dict[str, int] = collections.Counter()
@@ -46,9 +49,6 @@ def summarise(trace: dict, steps: int, top: int) -> dict:
             for name, ms in ranked
         ],
     }
-
-
-_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def idle_gaps(trace: dict, steps: int, top: int, min_us: float = 20.0) -> dict:
