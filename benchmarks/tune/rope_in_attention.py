@@ -27,17 +27,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotated(
-    x_ptr, rows, cols, partner, sign, cos_ptr, sin_ptr, HALF: tl.constexpr,
-    ROWS_FIRST: tl.constexpr,
-):  # fmt: skip
-    """The rotate-half RoPE of the tile at ``rows`` x ``cols`` (row-major ``(n, D)``); the
-    tile is (rows, cols) when ``ROWS_FIRST``, else (cols, rows), as the dot wants it."""
-    if ROWS_FIRST:
-        x = tl.load(x_ptr + rows[:, None] * (2 * HALF) + cols[None, :]).to(tl.float32)
-        y = tl.load(x_ptr + rows[:, None] * (2 * HALF) + partner[None, :]).to(tl.float32)
-        table = rows[:, None] * HALF + (cols % HALF)[None, :]
-        return x * tl.load(cos_ptr + table) + y * sign[None, :] * tl.load(sin_ptr + table)
+def _rotated_rows(x_ptr, rows, cols, partner, sign, cos_ptr, sin_ptr, HALF: tl.constexpr):
+    """The rotate-half RoPE of the tile at ``rows`` x ``cols`` of a row-major ``(n, D)``
+    tensor, as a (rows, cols) tile."""
+    x = tl.load(x_ptr + rows[:, None] * (2 * HALF) + cols[None, :]).to(tl.float32)
+    y = tl.load(x_ptr + rows[:, None] * (2 * HALF) + partner[None, :]).to(tl.float32)
+    table = rows[:, None] * HALF + (cols % HALF)[None, :]
+    return x * tl.load(cos_ptr + table) + y * sign[None, :] * tl.load(sin_ptr + table)
+
+
+@triton.jit
+def _rotated_cols(x_ptr, rows, cols, partner, sign, cos_ptr, sin_ptr, HALF: tl.constexpr):
+    """The same tile loaded as (cols, rows), the orientation the key side of the dot wants
+    (Triton needs one return type per function, so the orientations are two functions)."""
     x = tl.load(x_ptr + rows[None, :] * (2 * HALF) + cols[:, None]).to(tl.float32)
     y = tl.load(x_ptr + rows[None, :] * (2 * HALF) + partner[:, None]).to(tl.float32)
     table = rows[None, :] * HALF + (cols % HALF)[:, None]
@@ -58,7 +60,7 @@ def window_attention_fwd(
     partner = (offs_d + D // 2) % D
     sign = tl.where(offs_d < D // 2, -1.0, 1.0)
     if ROPE:
-        q = _rotated(q_ptr, offs_m, offs_d, partner, sign, cos_ptr, sin_ptr, D // 2, True)
+        q = _rotated_rows(q_ptr, offs_m, offs_d, partner, sign, cos_ptr, sin_ptr, D // 2)
         q = q.to(v_ptr.dtype.element_ty)
     else:
         q = tl.load(q_ptr + offs_m[:, None] * D + offs_d[None, :])
@@ -69,7 +71,7 @@ def window_attention_fwd(
     for start in range(lo, start_m + BLOCK_M, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         if ROPE:
-            kt = _rotated(k_ptr, offs_n, offs_d, partner, sign, cos_ptr, sin_ptr, D // 2, False)
+            kt = _rotated_cols(k_ptr, offs_n, offs_d, partner, sign, cos_ptr, sin_ptr, D // 2)
             kt = kt.to(v_ptr.dtype.element_ty)
         else:
             kt = tl.load(k_ptr + offs_n[None, :] * D + offs_d[:, None])
