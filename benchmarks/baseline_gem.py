@@ -339,11 +339,11 @@ def _cast(dtype: torch.dtype | None, *tensors: torch.Tensor) -> tuple[torch.Tens
 class _NormLinear(nn.Module):
     """``linear(layer_norm(x))``: gem_precision.NormLinear's parameters and math."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__()
         self.norm_weight = nn.Parameter(torch.ones(in_features))
         self.norm_bias = nn.Parameter(torch.zeros(in_features))
-        self.linear = nn.Linear(in_features, out_features)
+        self.linear = nn.Linear(in_features, out_features, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.layer_norm(x, (x.shape[-1],), self.norm_weight, self.norm_bias, 1e-5)
@@ -355,7 +355,10 @@ class _FeedForward(nn.Module):
         super().__init__()
         self.kind = kind
         hidden = 4 * dim if kind == "gelu" else -(-8 * dim // 3 // 16) * 16
-        self.up = _NormLinear(dim, hidden if kind == "gelu" else 2 * hidden)
+        # SwiGLU's up bias is a parameter of its own, as in GemModel (same names and shapes)
+        self.up = _NormLinear(dim, hidden if kind == "gelu" else 2 * hidden, kind == "gelu")
+        if kind == "swiglu":
+            self.up_bias = nn.Parameter(torch.zeros(2 * hidden))
         self.dropout = nn.Dropout(dropout)
         self.down = nn.Linear(hidden, dim)
 
@@ -364,7 +367,7 @@ class _FeedForward(nn.Module):
         if self.kind == "gelu":
             hidden = F.gelu(hidden)
         else:
-            gate, value = hidden.chunk(2, dim=-1)
+            gate, value = (hidden + self.up_bias).chunk(2, dim=-1)
             hidden = F.silu(gate) * value
         return self.down(self.dropout(hidden))
 

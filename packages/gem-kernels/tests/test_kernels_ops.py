@@ -188,19 +188,25 @@ def test_opcheck_rope_qkv():
     _opcheck(torch.ops.gem_kernels.rope_qkv_backward.default, (*grads, positions, cos, sin, "auto"))
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("shape", [(9, 14), (2, 3, 10)])
-def test_opcheck_swiglu(shape):
+def test_opcheck_swiglu(shape, with_bias):
     gen = torch.Generator().manual_seed(6)
     hidden = _randn(*shape[:-1], shape[-1] + 4, gen=gen).detach()[..., 2:-2]  # strided rows
     hidden = hidden.reshape(-1, shape[-1]).requires_grad_(True)
-    _opcheck(torch.ops.gem_kernels.swiglu.default, (hidden, "auto"))
+    bias = _randn(shape[-1], gen=gen) if with_bias else None
+    _opcheck(torch.ops.gem_kernels.swiglu.default, (hidden, bias, "auto"))
     grad_out = torch.randn(hidden.shape[0], shape[-1] // 2, generator=gen)
-    _opcheck(torch.ops.gem_kernels.swiglu_backward.default, (grad_out, hidden.detach(), "auto"))
+    detached = None if bias is None else bias.detach()
+    _opcheck(
+        torch.ops.gem_kernels.swiglu_backward.default,
+        (grad_out, hidden.detach(), detached, "auto"),
+    )
 
 
 def test_compile_swiglu_fullgraph_matches_eager():
-    """SwiGLU after an up projection, as the FFN calls it: one graph for any row count, the
-    forward and the gradient equal to eager."""
+    """SwiGLU after an up projection without a GEMM bias, its bias handed to swiglu, as the FFN
+    calls it: one graph for any row count, the forward and both gradients equal to eager."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -208,18 +214,19 @@ def test_compile_swiglu_fullgraph_matches_eager():
     gen = torch.Generator().manual_seed(8)
     weight = torch.randn(12, 6, generator=gen)
 
-    def ffn(tokens):
-        return swiglu(tokens @ weight.T).square().sum()
+    def ffn(tokens, bias):
+        return swiglu(tokens @ weight.T, bias).square().sum()
 
     compiled = torch.compile(ffn, backend="aot_eager", fullgraph=True, dynamic=True)
+    bias = torch.randn(12, generator=gen)
     for rows in (13, 21):
         tokens = torch.randn(rows, 6, generator=gen)
         results = []
         for fn in (ffn, compiled):
-            leaf = tokens.clone().requires_grad_(True)
-            loss = fn(leaf)
+            leaf, bias_leaf = tokens.clone().requires_grad_(True), bias.clone().requires_grad_(True)
+            loss = fn(leaf, bias_leaf)
             loss.backward()
-            results.append((loss.detach(), leaf.grad))
+            results.append((loss.detach(), leaf.grad, bias_leaf.grad))
         torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
     assert counters["stats"]["unique_graphs"] == 1
 

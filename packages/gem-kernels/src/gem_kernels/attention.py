@@ -564,12 +564,17 @@ def _check_rope_arguments(x, name, positions, cos, sin, backend) -> None:
     _check_backend(backend, ops.BACKENDS)
 
 
-def swiglu(hidden: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+def swiglu(
+    hidden: torch.Tensor, bias: torch.Tensor | None = None, *, backend: str = "auto"
+) -> torch.Tensor:
     """SwiGLU's gate after a fused up projection: ``silu(gate) * value`` of the two halves
-    ``(gate, value) = hidden.chunk(2, dim=-1)``, the FFN of the sequence layers.
+    ``(gate, value) = (hidden + bias).chunk(2, dim=-1)``, the FFN of the sequence layers.
 
     Args:
-        hidden: ``(..., 2H)``, the last dimension even.
+        hidden: ``(..., 2H)``, the last dimension even: the up projection's output.
+        bias: ``None`` or the up projection's ``(2H,)`` bias, added here instead of in the GEMM
+            so that its gradient comes out of the backward kernel (its column sums of hidden's
+            gradient) instead of a second read of that gradient.
         backend: ``"auto"`` (default): one Triton kernel each way for CUDA float16/bfloat16
             ``hidden``, the PyTorch reference otherwise; ``"triton"``: the kernels or a
             ``ValueError`` saying why they cannot run (CPU tensors only under
@@ -579,7 +584,8 @@ def swiglu(hidden: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     Returns:
         ``(..., H)`` in hidden's dtype, computed in float32 and rounded once. The gradient is one
         kernel that writes both halves of hidden's gradient from one read of the gate, the
-        value and the output gradient.
+        value and the output gradient, and sums the bias's gradient (in the bias's dtype) in
+        float32 in a fixed order.
     """
     if not isinstance(hidden, torch.Tensor):
         raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
@@ -590,6 +596,16 @@ def swiglu(hidden: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
             f"hidden's last dimension must be even (gate and value halves), got shape "
             f"{tuple(hidden.shape)}"
         )
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be None or a torch.Tensor, got {type(bias).__name__}")
+        if bias.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"bias must have dtype {_FLOAT_DTYPE_NAMES}, got {bias.dtype}")
+        if bias.shape != hidden.shape[-1:] or bias.device != hidden.device:
+            raise ValueError(
+                f"bias must have shape ({hidden.shape[-1]},) on {hidden.device} like hidden's "
+                f"last dimension, got shape {tuple(bias.shape)} on {bias.device}"
+            )
     _check_backend(backend, ops.BACKENDS)
     rows = hidden.reshape(-1, hidden.shape[-1])
-    return _SWIGLU_OP(rows, backend).view(*hidden.shape[:-1], hidden.shape[-1] // 2)
+    return _SWIGLU_OP(rows, bias, backend).view(*hidden.shape[:-1], hidden.shape[-1] // 2)

@@ -33,8 +33,8 @@ positions, block_size, rope_theta, scale, backend)``
                                                             contiguous
 ``rope_qkv_backward(grad_q, grad_k, grad_v, positions,      ``(T, 3, H, D)``
 cos, sin, backend)``
-``swiglu(hidden, backend)``                                  ``(T, H)`` of ``(T, 2H)``
-``swiglu_backward(grad_out, hidden, backend)``               ``(T, 2H)``
+``swiglu(hidden, bias, backend)``                            ``(T, H)`` of ``(T, 2H)``
+``swiglu_backward(grad_out, hidden, bias, backend)``         ``(T, 2H)``, bias grad or ``(0,)``
 ==========================================================  =====================================
 
 (exact schemas: ``_*_SCHEMA`` below). Arguments mean what they mean in the public functions,
@@ -133,8 +133,10 @@ _ROPE_QKV_BACKWARD_SCHEMA = (
     "str backend) -> Tensor"
 )
 
-_SWIGLU_SCHEMA = "(Tensor hidden, str backend) -> Tensor"
-_SWIGLU_BACKWARD_SCHEMA = "(Tensor grad_out, Tensor hidden, str backend) -> Tensor"
+_SWIGLU_SCHEMA = "(Tensor hidden, Tensor? bias, str backend) -> Tensor"
+_SWIGLU_BACKWARD_SCHEMA = (
+    "(Tensor grad_out, Tensor hidden, Tensor? bias, str backend) -> (Tensor, Tensor)"
+)
 
 _LIBRARY = OperatorLibrary("gem_kernels")
 _operator, _fake, _autograd = _LIBRARY.operator, _LIBRARY.fake, _LIBRARY.autograd
@@ -715,39 +717,43 @@ def _swiglu_triton(backend: str, hidden: torch.Tensor) -> ModuleType | None:
 
 
 @_operator("swiglu", _SWIGLU_SCHEMA)
-def _swiglu(hidden, backend):
+def _swiglu(hidden, bias, backend):
     triton = _swiglu_triton(backend, hidden)
     if triton is not None:
-        return triton.swiglu(hidden)
-    return reference.swiglu_reference(hidden)
+        return triton.swiglu(hidden, bias)
+    return reference.swiglu_reference(hidden, bias)
 
 
 @_fake("swiglu")
-def _swiglu_fake(hidden, backend):
+def _swiglu_fake(hidden, bias, backend):
     return hidden.new_empty((hidden.shape[0], hidden.shape[1] // 2))
 
 
 @_operator("swiglu_backward", _SWIGLU_BACKWARD_SCHEMA)
-def _swiglu_backward_impl(grad_out, hidden, backend):
+def _swiglu_backward_impl(grad_out, hidden, bias, backend):
     triton = _swiglu_triton(backend, hidden)
     if triton is not None:
-        return triton.swiglu_backward(grad_out, hidden)
-    return reference.swiglu_backward_reference(grad_out, hidden)
+        grad, grad_bias = triton.swiglu_backward(grad_out, hidden, bias)
+    else:
+        grad, grad_bias = reference.swiglu_backward_reference(grad_out, hidden, bias)
+    return grad, hidden.new_empty(0) if grad_bias is None else grad_bias
 
 
 @_fake("swiglu_backward")
-def _swiglu_backward_fake(grad_out, hidden, backend):
-    return hidden.new_empty(hidden.shape)
+def _swiglu_backward_fake(grad_out, hidden, bias, backend):
+    grad_bias = hidden.new_empty(0) if bias is None else bias.new_empty(bias.shape)
+    return hidden.new_empty(hidden.shape), grad_bias
 
 
 def _swiglu_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0])
-    ctx.backend = inputs[1]
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.backend = inputs[2]
 
 
 def _swiglu_grad(ctx, grad_out):
-    (hidden,) = ctx.saved_tensors
-    return torch.ops.gem_kernels.swiglu_backward(grad_out, hidden, ctx.backend), None
+    hidden, bias = ctx.saved_tensors
+    grad, grad_bias = torch.ops.gem_kernels.swiglu_backward(grad_out, hidden, bias, ctx.backend)
+    return grad, None if bias is None else grad_bias, None
 
 
 _autograd("swiglu", _swiglu_grad, _swiglu_setup_context)

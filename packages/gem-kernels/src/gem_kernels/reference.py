@@ -244,22 +244,34 @@ def apply_rope(
 # The bucketed jagged attention engine shared by all three functions.
 
 
-def swiglu_reference(hidden: torch.Tensor) -> torch.Tensor:
+def swiglu_reference(hidden: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU's gate on ``(T, 2H)`` rows: ``silu(gate) * value`` of the halves
-    ``(gate, value)``, computed in :func:`compute_dtype` and rounded once to hidden's dtype."""
-    gate, value = hidden.to(compute_dtype(hidden.dtype)).chunk(2, dim=-1)
+    ``(gate, value)`` of ``hidden + bias``, computed in :func:`compute_dtype` and rounded once
+    to hidden's dtype."""
+    gate, value = _biased(hidden, bias).chunk(2, dim=-1)
     return (gate * torch.sigmoid(gate) * value).to(hidden.dtype)
 
 
-def swiglu_backward_reference(grad_out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """The ``(T, 2H)`` gradient of :func:`swiglu_reference` for ``grad_out`` ``(T, H)``:
-    ``(grad * value * s * (1 + gate * (1 - s)), grad * gate * s)`` with ``s = sigmoid(gate)``."""
-    dtype = compute_dtype(hidden.dtype)
-    gate, value = hidden.to(dtype).chunk(2, dim=-1)
-    grad = grad_out.to(dtype)
+def swiglu_backward_reference(
+    grad_out: torch.Tensor, hidden: torch.Tensor, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gradients of :func:`swiglu_reference` for ``grad_out`` ``(T, H)``: hidden's
+    ``(T, 2H)`` ``(grad * value * s * (1 + gate * (1 - s)), grad * gate * s)`` with ``s =
+    sigmoid(gate)``, and the bias's, its column sums before rounding (``None`` without a
+    bias)."""
+    gate, value = _biased(hidden, bias).chunk(2, dim=-1)
+    grad = grad_out.to(gate.dtype)
     sig = torch.sigmoid(gate)
     d_gate = grad * value * sig * (1.0 + gate * (1.0 - sig))
-    return torch.cat([d_gate, grad * gate * sig], dim=-1).to(hidden.dtype)
+    d_hidden = torch.cat([d_gate, grad * gate * sig], dim=-1)
+    d_bias = None if bias is None else d_hidden.sum(0).to(bias.dtype)
+    return d_hidden.to(hidden.dtype), d_bias
+
+
+def _biased(hidden: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``hidden + bias`` in :func:`compute_dtype` of hidden's dtype."""
+    out = hidden.to(compute_dtype(hidden.dtype))
+    return out if bias is None else out + bias.to(out.dtype)
 
 
 def _padded_lengths(lengths: torch.Tensor) -> torch.Tensor:

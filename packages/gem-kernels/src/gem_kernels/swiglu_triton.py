@@ -5,8 +5,10 @@ Inductor compiles SwiGLU's backward (the gradient of ``chunk`` is a concatenatio
 kernel over the ``(T, 2H)`` gradient that loads the gate and the output gradient once for each
 half, at 2.3 TB/s on the H200 at the h200 recipe's shape
 (``benchmarks/results/h200/tuning/train_d512_profile.json``). This backward reads the gate,
-the value and the output gradient once and writes both halves from the same program. The
-public, validating entry point is :func:`gem_kernels.swiglu`.
+the value and the output gradient once and writes both halves from the same program. Given the
+up projection's bias, the kernels add it, and the backward sums its gradient from the rows it
+holds (an ``nn.Linear`` bias's backward reads the whole ``(T, 2H)`` gradient again). The public,
+validating entry point is :func:`gem_kernels.swiglu`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ __all__ = ["swiglu", "swiglu_backward", "triton_unsupported_reason"]
 # An (8, 512) tile: long contiguous row segments; on the H200 at 524k rows it beat (32, 128) by
 # 12-17% each way (3.9 TB/s forward, benchmarks/results/h200/tuning/swiglu.json).
 _BLOCK_R, _BLOCK_C = 8, 512
+# Rows per backward program when it also sums the bias gradient: few enough programs that their
+# float32 partial sums are a small tensor, enough that every SM has several. A constant, so the
+# summation order, and with it the result, is the same on every device.
+_BIAS_ROWS_PER_PROGRAM = 64 * _BLOCK_R
 
 _KERNEL_FILE = Path(__file__).with_name("_swiglu_kernels.py")
 
@@ -38,33 +44,44 @@ def triton_unsupported_reason(hidden: torch.Tensor) -> str | None:
     return host.unsupported_reason(hidden, None)
 
 
-def _grid(rows: int, width: int) -> tuple[int, int]:
-    return -(-rows // _BLOCK_R), -(-width // _BLOCK_C)
-
-
-def swiglu(hidden: torch.Tensor) -> torch.Tensor:
-    """``(T, 2H)`` -> ``(T, H)`` contiguous, in hidden's dtype (validated by the caller)."""
+def swiglu(hidden: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``(T, 2H)`` (and ``(2H,)`` bias) -> ``(T, H)`` contiguous, in hidden's dtype (validated
+    by the caller)."""
     interpret = host.interpret_for(hidden)
     hidden = host.unit_stride(hidden)
     rows, width = hidden.shape[0], hidden.shape[1] // 2
     out = torch.empty((rows, width), dtype=hidden.dtype, device=hidden.device)
     if rows and width:
-        _kernels(interpret).swiglu_fwd_kernel[_grid(rows, width)](
-            hidden, out, rows, width, hidden.stride(0), out.stride(0),
-            BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=4,
+        grid = (-(-rows // _BLOCK_R), -(-width // _BLOCK_C))
+        _kernels(interpret).swiglu_fwd_kernel[grid](
+            hidden, hidden if bias is None else bias, out, rows, width, hidden.stride(0),
+            out.stride(0), HAS_BIAS=bias is not None, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
+            num_warps=4,
         )  # fmt: skip
     return out
 
 
-def swiglu_backward(grad_out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """The ``(T, 2H)`` gradient of ``hidden`` from ``grad_out`` ``(T, H)``, in hidden's dtype."""
+def swiglu_backward(
+    grad_out: torch.Tensor, hidden: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``(T, 2H)`` gradient of ``hidden`` from ``grad_out`` ``(T, H)``, in hidden's dtype,
+    and the bias gradient in the bias's dtype (``None`` without a bias)."""
     interpret = host.interpret_for(hidden)
     hidden, grad_out = host.unit_stride(hidden), host.unit_stride(grad_out)
     rows, width = hidden.shape[0], hidden.shape[1] // 2
     grad = torch.empty((rows, 2 * width), dtype=hidden.dtype, device=hidden.device)
+    per_program = _BLOCK_R if bias is None else _BIAS_ROWS_PER_PROGRAM
+    programs = -(-rows // per_program)
+    partials = None
+    if bias is not None:
+        partials = torch.zeros((programs, 2 * width), dtype=torch.float32, device=hidden.device)
     if rows and width:
-        _kernels(interpret).swiglu_bwd_kernel[_grid(rows, width)](
-            hidden, grad_out, grad, rows, width, hidden.stride(0), grad_out.stride(0),
-            grad.stride(0), BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=4,
+        _kernels(interpret).swiglu_bwd_kernel[(programs, -(-width // _BLOCK_C))](
+            hidden, hidden if bias is None else bias, grad_out, grad,
+            grad if partials is None else partials, rows, width, hidden.stride(0),
+            grad_out.stride(0), grad.stride(0), per_program, HAS_BIAS=bias is not None,
+            BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=4,
         )  # fmt: skip
-    return grad
+    if bias is None:
+        return grad, None
+    return grad, partials.sum(0).to(bias.dtype)

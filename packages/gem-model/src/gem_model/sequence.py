@@ -9,6 +9,8 @@ FP8, it becomes the fused norm -> quantise ``Fp8NormLinear``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from gem_kernels import (
     block_attention,
@@ -55,13 +57,22 @@ def swiglu_hidden_dim(dim: int) -> int:
 
 
 class _FeedForward(nn.Module):
-    """Pre-norm FFN: ``gelu`` (d -> 4d -> d) or ``swiglu`` (gated, d -> 8d/3 -> d)."""
+    """Pre-norm FFN: ``gelu`` (d -> 4d -> d) or ``swiglu`` (gated, d -> 8d/3 -> d).
+
+    SwiGLU's up projection has its bias in ``up_bias``, added by :func:`gem_kernels.swiglu`
+    rather than by the GEMM: the gate's backward kernel then sums the bias's gradient from the
+    rows it already has in registers, where the GEMM's bias would cost a second read of the
+    whole ``(T, 2H)`` gradient."""
 
     def __init__(self, dim: int, kind: str, dropout: float) -> None:
         super().__init__()
         self.kind = kind
         hidden = 4 * dim if kind == "gelu" else swiglu_hidden_dim(dim)
-        self.up = NormLinear(dim, hidden if kind == "gelu" else 2 * hidden)
+        self.up = NormLinear(dim, hidden if kind == "gelu" else 2 * hidden, bias=kind == "gelu")
+        if kind == "swiglu":
+            # nn.Linear's bias initialisation, for the fan-in of the projection it belongs to
+            bound = 1 / math.sqrt(dim)
+            self.up_bias = nn.Parameter(torch.empty(2 * hidden).uniform_(-bound, bound))
         self.dropout = nn.Dropout(dropout)
         self.down = nn.Linear(hidden, dim)
 
@@ -69,7 +80,7 @@ class _FeedForward(nn.Module):
         hidden = self.up(tokens)
         # SwiGLU: one kernel each way on the GPU; Inductor's backward of the unfused form reads
         # the gate and the output gradient twice (gem_kernels.swiglu_triton says where).
-        hidden = F.gelu(hidden) if self.kind == "gelu" else swiglu(hidden)
+        hidden = F.gelu(hidden) if self.kind == "gelu" else swiglu(hidden, self.up_bias)
         return self.down(self.dropout(hidden))
 
 
