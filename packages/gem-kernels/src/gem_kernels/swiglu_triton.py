@@ -26,10 +26,12 @@ __all__ = ["swiglu", "swiglu_backward", "triton_unsupported_reason"]
 # An (8, 512) tile: long contiguous row segments; on the H200 at 524k rows it beat (32, 128) by
 # 12-17% each way (3.9 TB/s forward, benchmarks/results/h200/tuning/swiglu.json).
 _BLOCK_R, _BLOCK_C = 8, 512
-# Rows per backward program when it also sums the bias gradient: few enough programs that their
-# float32 partial sums are a small tensor, enough that every SM has several. A constant, so the
-# summation order, and with it the result, is the same on every device.
-_BIAS_ROWS_PER_PROGRAM = 64 * _BLOCK_R
+# The backward with a bias loops over 512 rows per program in (4, 512) tiles and writes one row
+# of float32 partial sums: a constant, so the summation order, and with it the result, is the
+# same on every device. On the H200 at 524k x 2752 it takes 2.30 ms against 2.58 for the kernel
+# without the bias plus a column sum; (8, 512) tiles, more rows or more warps were slower
+# (benchmarks/results/h200/tuning/swiglu_bias_sweep.json).
+_BIAS_BLOCK_R, _BIAS_ROWS_PER_PROGRAM = 4, 512
 
 _KERNEL_FILE = Path(__file__).with_name("_swiglu_kernels.py")
 
@@ -70,7 +72,9 @@ def swiglu_backward(
     hidden, grad_out = host.unit_stride(hidden), host.unit_stride(grad_out)
     rows, width = hidden.shape[0], hidden.shape[1] // 2
     grad = torch.empty((rows, 2 * width), dtype=hidden.dtype, device=hidden.device)
-    per_program = _BLOCK_R if bias is None else _BIAS_ROWS_PER_PROGRAM
+    block_r, per_program = (
+        (_BLOCK_R, _BLOCK_R) if bias is None else (_BIAS_BLOCK_R, _BIAS_ROWS_PER_PROGRAM)
+    )
     programs = -(-rows // per_program)
     partials = None
     if bias is not None:
@@ -80,7 +84,7 @@ def swiglu_backward(
             hidden, hidden if bias is None else bias, grad_out, grad,
             grad if partials is None else partials, rows, width, hidden.stride(0),
             grad_out.stride(0), grad.stride(0), per_program, HAS_BIAS=bias is not None,
-            BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C, num_warps=4,
+            BLOCK_R=block_r, BLOCK_C=_BLOCK_C, num_warps=4,
         )  # fmt: skip
     if bias is None:
         return grad, None
