@@ -32,7 +32,8 @@ time x 989.4 TFLOP/s), ``local_mfu`` (the same on one GPU: the scaling ratio is 
 dynamo ``graphs``, ``graph_breaks`` and ``graphs_compiled_while_timed`` (0 in a sound timing)
 and the CUDA allocator's ``alloc_retries`` while timed; and where its GPU time goes,
 ``kernel_<kind>_ms`` per step (GEMMs, attention, Inductor's fused kernels, eager ATen, embeddings,
-copies, ...) from a profiled pass over two of the timed batches.
+copies, ...) and ``gpu_busy_ms`` from a profiled pass over two of the timed batches, and
+``gpu_idle_ms``, the timed step less that busy time.
 A provider that fails gets one row, metric ``oom`` or ``failed`` with its ``error``, and the
 others still run.
 Cases: ``B{batch}xL{max_len}xD{d_model}/{window256|causal}``.
@@ -143,10 +144,12 @@ def _time_steps(run, batches, device) -> tuple[float, float, int]:
     return ms, torch.cuda.max_memory_allocated(device) / 2**30, retries
 
 
-def _kernel_split(run, batches, device) -> dict[str, float]:
-    """GPU kernel milliseconds per step by kind (``harness.kernel_kind``) over ``batches``,
-    and the GPU's idle milliseconds per step between its first and last kernel (waiting for
-    the host), from a profiler pass after the timed one."""
+def _kernel_split(run, batches, device, step_ms: float) -> dict[str, float]:
+    """GPU kernel milliseconds per step by kind (``harness.kernel_kind``) over ``batches``, and
+    the GPU's busy milliseconds per step (kernels and copies, streams merged), from a profiler
+    pass after the timed one; ``gpu_idle_ms`` is the timed ``step_ms`` less that busy time,
+    what the timed steps waited for the host. (The profiled pass's own gaps would count the
+    profiler's host overhead and, over two batches, the train pipeline's fill.)"""
     torch.cuda.synchronize(device)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profiler:
@@ -158,13 +161,16 @@ def _kernel_split(run, batches, device) -> dict[str, float]:
         if event.device_type == DeviceType.CUDA and not event.is_user_annotation
     ]
     kernels = [(event.name, event.time_range.elapsed_us()) for event in events]
-    busy = [(event.time_range.start, event.time_range.end) for event in events]
-    idle_us = sum(end - start for start, end in gpu_idle(busy))
+    intervals = [(event.time_range.start, event.time_range.end) for event in events]
+    span_us = max(end for _, end in intervals) - min(start for start, _ in intervals)
+    busy_ms = (span_us - sum(end - start for start, end in gpu_idle(intervals))) / 1e3
+    busy_ms /= len(batches)
     return {
         **{
             f"kernel_{kind}_ms": ms for kind, ms in kernel_ms_by_kind(kernels, len(batches)).items()
         },
-        "gpu_idle_ms": idle_us / 1e3 / len(batches),
+        "gpu_busy_ms": busy_ms,
+        "gpu_idle_ms": max(step_ms - busy_ms, 0.0),
     }
 
 
@@ -329,7 +335,7 @@ def main() -> None:
                     extra["checkpointed_regions"] = len(trainer.checkpointed)
                     split = trainer.clock.take()
                     extra |= {f"time_{k}_ms": v / args.steps * 1e3 for k, v in split.items()}
-                extra |= _kernel_split(run, batches[args.warmup :][:2], device)
+                extra |= _kernel_split(run, batches[args.warmup :][:2], device, ms)
             except Exception as error:
                 # Out of memory, or a compile error: the row says which; the others still run.
                 metric = "oom" if isinstance(error, torch.OutOfMemoryError) else "failed"
