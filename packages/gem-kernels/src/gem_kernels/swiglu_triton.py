@@ -51,6 +51,7 @@ def swiglu(hidden: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     by the caller)."""
     interpret = host.interpret_for(hidden)
     hidden = host.unit_stride(hidden)
+    bias = None if bias is None else bias.contiguous()
     rows, width = hidden.shape[0], hidden.shape[1] // 2
     out = torch.empty((rows, width), dtype=hidden.dtype, device=hidden.device)
     if rows and width:
@@ -70,6 +71,7 @@ def swiglu_backward(
     and the bias gradient in the bias's dtype (``None`` without a bias)."""
     interpret = host.interpret_for(hidden)
     hidden, grad_out = host.unit_stride(hidden), host.unit_stride(grad_out)
+    bias = None if bias is None else bias.contiguous()
     rows, width = hidden.shape[0], hidden.shape[1] // 2
     grad = torch.empty((rows, 2 * width), dtype=hidden.dtype, device=hidden.device)
     block_r, per_program = (
