@@ -37,6 +37,11 @@ CONFIGS = {
 
 def run_ranks(fn, world: int) -> None:
     """Runs ``fn(rank, world)`` in ``world`` forked processes joined in one gloo group."""
+    if dist.is_initialized():
+        # A group left open in this interpreter (gem-train's Trainer keeps its one-process gloo
+        # group until exit, when its tests run in the same session) would come with the fork,
+        # and the ranks could not start their own.
+        dist.destroy_process_group()
     store_path = os.path.join(tempfile.mkdtemp(prefix="gem-precision-"), "store")
     mp.start_processes(
         _worker, args=(world, store_path, fn), nprocs=world, start_method="fork", join=True
