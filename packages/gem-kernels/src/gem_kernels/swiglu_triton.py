@@ -23,14 +23,13 @@ from gem_kernels.triton_loader import load_kernel_module
 
 __all__ = ["swiglu", "swiglu_backward", "triton_unsupported_reason"]
 
-# An (8, 512) tile: long contiguous row segments; on the H200 at 524k rows it beat (32, 128) by
-# 12-17% each way (3.9 TB/s forward, benchmarks/results/h200/tuning/swiglu.json).
+# An (8, 512) tile: long contiguous row segments per program (the fastest measured tile,
+# docs/kernel-tuning.md).
 _BLOCK_R, _BLOCK_C = 8, 512
 # The backward with a bias loops over 512 rows per program in (4, 512) tiles and writes one row
-# of float32 partial sums: a constant, so the summation order, and with it the result, is the
-# same on every device. On the H200 at 524k x 2752 it takes 2.30 ms against 2.58 for the kernel
-# without the bias plus a column sum; (8, 512) tiles, more rows or more warps were slower
-# (benchmarks/results/h200/tuning/swiglu_bias_sweep.json).
+# of float32 partial sums: few enough rows of partial sums to reduce cheaply, and registers
+# left for the two accumulators (the measured choice, docs/kernel-tuning.md). A constant, so
+# the summation order, and with it the result, is the same on every device.
 _BIAS_BLOCK_R, _BIAS_ROWS_PER_PROGRAM = 4, 512
 
 _KERNEL_FILE = Path(__file__).with_name("_swiglu_kernels.py")
@@ -80,7 +79,8 @@ def swiglu_backward(
     programs = -(-rows // per_program)
     partials = None
     if bias is not None:
-        partials = torch.zeros((programs, 2 * width), dtype=torch.float32, device=hidden.device)
+        # every (program, column) is written by the kernel
+        partials = torch.empty((programs, 2 * width), dtype=torch.float32, device=hidden.device)
     if rows and width:
         _kernels(interpret).swiglu_bwd_kernel[(programs, -(-width // _BLOCK_C))](
             hidden, hidden if bias is None else bias, grad_out, grad,
