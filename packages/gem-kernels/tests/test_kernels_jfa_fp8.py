@@ -177,6 +177,23 @@ def test_quantize_kernel_is_bit_identical_to_the_reference(interpret, dtype, dim
     assert want_scale[128, 0] == 2.0**-3 and want_scale[256, 2] == 2.0**6
     assert torch.all(want_scale[1:128, 1] == 1.0)
 
+    # Tokens-contiguous (the kernels' v and dO): the same bytes at each sample's slots, token
+    # stride 1, every sample starting a 128-slot block, zeros in the slots after its end.
+    pad8, pad_scale = fp8_quantize.quantize_fp8_blocks(
+        x, lengths, interpret=True, tokens_contiguous=True
+    )
+    starts = fp8_quantize.padded_starts(lengths)
+    assert starts.tolist() == [0, 0, 128, 256, 384, 640, 1024, 1024]
+    assert pad8.shape == (1152, 3, dim) and pad8.stride() == (1, dim * 1152, 1152)
+    assert torch.equal(pad_scale, want_scale)
+    filled = torch.zeros(pad8.shape[0], dtype=torch.bool)
+    firsts = (torch.cumsum(lengths, 0) - lengths).tolist()
+    for start, slot, n in zip(firsts, starts.tolist(), lengths.tolist(), strict=True):
+        got = pad8[slot : slot + n].view(torch.uint8)
+        assert torch.equal(got, want8[start : start + n].view(torch.uint8))
+        filled[slot : slot + n] = True
+    assert torch.all(pad8[~filled].view(torch.uint8) == 0)
+
 
 # ---------------------------------------------------------------------------------------------
 # The emulation (reference backend) against the float64 oracle.

@@ -29,16 +29,24 @@ def fp8_blocks_kernel(
     blocks_ptr,
     stride_xt,
     stride_xh,
+    stride_8t,
+    stride_8h,
+    stride_8d,
     num_heads,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    PADDED: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """Program (block, head): rows ``[start, start + count)`` of the block table's row
     ``block`` (one sample's tokens, ``count <= BLOCK_T``), one head. Writes ``x8 = x / s`` in
     E4M3 and ``s`` on every row, ``s`` the smallest power of two with ``amax / s <= 448``
-    (1 for a block of zeros), as exponent bits: no division, exact on every backend."""
+    (1 for a block of zeros), as exponent bits: no division, exact on every backend.
+
+    ``x8`` is addressed by (token, head, column) strides. ``PADDED``: token ``t`` of the block
+    goes to slot ``block * BLOCK_T + t`` and the block's ``BLOCK_T - count`` unused slots get
+    zeros, so every block starts at a multiple of ``BLOCK_T`` slots."""
     block = tl.program_id(0)
     head = tl.program_id(1)
     start = tl.load(blocks_ptr + 2 * block).to(tl.int64)
@@ -61,7 +69,13 @@ def fp8_blocks_kernel(
     scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
     inverse = ((127 - e) << 23).to(tl.float32, bitcast=True)  # finite inputs: e <= 120
     x8 = _to_e4m3(x * inverse, x8_ptr.dtype.element_ty, INTERPRETED)
-    out = tokens[:, None] * (num_heads * HEAD_DIM) + head * HEAD_DIM + cols[None, :]
-    tl.store(x8_ptr + out, x8, mask=mask)
+    if PADDED:
+        slots = block.to(tl.int64) * BLOCK_T + rows
+        store_mask = (rows < BLOCK_T)[:, None] & (cols[None, :] < HEAD_DIM)
+    else:
+        slots = tokens
+        store_mask = mask
+    out = slots[:, None] * stride_8t + head * stride_8h + cols[None, :] * stride_8d
+    tl.store(x8_ptr + out, x8, mask=store_mask)
     tl.store(scale_ptr + tokens * num_heads + head, tl.zeros([BLOCK_T], tl.float32) + scale,
              mask=row_ok)  # fmt: skip

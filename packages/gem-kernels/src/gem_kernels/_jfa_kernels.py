@@ -238,7 +238,8 @@ def _fwd_inner(
     the others instead of each starting (and draining) a pipelined loop of its own.
 
     ``FP8``: q, k and v are E4M3 (v stored keys-contiguous, the K-major operand Hopper's FP8
-    MMA needs for P V); ``q_scale`` is the query tile's power-of-two scale, ``ks_base`` /
+    MMA needs for P V, in whole zero-padded blocks from the sample's first slot ``v_base``);
+    ``q_scale`` is the query tile's power-of-two scale, ``ks_base`` /
     ``vs_base`` point at the per-token key / value scales (token stride ``num_heads``): every
     key tile lies inside one quantisation block, so its scale is one scalar."""
     d_ok = offs_d < HEAD_DIM
@@ -284,22 +285,30 @@ def _fwd_inner(
                 mask=n_ok[None, :] & d_ok[:, None],
                 other=0.0,
             )
-            v = tl.load(
-                v_base + rows64[:, None] * stride_vt + offs_d[None, :] * stride_vd,
-                mask=n_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )
+            if not FP8:
+                v = tl.load(
+                    v_base + rows64[:, None] * stride_vt + offs_d[None, :] * stride_vd,
+                    mask=n_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                )
         else:
             kt = tl.load(
                 k_base + rows64[None, :] * stride_kt + offs_d[:, None],
                 mask=d_ok[:, None],
                 other=0.0,
             )
-            v = tl.load(
-                v_base + rows64[:, None] * stride_vt + offs_d[None, :] * stride_vd,
-                mask=d_ok[None, :],
-                other=0.0,
-            )
+            if not FP8:
+                v = tl.load(
+                    v_base + rows64[:, None] * stride_vt + offs_d[None, :] * stride_vd,
+                    mask=d_ok[None, :],
+                    other=0.0,
+                )
+        if FP8:
+            # Keys-contiguous in whole zero-padded blocks (v_base is the sample's first slot):
+            # no key mask, so the loads are 16-byte vectors; keys past the sample are zeros
+            # that meet p = 0.
+            v = tl.load(v_base + rows64[:, None] + offs_d[None, :] * stride_vd,
+                        mask=d_ok[None, :], other=0.0)  # fmt: skip
         tile_scale = qk_scale
         tile_rel = rel_value
         if FP8:
@@ -423,6 +432,7 @@ def jfa_fwd_kernel(
         q_scale8 = tl.load(qs_ptr + (q_start + m0) * num_heads + head)
         ks_base = ks_ptr + k_start * num_heads + head
         vs_base = vs_ptr + k_start * num_heads + head
+        v_base = v_ptr + tl.multiple_of(tl.load(info + 7), 128) + head * stride_vh
 
     # Keys any real row of this tile can see; rows past q_len are never stored, so the
     # "inside the band" test only considers real rows.
@@ -686,7 +696,8 @@ def _dkdv_inner(
 ):
     """``FP8``: ``k`` is the E4M3 key tile (scale ``k_scale``); the scores are recomputed from it
     and the E4M3 queries at ``q8_base`` (the forward's values), and dV = P^T dO runs in FP8 with
-    the E4M3 dO stored queries-contiguous at ``do8_base`` (K-major for Hopper's FP8 MMA).
+    the E4M3 dO stored queries-contiguous at ``do8_base`` (K-major for Hopper's FP8 MMA; the
+    sample's first slot of whole zero-padded blocks).
     ``qs_base`` / ``dos_base``: per-token scales of q / dO (token stride ``num_heads``); every
     query tile lies inside one quantisation block. dP and dK keep the input-precision v, dO and
     q (see reference.jagged_flash_attention_fp8_backward)."""
@@ -776,11 +787,10 @@ def _dkdv_inner(
             p_t = _mask_scores(p_t, offs_m[None, :], offs_n[:, None], shift, q_len, k_len, left,
                                right, HAS_LEFT, HAS_RIGHT, 0.0)  # fmt: skip
         if FP8:
-            do8 = tl.load(
-                do8_base + rows64[:, None] + offs_d[None, :] * stride_do8_d,
-                mask=m_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )
+            # Queries-contiguous in whole zero-padded blocks: unmasked 16-byte loads (as the
+            # forward's v); queries past the sample are zeros that meet p = 0.
+            do8 = tl.load(do8_base + rows64[:, None] + offs_d[None, :] * stride_do8_d,
+                          mask=d_ok[None, :], other=0.0)  # fmt: skip
             pdo = _dot(_to_e4m3(p_t * 256.0, do8.dtype, UPCAST), do8, None, DOT_PRECISION, UPCAST)
             dv += pdo * (tl.load(dos_base + start * num_heads) * 0.00390625)
         else:
@@ -942,7 +952,7 @@ def jfa_bwd_dkdv_kernel(
     k_scale8 = 1.0
     if FP8:
         q8_base = q8_ptr + q_start * stride_qt + head * stride_qh
-        do8_base = do8_ptr + head * stride_do8_h + q_start
+        do8_base = do8_ptr + head * stride_do8_h + tl.multiple_of(tl.load(info + 6), 128)
         qs_base = qs_ptr + q_start * num_heads + head
         dos_base = dos_ptr + q_start * num_heads + head
         k_scale8 = tl.load(ks_ptr + (k_start + n0) * num_heads + head)

@@ -16,10 +16,11 @@ accumulated per dK/dV program into its own row of a partial buffer and summed af
 ``JfaTritonConfig.bwd_fused`` the dK/dV kernel adds dQ in float32 instead (TMA bulk reduces,
 summation order not fixed); ``torch.use_deterministic_algorithms(True)`` selects the split one.
 
-``precision="fp8"``: the host quantises q, k and v (the backward also dO) with
-:func:`gem_kernels.reference.quantize_fp8_blocks` (the emulation's values), stores v and dO
-token-contiguous (the K-major operand Hopper's FP8 MMA needs where they are reduced over
-tokens), and runs the same kernels with ``FP8=True``; always the split (deterministic) backward.
+``precision="fp8"``: one Triton launch per operand quantises q, k and v (the backward also dO)
+to the values of :func:`gem_kernels.reference.quantize_fp8_blocks` (the emulation's), stores v
+and dO token-contiguous (the K-major operand Hopper's FP8 MMA needs where they are reduced over
+tokens) in whole 128-token blocks, and runs the same kernels with ``FP8=True``; always the split
+(deterministic) backward.
 
 CPU tensors run under the Triton interpreter when ``TRITON_INTERPRET=1`` is set at call time:
 the kernel module is loaded once per mode (interpreted or compiled), so the variable may be set
@@ -38,7 +39,7 @@ import torch
 
 from gem_kernels import _triton_host as host
 from gem_kernels import reference
-from gem_kernels.fp8_quantize import quantize_fp8_blocks
+from gem_kernels.fp8_quantize import padded_starts, quantize_fp8_blocks
 from gem_kernels.triton_loader import load_kernel_module
 
 __all__ = [
@@ -331,7 +332,7 @@ def _table(columns: list[torch.Tensor], work: torch.Tensor, sample: torch.Tensor
     under a causal mask (each of a sample's tiles has different work), so dozens of samples'
     keys and values compete for L2 (H200 numbers in docs/kernel-tuning.md); unmasked and
     windowed calls, whose tiles of a sample have equal work, were already together."""
-    table = torch.stack([*columns, torch.zeros_like(work), torch.zeros_like(work)], dim=1)
+    table = torch.stack(columns, dim=1)
     if work.numel() == 0:
         return table
     order = torch.argsort(work, descending=True, stable=True)
@@ -345,8 +346,19 @@ def _table(columns: list[torch.Tensor], work: torch.Tensor, sample: torch.Tensor
     return table[order].contiguous()
 
 
+def _columns(samples, sample: torch.Tensor, start: torch.Tensor) -> list[torch.Tensor]:
+    """A tile table's 8 columns: the sample's query start and length, key start and length,
+    the tile's start within the sample, the sample's jagged-bias offset, and the sample's first
+    query and key slots in the FP8 operands stored tokens-contiguous (``padded_starts``)."""
+    q_len, k_len, q_start, k_start, bias_start, q_slot, k_slot = samples
+    return [
+        q_start[sample], q_len[sample], k_start[sample], k_len[sample], start,
+        bias_start[sample], q_slot[sample], k_slot[sample],
+    ]  # fmt: skip
+
+
 def _query_tile_table(samples, block_m, left, right) -> torch.Tensor:
-    q_len, k_len, q_start, k_start, bias_start = samples
+    q_len, k_len = samples[:2]
     sample, start = _tiles_of(q_len, block_m)
     lq, lk = q_len[sample], k_len[sample]
     shift = lk - lq
@@ -358,12 +370,11 @@ def _query_tile_table(samples, block_m, left, right) -> torch.Tensor:
         last_row = torch.minimum(start + block_m, lq) - 1
         key_hi = torch.minimum(lk, last_row + shift + right + 1)
     work = (key_hi - key_lo).clamp(min=0)
-    columns = [q_start[sample], lq, k_start[sample], lk, start, bias_start[sample]]
-    return _table(columns, work, sample)
+    return _table(_columns(samples, sample, start), work, sample)
 
 
 def _key_tile_table(samples, block_n, left, right) -> torch.Tensor:
-    q_len, k_len, q_start, k_start, bias_start = samples
+    q_len, k_len = samples[:2]
     sample, start = _tiles_of(k_len, block_n)
     lq, lk = q_len[sample], k_len[sample]
     shift = lk - lq
@@ -375,8 +386,7 @@ def _key_tile_table(samples, block_n, left, right) -> torch.Tensor:
         last_key = torch.minimum(start + block_n, lk) - 1
         row_hi = torch.minimum(lq, last_key + left - shift + 1)
     work = (row_hi - row_lo).clamp(min=0)
-    columns = [q_start[sample], lq, k_start[sample], lk, start, bias_start[sample]]
-    return _table(columns, work, sample)
+    return _table(_columns(samples, sample, start), work, sample)
 
 
 #: Plans of recent batches, keyed by their lengths and tiling: every attention layer of a model
@@ -420,7 +430,10 @@ def _build_plan(q_len, k_len, left, right, config, device, with_backward) -> _Pl
     q_start = torch.cumsum(q_len, 0) - q_len
     k_start = torch.cumsum(k_len, 0) - k_len
     pairs = q_len * k_len
-    samples = (q_len, k_len, q_start, k_start, torch.cumsum(pairs, 0) - pairs)
+    samples = (
+        q_len, k_len, q_start, k_start, torch.cumsum(pairs, 0) - pairs,
+        padded_starts(q_len), padded_starts(k_len),
+    )  # fmt: skip
     tables = [_query_tile_table(samples, config.fwd_block_m, left, right)]
     if with_backward:
         tables.append(_key_tile_table(samples, config.dkdv_block_n, left, right))
@@ -459,8 +472,10 @@ class _Launch:
 class _Fp8Operands:
     """E4M3 q, k and v of an FP8 call (``fp8_quantize.quantize_fp8_blocks``: the emulation's
     values) and their per-token scales ``(tokens, heads)`` float32. v is stored keys-contiguous
-    (a ``(Tk, H, D)`` view of an ``(H, D, Tk)`` tensor): Hopper's FP8 MMA reads both operands
-    K-major, and P V reduces over the keys (as Triton's FP8 attention tutorial stores V)."""
+    in whole 128-slot blocks (``quantize_fp8_blocks(tokens_contiguous=True)``): Hopper's FP8
+    MMA reads both operands K-major, and P V reduces over the keys (as Triton's FP8 attention
+    tutorial stores V); the blocks make every key tile an aligned, unmasked 16-byte load
+    (masked at the sample's end, a token-contiguous tile loads byte by byte)."""
 
     q8: torch.Tensor
     k8: torch.Tensor
@@ -470,16 +485,13 @@ class _Fp8Operands:
     v_scale: torch.Tensor
 
 
-def _keys_contiguous(x8: torch.Tensor) -> torch.Tensor:
-    """``x8`` ``(T, H, D)`` with the same values, stored ``(H, D, T)``: token stride 1."""
-    return x8.permute(1, 2, 0).contiguous().permute(2, 0, 1)
-
-
 def _fp8_operands(q, k, v, launch: _Launch) -> _Fp8Operands:
     q8, q_scale = quantize_fp8_blocks(q, launch.q_lengths, interpret=launch.interpret)
     k8, k_scale = quantize_fp8_blocks(k, launch.k_lengths, interpret=launch.interpret)
-    v8, v_scale = quantize_fp8_blocks(v, launch.k_lengths, interpret=launch.interpret)
-    return _Fp8Operands(q8, k8, _keys_contiguous(v8), q_scale, k_scale, v_scale)
+    v8, v_scale = quantize_fp8_blocks(
+        v, launch.k_lengths, interpret=launch.interpret, tokens_contiguous=True
+    )
+    return _Fp8Operands(q8, k8, v8, q_scale, k_scale, v_scale)
 
 
 def _flags(q: torch.Tensor, launch: _Launch) -> dict:
@@ -606,14 +618,16 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
             HEAD_DIM=head_dim, BLOCK_M=block, BLOCK_D=flags["BLOCK_D"],
         )  # fmt: skip
     # FP8: the kernels recompute the scores from the forward's E4M3 q and k (same strides as
-    # q and k, both contiguous) and take dO in E4M3 for dV = P^T dO, queries-contiguous.
+    # q and k, both contiguous) and take dO in E4M3 for dV = P^T dO, queries-contiguous in
+    # whole blocks as the forward's v.
     dkdv_fp8, dq_fp8, k_scores = {}, {}, k
     q_scores = q
     if launch.fp8:
         q8, q_scale = quantize_fp8_blocks(q, launch.q_lengths, interpret=launch.interpret)
         k8, k_scale = quantize_fp8_blocks(k, launch.k_lengths, interpret=launch.interpret)
-        do8, do_scale = quantize_fp8_blocks(grad_out, launch.q_lengths, interpret=launch.interpret)
-        do8 = _keys_contiguous(do8)
+        do8, do_scale = quantize_fp8_blocks(
+            grad_out, launch.q_lengths, interpret=launch.interpret, tokens_contiguous=True
+        )
         k_scores, q_scores = k8, q8
         dkdv_fp8 = dict(
             FP8=True, q8_ptr=q8, do8_ptr=do8, stride_do8_h=do8.stride(1),
