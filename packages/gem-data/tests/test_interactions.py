@@ -246,3 +246,23 @@ def test_bad_arguments(tmp_path, ratings_csv):
         write_interaction_dataset(ratings_csv, tmp_path, eval_directory=tmp_path)
     with pytest.raises(TypeError, match="InteractionConfig"):
         write_interaction_dataset(ratings_csv, tmp_path, config={"max_seq_len": 3})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("column", "values", "message"),
+    [
+        ("rating", [float("nan"), 4.0], "'rating' has NaN"),
+        ("rating", ["good", "bad"], "'rating' must be numeric"),
+        ("timestamp", [1, None], "'timestamp' has missing values"),
+        ("timestamp", [1.5, 2.0], "'timestamp' must hold integers"),
+        ("user", [0, None], "'user' has missing values"),
+        ("item", [1.0, 2.0], "item ids must be integers or text"),
+    ],
+)
+def test_a_source_table_gets_the_file_checks(tmp_path, column, values, message):
+    """A pyarrow table passed as the source is checked as a read file is (it used to be
+    converted as it was: NaN ratings became all-zero labels, a null user an extra user)."""
+    columns = {"user": [0, 1], "item": [10, 11], "rating": [5.0, 4.0], "timestamp": [1, 2]}
+    columns[column] = values
+    with pytest.raises(DatasetFormatError, match=f"source table: .*{message}"):
+        write_interaction_dataset(pa.table(columns), tmp_path / "out")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 
@@ -373,3 +374,27 @@ def test_planned_batch_costs_are_the_costs_of_the_yielded_batches(dataset):
             np.testing.assert_allclose(planned, yielded)
             with pytest.raises(ValueError, match="group_lengths"):
                 loader.planned_batch_costs(groups[:-1])
+
+
+def _power_cost():
+    def cost(lengths, power):
+        return np.asarray(lengths, dtype=np.float64) ** power
+
+    return cost
+
+
+def test_state_dict_of_a_partial_cost_model_resumes_in_another_process(big):
+    """A restarted job rebuilds its cost model at another address: two copies of one function
+    stand in for the two processes (the state used to hold repr(), with the address)."""
+    saved = ShardedBatchLoader(
+        big.directory, 256, cost_model=functools.partial(_power_cost(), power=2)
+    )
+    restarted = ShardedBatchLoader(
+        big.directory, 256, cost_model=functools.partial(_power_cost(), power=2)
+    )
+    restarted.load_state_dict(saved.state_dict())
+    other = ShardedBatchLoader(
+        big.directory, 256, cost_model=functools.partial(_power_cost(), power=3)
+    )
+    with pytest.raises(ValueError, match="does not match"):
+        other.load_state_dict(saved.state_dict())

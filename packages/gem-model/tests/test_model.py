@@ -1,7 +1,7 @@
 import pytest
 import torch
 from gem_model import GemInputs, GemModel
-from gem_model_inputs import V1, make_config, make_inputs
+from gem_model_inputs import SEQUENCE, SPARSE, V1, make_config, make_inputs
 from torchrec import KeyedJaggedTensor
 
 ARCHITECTURES = {
@@ -146,6 +146,11 @@ def test_too_long_history_is_rejected():
         ({"attention_window": -1}, "attention_window must be an int >= 0"),
         ({"self_attention": "block", "position": "rope", "attention_window": 8}, "'block'"),
         ({"self_attention": "block"}, "position='rope'"),
+        ({"max_seq_len": 8.5}, "max_seq_len must be a positive int"),
+        ({"tasks": ("ctr", "ctr")}, "tasks must be distinct"),
+        ({"sparse_features": {**SPARSE, "ad_category_id": 100}}, "the candidate shares that table"),
+        ({"sparse_features": {**SPARSE, "region": 0}}, r"sparse_features\['region'\]"),
+        ({"sequence_features": {**SEQUENCE, "hist_item_ids": -5}}, "hist_item_ids"),
     ],
 )
 def test_bad_config_is_rejected(changes, message):

@@ -197,22 +197,41 @@ def read_interactions(path: str | os.PathLike[str]) -> pa.Table:
     except (pa.ArrowException, OSError) as error:
         raise DatasetFormatError(f"{path}: malformed interaction file ({error})") from error
     table = table.select(columns).rename_columns(["user", "item", "rating", "timestamp"])
-    for name in table.column_names:
+    return _checked_interactions(table, str(path))
+
+
+def _checked_interactions(table: pa.Table, where: str) -> pa.Table:
+    """``table`` (columns user, item, rating, timestamp) with int64 or text ids, float64
+    ratings and int64 timestamps, or a :class:`DatasetFormatError` naming ``where`` and the
+    column: missing values, ids of another type, non-numeric or non-finite ratings, timestamps
+    that are not integers."""
+    for name in ("user", "item", "rating", "timestamp"):
         if table.column(name).null_count:
-            raise DatasetFormatError(f"{path}: column {name!r} has missing values")
+            raise DatasetFormatError(f"{where}: column {name!r} has missing values")
     for name in ("user", "item"):
         column_type = table.schema.field(name).type
         if pa.types.is_integer(column_type):
-            table = table.set_column(
-                table.schema.get_field_index(name), name, table.column(name).cast(pa.int64())
-            )
+            table = _set(table, name, table.column(name).cast(pa.int64()))
         elif not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
             raise DatasetFormatError(
-                f"{path}: {name} ids must be integers or text, got {column_type}"
+                f"{where}: {name} ids must be integers or text, got {column_type}"
             )
+    rating_type = table.schema.field("rating").type
+    if not (pa.types.is_integer(rating_type) or pa.types.is_floating(rating_type)):
+        raise DatasetFormatError(f"{where}: column 'rating' must be numeric, got {rating_type}")
+    table = _set(table, "rating", table.column("rating").cast(pa.float64()))
     if table.num_rows and not pc.all(pc.is_finite(table.column("rating"))).as_py():
-        raise DatasetFormatError(f"{path}: column 'rating' has NaN or infinite values")
-    return table
+        raise DatasetFormatError(f"{where}: column 'rating' has NaN or infinite values")
+    timestamp_type = table.schema.field("timestamp").type
+    if not pa.types.is_integer(timestamp_type):
+        raise DatasetFormatError(
+            f"{where}: column 'timestamp' must hold integers (seconds), got {timestamp_type}"
+        )
+    return _set(table, "timestamp", table.column("timestamp").cast(pa.int64()))
+
+
+def _set(table: pa.Table, name: str, column) -> pa.Table:
+    return table.set_column(table.schema.get_field_index(name), name, column)
 
 
 def _splitmix64(values: np.ndarray) -> np.ndarray:
@@ -306,6 +325,8 @@ def write_interaction_dataset(
     missing = {"user", "item", "rating", "timestamp"} - set(table.column_names)
     if missing:
         raise ValueError(f"source table lacks the columns {sorted(missing)}")
+    if isinstance(source, pa.Table):
+        table = _checked_interactions(table, "source table")
 
     raw_users = table.column("user").to_numpy(zero_copy_only=False)
     raw_items = table.column("item").to_numpy(zero_copy_only=False)

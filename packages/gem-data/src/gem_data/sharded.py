@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -53,8 +54,13 @@ def _file_signature(path: Path, where: str | None = None) -> tuple[int, ...]:
 
 
 def _cost_model_name(cost_model: CostModel) -> str:
+    """The name a checkpoint records: a function's qualified name, else the object's repr (a
+    ``functools.partial``, a dataclass instance) without memory addresses, which a restarted
+    job does not share."""
     name = getattr(cost_model, "__qualname__", None)
-    return f"{getattr(cost_model, '__module__', '')}.{name}" if name else repr(cost_model)
+    if name:
+        return f"{getattr(cost_model, '__module__', '')}.{name}"
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(cost_model))
 
 
 class ShardedBatchLoader(ResumablePosition):

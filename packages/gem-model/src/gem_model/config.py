@@ -148,6 +148,12 @@ class GemModelConfig:
     """Widths, depths, attention kinds and experts."""
 
     def __post_init__(self) -> None:
+        for kind in ("sequence_features", "sparse_features"):
+            for name, cardinality in getattr(self, kind).items():
+                if not _is_int(cardinality) or cardinality < 1:
+                    raise ValueError(
+                        f"{kind}[{name!r}] must be an int number of ids >= 1, got {cardinality!r}"
+                    )
         if self.candidate_feature not in self.sparse_features:
             raise ValueError(
                 f"candidate_feature {self.candidate_feature!r} is not in sparse_features "
@@ -161,12 +167,25 @@ class GemModelConfig:
                     f"candidate_history_feature {self.candidate_history_feature!r} is not in "
                     f"sequence_features {sorted(self.sequence_features)}"
                 )
-        if self.max_seq_len <= 0:
-            raise ValueError(f"max_seq_len must be positive, got {self.max_seq_len}")
-        if self.num_dense_features < 0:
-            raise ValueError(f"num_dense_features must be >= 0, got {self.num_dense_features}")
+            # The candidate looks its ids up in the history feature's table.
+            candidate = self.sparse_features[self.candidate_feature]
+            history = self.sequence_features[self.candidate_history_feature]
+            if candidate != history:
+                raise ValueError(
+                    f"sparse_features[{self.candidate_feature!r}] ({candidate} ids) must equal "
+                    f"sequence_features[{self.candidate_history_feature!r}] ({history} ids): "
+                    "the candidate shares that table"
+                )
+        if not _is_int(self.max_seq_len) or self.max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be a positive int, got {self.max_seq_len!r}")
+        if not _is_int(self.num_dense_features) or self.num_dense_features < 0:
+            raise ValueError(
+                f"num_dense_features must be an int >= 0, got {self.num_dense_features!r}"
+            )
         if not self.tasks:
             raise ValueError("tasks must name at least one task")
+        if len(set(self.tasks)) != len(self.tasks):
+            raise ValueError(f"tasks must be distinct names, got {self.tasks}")
         if self.task_base_rates is not None and (
             len(self.task_base_rates) != len(self.tasks)
             or not all(0.0 < rate < 1.0 for rate in self.task_base_rates)
@@ -175,3 +194,7 @@ class GemModelConfig:
                 f"task_base_rates must hold one rate in (0, 1) per task {self.tasks}, "
                 f"got {self.task_base_rates}"
             )
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
