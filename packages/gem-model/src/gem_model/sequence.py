@@ -270,7 +270,8 @@ class PoolingByMultiheadAttention(AttentionPrecision, nn.Module):
     """PMA: a few learned queries, shared by every sample, pool its whole history.
 
     Uses GDPA (element-wise activation, normalised by the history length), so the
-    pooled tokens are a learned weighted mean of the history and empty histories pool to zero.
+    pooled tokens are a learned weighted mean of the history. An empty history's attention is
+    zero, so its pooled tokens are the output projection's bias.
     """
 
     def __init__(
