@@ -56,6 +56,25 @@ def test_lengths_to_offsets_rejects_negative():
         lengths_to_offsets(torch.tensor([1, -1]))
 
 
+def test_lengths_to_offsets_refuses_offsets_past_the_dtype():
+    with pytest.raises(ValueError, match=r"above the largest torch.int32 offset"):
+        lengths_to_offsets(torch.tensor([2**32 + 3, 5]), dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"pass dtype=torch.int64"):
+        lengths_to_offsets(torch.tensor([2**30] * 3, dtype=torch.int32))
+    assert (
+        lengths_to_offsets(torch.tensor([2**30] * 3, dtype=torch.int32), dtype=torch.int64)[-1]
+        == 3 * 2**30
+    )
+
+
+def test_host_offsets_of_cpu_int64_offsets_is_a_copy():
+    """The cached host copy never shares storage with the caller's tensor, whose writes
+    through .data or .numpy() would bypass the version counter the cache is keyed on."""
+    offsets = torch.tensor([0, 2, 5])
+    host = host_offsets(offsets)
+    assert host.tolist() == [0, 2, 5] and host.data_ptr() != offsets.data_ptr()
+
+
 def test_host_offsets_is_read_once_per_tensor_and_version():
     offsets = torch.tensor([0, 2, 2, 7], dtype=torch.int32)
     first = host_offsets(offsets)

@@ -101,3 +101,12 @@ def test_scales_exact_over_wide_exponent_range(dtype):
     _, scale = quantize_blockwise(x, (1, 128), dtype)
     want = ref_tile_scales(x.double().numpy(), 1, 128, MAX_NORMAL[dtype])
     np.testing.assert_array_equal(scale.double().numpy(), want)
+
+
+def test_dequantize_checks_the_scale_against_the_block_shape():
+    x = torch.randn(3, 256)
+    data, scale = quantize_blockwise(x, (1, 128))
+    assert dequantize_blockwise(data, scale, (1, 128)).shape == (3, 256)
+    for block_shape in ((128, 128), (2, 128), None):
+        with pytest.raises(ValueError, match=r"scale must hold one scale per .* got \(3, 2\)"):
+            dequantize_blockwise(data, scale, block_shape)

@@ -64,7 +64,9 @@ class _HostCopy:
 
 
 def _read_offsets(offsets: torch.Tensor) -> _HostCopy:
-    host = offsets.detach().to("cpu", torch.int64)
+    # A copy even of CPU int64 offsets: the cache is keyed on the tensor's version, which
+    # writes through .data or .numpy() do not bump.
+    host = offsets.detach().to("cpu", torch.int64, copy=True)
     lengths = host[1:] - host[:-1]
     longest = int(lengths.max()) if lengths.numel() > 0 else 0
     return _HostCopy(host, lengths, longest)
@@ -205,4 +207,10 @@ def lengths_to_offsets(lengths: torch.Tensor, *, dtype: torch.dtype | None = Non
         raise ValueError("lengths must be non-negative")
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
     offsets[1:] = torch.cumsum(lengths.to(torch.int64), dim=0)
+    limit = torch.iinfo(out_dtype).max
+    if lengths.numel() > 0 and int(offsets[-1]) > limit:
+        raise ValueError(
+            f"lengths sum to {int(offsets[-1])}, above the largest {out_dtype} offset ({limit}): "
+            "pass dtype=torch.int64"
+        )
     return offsets.to(out_dtype)

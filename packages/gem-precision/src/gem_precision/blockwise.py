@@ -179,6 +179,12 @@ def dequantize_blockwise(
 ) -> torch.Tensor:
     """Float32 ``data * scale`` with each tile scale broadcast over its ``block_shape`` tile."""
     rows, cols = _tile_shape(data, block_shape)
+    tiles = (-(-data.shape[0] // rows), -(-data.shape[1] // cols))
+    if tuple(scale.shape) != tiles:
+        raise ValueError(
+            f"scale must hold one scale per {rows}x{cols} tile of the {tuple(data.shape)} data "
+            f"(block_shape={block_shape}), shape {tiles}; got {tuple(scale.shape)}"
+        )
     expanded = scale.repeat_interleave(rows, dim=0).repeat_interleave(cols, dim=1)
     return data.to(torch.float32) * expanded[: data.shape[0], : data.shape[1]]
 
