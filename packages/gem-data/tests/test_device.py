@@ -104,6 +104,11 @@ def test_prefetcher_arguments():
     with pytest.raises(ValueError, match="depth"):
         DevicePrefetcher([], "cpu", depth=0)
     assert list(DevicePrefetcher([], "cpu")) == []
+    with pytest.raises(TypeError, match="pin_memory"):
+        DevicePrefetcher([], "cpu", pin_memory="no")  # type: ignore[arg-type]
+    if not torch.cuda.is_available():  # checked here, not in the producer thread
+        with pytest.raises(ValueError, match="pin_memory=True needs CUDA"):
+            DevicePrefetcher([], "cpu", pin_memory=True)
 
 
 @pytest.mark.gpu

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from gem_data._columns import check_bool
 from gem_data.batch import Batch
 
 __all__ = ["DevicePrefetcher"]
@@ -50,7 +51,12 @@ class DevicePrefetcher:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.depth = depth
-        self.pin_memory = self.device.type == "cuda" if pin_memory is None else bool(pin_memory)
+        if pin_memory is None:
+            self.pin_memory = self.device.type == "cuda"
+        else:
+            self.pin_memory = check_bool("pin_memory", pin_memory)
+        if self.pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory=True needs CUDA (pinned memory is for device copies)")
         # Pinning touches CUDA: on the consumer's device (host batches pinned for a copy made
         # later are pinned on the device current here), not a new context on cuda:0, which
         # every rank of a multi-GPU process would otherwise hold.
