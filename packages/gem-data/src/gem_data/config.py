@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +146,16 @@ class SyntheticConfig:
             self.max_user_segments <= self.num_user_segments,
             "max_user_segments must be <= num_user_segments",
         )
+        for name, kind in self.__dataclass_fields__.items():
+            value = getattr(self, name)
+            if kind.type in ("float", float):
+                if not isinstance(value, (int, float)) or isinstance(value, bool):
+                    raise TypeError(f"SyntheticConfig: {name} must be a number, got {value!r}")
+                _require(math.isfinite(value), f"{name} must be finite, got {value}")
+        for name in (
+            "ad_quality_std", "user_feature_std", "dense_weight_std", "ad_cvr_quality_std",
+        ):  # fmt: skip
+            _require(getattr(self, name) >= 0.0, f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("empty_history_prob", "long_history_prob", "ad_interest_prob"):
             value = getattr(self, name)
             _require(0.0 <= value <= 1.0, f"{name} must be in [0, 1], got {value}")
@@ -166,8 +177,8 @@ class SyntheticConfig:
         for name in ("action_probs", "action_weights"):
             value = tuple(getattr(self, name))
             _require(
-                len(value) == NUM_ACTION_TYPES and all(v >= 0 for v in value),
-                f"{name} must be {NUM_ACTION_TYPES} non-negative numbers, got {value}",
+                len(value) == NUM_ACTION_TYPES and all(0 <= v < math.inf for v in value),
+                f"{name} must be {NUM_ACTION_TYPES} finite non-negative numbers, got {value}",
             )
             object.__setattr__(self, name, tuple(float(v) for v in value))
         _require(
