@@ -112,6 +112,32 @@ def test_int32_positions(interpret):
     )
 
 
+def test_positions_outside_the_tables_read_nothing(interpret):
+    """The kernel's contract where positions go unchecked (CUDA): a row whose position is
+    outside [0, L) is zeros, and no table memory outside the tables is read (the operator
+    is called directly: the public function refuses such positions on the CPU)."""
+    x, positions, (cos, sin) = _inputs(40, 2, 8, seed=11, max_len=16)
+    positions[[0, 17, 39]] = torch.tensor([-3, 16, 1_000_000])
+    inside = torch.ones(40, dtype=torch.bool)
+    inside[[0, 17, 39]] = False
+    out = torch.ops.gem_kernels.rope(x, positions, cos, sin, False, "triton")
+    assert torch.all(out[~inside] == 0)
+    want = rope(x[inside], positions[inside], cos, sin, backend="reference")
+    torch.testing.assert_close(out[inside], want)
+
+
+@pytest.mark.parametrize("api", ["rope", "rope_qkv"])
+def test_positions_outside_the_tables_are_refused_on_the_cpu(api):
+    x, positions, (cos, sin) = _inputs(6, 2, 8, seed=0, max_len=16)
+    for bad, shown in ((-1, "from -1 to"), (16, "to 16")):
+        positions[2] = bad
+        with pytest.raises(ValueError, match=rf"positions must lie in \[0, 16\).*{shown}"):
+            if api == "rope":
+                rope(x, positions, cos, sin)
+            else:
+                rope_qkv(torch.stack([x, x, x], 1), positions, cos, sin)
+
+
 def test_bad_arguments_name_the_argument():
     x, positions, (cos, sin) = _inputs(6, 2, 8, seed=0)
     with pytest.raises(ValueError, match="head_dim must be even"):

@@ -20,6 +20,7 @@ def rope_kernel(
     sin_ptr,
     num_tokens,
     num_heads,
+    num_positions,
     stride_xt,
     stride_xh,
     stride_ot,
@@ -42,8 +43,10 @@ def rope_kernel(
     if ROTATE:
         positions = tl.load(pos_ptr + rows, mask=row_ok, other=0).to(tl.int64)
         table = positions[:, None] * HALF + cols[None, :]
-        cos = tl.load(cos_ptr + table, mask=mask, other=0.0)
-        sin = tl.load(sin_ptr + table, mask=mask, other=0.0)
+        # A position outside the tables (unchecked on the GPU) reads nothing: its row is zeros.
+        in_table = mask & ((positions >= 0) & (positions < num_positions))[:, None]
+        cos = tl.load(cos_ptr + table, mask=in_table, other=0.0)
+        sin = tl.load(sin_ptr + table, mask=in_table, other=0.0)
         if INVERSE:
             sin = -sin
     rows = rows.to(tl.int64)

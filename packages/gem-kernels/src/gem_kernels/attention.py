@@ -491,7 +491,9 @@ def rope(
     Args:
         x: ``(T, H, D)``, ``D`` even; any strides (a slice of a fused qkv projection is read in
             place).
-        positions: ``(T,)`` int64 or int32, each row's position, every one ``< L``.
+        positions: ``(T,)`` int64 or int32, each row's position, every one in ``[0, L)``
+            (checked for CPU tensors; on a GPU, where the check would synchronise, a row
+            outside the tables comes out as zeros).
         cos, sin: ``(L, D/2)`` float32 tables of the angles'
             cosines and sines, as :func:`gem_kernels.reference.rope_tables` builds them.
         backend: ``"auto"`` (default): one Triton kernel for CUDA float16/bfloat16 ``x``, the
@@ -561,6 +563,15 @@ def _check_rope_arguments(x, name, positions, cos, sin, backend) -> None:
     for table_name, tensor in (("cos", cos), ("sin", sin)):
         if tensor.device != x.device:
             raise ValueError(f"{table_name} is on {tensor.device} but {name} is on {x.device}")
+    # Read on the host only where that is free: on a GPU it would synchronise every call, and
+    # the kernel reads no table row outside [0, L) (such rows come out as zeros).
+    if positions.device.type == "cpu" and positions.numel() and not torch.compiler.is_compiling():
+        low, high = int(positions.min()), int(positions.max())
+        if low < 0 or high >= cos.shape[0]:
+            raise ValueError(
+                f"positions must lie in [0, {cos.shape[0]}) (the tables' rows), got values from "
+                f"{low} to {high}"
+            )
     _check_backend(backend, ops.BACKENDS)
 
 

@@ -66,7 +66,8 @@ def rope(
     half = head_dim // 2
     _kernels(interpret).rope_kernel[(-(-num_tokens // _BLOCK_T),)](
         x, out, positions.contiguous(), cos.contiguous(), sin.contiguous(),
-        num_tokens, num_heads, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
+        num_tokens, num_heads, cos.shape[0], x.stride(0), x.stride(1), out.stride(0),
+        out.stride(1),
         HALF=half, BLOCK_T=_BLOCK_T, BLOCK_HALF=host.padded_block(half), INVERSE=inverse,
         ROTATE=rotate, num_warps=4,
     )  # fmt: skip
