@@ -266,3 +266,13 @@ def test_a_source_table_gets_the_file_checks(tmp_path, column, values, message):
     columns[column] = values
     with pytest.raises(DatasetFormatError, match=f"source table: .*{message}"):
         write_interaction_dataset(pa.table(columns), tmp_path / "out")
+
+
+def test_item_categories_that_map_no_item_are_refused(tmp_path):
+    """Text keys for integer item ids (as csv reads a movies file) used to leave every item
+    'unknown' in silence."""
+    table = pa.table({"user": [0, 1], "item": [10, 11], "rating": [5.0, 4.0], "timestamp": [1, 2]})
+    with pytest.raises(ValueError, match=r"item_categories maps none of the 2 items.*'10'.*10"):
+        write_interaction_dataset(
+            table, tmp_path / "out", item_categories={"10": "Drama", "11": "War"}
+        )

@@ -268,14 +268,22 @@ def _item_categories(
             config.num_category_buckets,
             (f"hash bucket: splitmix64(raw item id) % {config.num_category_buckets}"),
         )
+    items = raw_items.tolist()
+    found = [raw for raw in items if raw in item_categories]
+    if items and item_categories and not found:
+        # Most often ids of another type (text keys for integer ids, as csv reads them).
+        raise ValueError(
+            f"item_categories maps none of the {len(items)} items: its keys (such as "
+            f"{next(iter(item_categories))!r}) must be the item ids as the source holds them "
+            f"(such as {items[0]!r})"
+        )
     labels = sorted(
-        {item_categories[raw] for raw in raw_items.tolist() if raw in item_categories},
-        key=lambda label: (type(label).__name__, label),
+        {item_categories[raw] for raw in found}, key=lambda label: (type(label).__name__, label)
     )
     label_ids = {label: number for number, label in enumerate(labels)}
     unknown = len(labels)
     categories = np.asarray(
-        [label_ids.get(item_categories.get(raw), unknown) for raw in raw_items.tolist()],
+        [label_ids.get(item_categories.get(raw), unknown) for raw in items],
         dtype=np.int64,
     )
     return categories, len(labels) + 1, f"mapping ({len(labels)} labels + 1 unknown)"
