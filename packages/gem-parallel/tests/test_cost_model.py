@@ -206,6 +206,13 @@ def test_bad_inputs_raise_clear_errors():
         Latencies(zone=-1)
     with pytest.raises(ValueError, match="model.fsdp_units"):
         ModelSizes(dense_params=1, fsdp_units=0)
+    nan, inf = float("nan"), float("inf")
+    with pytest.raises(ValueError, match="model.dense_params must be a finite"):
+        ModelSizes(dense_params=nan)
+    with pytest.raises(ValueError, match="bandwidths.zone must be a finite"):
+        Bandwidths(zone=inf)
+    with pytest.raises(ValueError, match="latencies.nvlink must be a finite"):
+        Latencies(nvlink=nan)
 
 
 def _load_cost_table():

@@ -187,6 +187,14 @@ def _interaction_logs(root):
     return root
 
 
+def _previous_run(root):
+    """A run left in the output directory (the test's ``output``, beside ``root``)."""
+    variant = root.parent / "run" / "gem"
+    (variant / "checkpoints" / "step_00000005").mkdir(parents=True)
+    (variant / "metrics.jsonl").write_text('{"step": 1}\n')
+    return root
+
+
 def _a_file(root):
     root.mkdir()
     (root / "file").write_text("not a directory")
@@ -247,6 +255,11 @@ MISUSES = {
     "corrupt shard": (_corrupt_shard, "--set data.directory", "not a readable Parquet file"),
     "interaction logs": (_interaction_logs, "--set data.directory", "'interactions' data"),
     "resume without checkpoint": (["--resume"], "--resume", "no checkpoint under"),
+    "fresh run over a previous one": (
+        _previous_run,
+        "--set output_dir",
+        "holds a previous run (gem/checkpoints, gem/metrics.jsonl): pass --resume",
+    ),
 }
 
 
@@ -300,3 +313,17 @@ def test_errors_inside_training_keep_their_traceback(monkeypatch, tmp_path):
     monkeypatch.setattr(cli, "run", diverge)
     with pytest.raises(FloatingPointError):
         main(["--set", f"output_dir={tmp_path}"])
+
+
+def test_every_rank_needs_an_evaluation_sample(tmp_path, monkeypatch):
+    """A rank without evaluation samples failed in torch.cat after the whole training."""
+    from gem_train.cli import UsageError, validate
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    config = apply_overrides(
+        tiny(),
+        [f"data.directory={tmp_path / 'data'}", f"output_dir={tmp_path / 'run'}"]
+        + ["data.num_eval=1", "data.num_shards=1"],
+    )
+    with pytest.raises(UsageError, match=r"data.num_eval.*one evaluation sample per rank \(2\)"):
+        validate(config)

@@ -241,6 +241,16 @@ def test_profile_pass_tables_every_region_and_leaves_training_unchanged(small_co
     assert "gem_model/sequence" in names and "gem_kernels::jagged_flash_attention" in names
 
 
+def test_profile_of_a_run_shorter_than_the_pass_covers_the_steps_it_has(small_config, tmp_path):
+    """Under 3 steps the pass used to start and never stop: no table, and a crash at exit."""
+    train_data, _ = prepare_data(small_config.data, progress=False)
+    trainer = Trainer(dataclasses.replace(small_config, max_steps=2), train_data,
+                      output_dir=tmp_path / "run")  # fmt: skip
+    trainer.fit(progress=False, profile=True)
+    written = json.loads((tmp_path / "run" / "profile.json").read_text())
+    assert written["steps"] == 2 and trainer.profile["steps"] == 2
+
+
 def test_a_checkpoint_without_fp8_resumes_into_fp8_with_fresh_rounding_counters(
     small_config, tmp_path
 ):

@@ -63,6 +63,7 @@ assumptions in the same spirit: 2 us inside a host (NCCL's low-latency protocol 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from gem_parallel.mesh import (
@@ -99,13 +100,24 @@ LATENCY_MODELS = ("ring", "log")
 
 
 def _check_non_negative(value: object, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+    # NaN passes "< 0" and a NaN compute time hid every exposed transfer (max(0, x - nan) = 0).
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
 
 
 def _check_positive(value: object, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name} must be a finite positive number, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -192,6 +192,11 @@ def _validate_data(data: DataConfig, world: int, batch_size: int) -> None:
             f"expected at most min(data.num_train, data.num_eval) = "
             f"{min(data.num_train, data.num_eval)}, got {data.num_shards}",
         )
+    if data.num_eval < world:
+        raise UsageError(
+            "--set data.num_eval",
+            f"expected at least one evaluation sample per rank ({world}), got {data.num_eval}",
+        )
     if data.num_train // world < batch_size:
         raise UsageError(
             "--set batch_size",
@@ -261,11 +266,28 @@ def _validate_resume(config: TrainConfig) -> None:
         raise UsageError("--resume", f"no checkpoint under {first}")
 
 
+def _require_no_previous_run(output: Path) -> None:
+    """A fresh run would replace a previous one's checkpoints (its first save drops later
+    steps) and append to its metrics: the user chooses instead."""
+    left = sorted(
+        str(path.relative_to(output))
+        for pattern in ("*/checkpoints", "*/metrics.jsonl")
+        for path in output.glob(pattern)
+    )
+    if left:
+        raise UsageError(
+            "--set output_dir",
+            f"{output} holds a previous run ({', '.join(left)}): pass --resume to continue it, "
+            "or choose another output_dir (or delete it)",
+        )
+
+
 def validate(config: TrainConfig, *, resume: bool = False) -> None:
     """Raises ``UsageError`` (naming the option) for a config ``run`` cannot train: sizes out
     of range, an option combination the trainer rejects, a device that is not there, a data
     directory that cannot be created or holds a corrupt dataset, ``resume`` without a
-    checkpoint. Reads only ``dataset.json`` files and Parquet footers: nothing is generated."""
+    checkpoint, a fresh run into an output directory that holds a previous run. Reads only
+    ``dataset.json`` files and Parquet footers: nothing is generated."""
     for name, low in (
         ("batch_size", 1),
         ("eval_batch_size", 1),
@@ -286,6 +308,8 @@ def validate(config: TrainConfig, *, resume: bool = False) -> None:
     _require_creatable("--set output_dir", Path(config.output_dir))
     if resume:
         _validate_resume(config)
+    else:
+        _require_no_previous_run(Path(config.output_dir))
 
 
 def run(
@@ -346,7 +370,10 @@ def run(
         results[name]["final_train_loss"] = (
             sum(losses[-20:]) / len(losses[-20:]) if losses else None
         )
-        console.print(f"{name}: {trainer.step} steps in {results[name]['train_seconds']:.1f} s")
+        seconds = results[name]["train_seconds"]
+        console.print(
+            f"{name}: {len(losses)} steps in {seconds:.1f} s (now at step {trainer.step})"
+        )
         if trainer.last_speed is not None:
             console.print(f"{name}, last {config.log_every} steps: {speed_line(trainer.last_speed)}",
                           soft_wrap=True, markup=False)  # fmt: skip
@@ -512,6 +539,14 @@ def main(argv: list[str] | None = None) -> int:
         run(config, resume=args.resume, profile=args.profile)
     except UsageError as error:
         parser.error(str(error))
+    except ValueError as error:
+        # A checkpoint that does not fit the config (another model, batch size or world size)
+        # is a misuse of --resume too; torch is loaded by the time one can be raised.
+        from gem_train.checkpoint import CheckpointMismatchError
+
+        if not isinstance(error, CheckpointMismatchError):
+            raise
+        parser.error(f"--resume: {error}")
     return 0
 
 

@@ -267,6 +267,9 @@ class ProfilePass:
         return self._profiler is not None
 
     def begin(self) -> None:
+        """Starts the pass; a no-op once it has started (a second call at an epoch boundary)."""
+        if self._profiler is not None or self.result is not None:
+            return
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.on_gpu:
             activities.append(torch.profiler.ProfilerActivity.CUDA)

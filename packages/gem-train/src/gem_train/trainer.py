@@ -540,12 +540,20 @@ class Trainer:
             self.measured_peak_tflops = measured_matmul_peak(self.device)
         self.clock.take()
         window = _Window()  # the steps since the last train log line, on this rank
+        profile_from = max(self.step, min(self.step + 5, self.total_steps - 3))
+        # Fewer than 3 steps left: the pass covers those it has (none: no pass).
+        profile_steps = min(3, self.total_steps - profile_from)
         profiled = (
-            ProfilePass(self.output_dir, self.device, self.peak_tflops, write=self.rank == 0)
-            if profile
+            ProfilePass(
+                self.output_dir,
+                self.device,
+                self.peak_tflops,
+                steps=profile_steps,
+                write=self.rank == 0,
+            )  # fmt: skip
+            if profile and profile_steps > 0
             else None
         )
-        profile_from = max(self.step, min(self.step + 5, self.total_steps - 3))
         label = "GEM" if self.use_sequence_tower else "GEM without sequence"
         with Progress(
             TextColumn(f"[bold]{label}"),
@@ -774,7 +782,13 @@ class Trainer:
         self.step = int(trainer_state["step"])
         self.sparse_parallel.finish_load(app_state, self.step)
         if saved_world == self.world_size:
-            self.loader.load_state_dict(trainer_state["loader"])
+            try:
+                self.loader.load_state_dict(trainer_state["loader"])
+            except ValueError as error:  # another batch size, seed or dataset than the run's
+                raise CheckpointMismatchError(
+                    f"checkpoint {path}'s data position does not fit this run's loader: {error}",
+                    path / "trainer_state.json",
+                ) from error
         self._position = None
         torch.set_rng_state(torch.tensor(trainer_state["torch_rng"], dtype=torch.uint8))
         if trainer_state.get("cuda_rng") is not None and self.device.type == "cuda":
