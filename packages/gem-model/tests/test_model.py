@@ -147,6 +147,7 @@ def test_too_long_history_is_rejected():
         ({"self_attention": "block", "position": "rope", "attention_window": 8}, "'block'"),
         ({"self_attention": "block"}, "position='rope'"),
         ({"max_seq_len": 8.5}, "max_seq_len must be a positive int"),
+        ({"sequence_activation": "bogus"}, "sequence_activation must be one of"),
         ({"tasks": ("ctr", "ctr")}, "tasks must be distinct"),
         ({"sparse_features": {**SPARSE, "ad_category_id": 100}}, "the candidate shares that table"),
         ({"sparse_features": {**SPARSE, "region": 0}}, r"sparse_features\['region'\]"),
@@ -233,3 +234,10 @@ def test_history_cross_reads_the_feature_tokens():
     out = cross(tokens, offsets, 4, changed)
     torch.testing.assert_close(out[3:], base[3:])
     assert not torch.allclose(out[:3], base[:3])
+
+
+def test_sequence_activations_are_the_gdpa_activations():
+    from gem_kernels.reference import GDPA_ACTIVATIONS
+    from gem_model.config import SEQUENCE_ACTIVATIONS
+
+    assert set(SEQUENCE_ACTIVATIONS) == set(GDPA_ACTIVATIONS)

@@ -159,3 +159,17 @@ def test_fp8_attention_pattern_must_match_a_layer(small_config, tmp_path):
     config = apply_overrides(small_config, ["precision.fp8_attention=sequence_layer.*"])
     with pytest.raises(ValueError, match="fp8_attention pattern 'sequence_layer.\\*' matches"):
         Trainer(config, train_data, output_dir=tmp_path)
+
+
+def test_patterns_that_match_no_linear_are_refused():
+    """A misspelled exclude or bf16_layers pattern used to change nothing, in silence."""
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    for config, field in (
+        (PrecisionConfig(mode="fp8", min_features=16, exclude=("head.*",)), "exclude"),
+        (PrecisionConfig(mode="fp8", min_features=16, bf16_layers=("9*",)), "bf16_layers"),
+        (PrecisionConfig(mode="bf16", exclude=("x",)), "exclude"),
+    ):
+        with pytest.raises(ValueError, match=rf"precision.{field} pattern .* matches none"):
+            apply_precision(model, config, CPU)
+    with pytest.raises(ValueError, match="precision.min_features must be an int >= 1"):
+        PrecisionConfig(min_features=-1)

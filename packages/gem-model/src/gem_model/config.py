@@ -14,6 +14,9 @@ POSITION_SIGNALS = ("none", "rope", "rel_pos_bias")
 """Values of ``GemArchitecture.position``."""
 FFN_KINDS = ("gelu", "swiglu")
 """Values of ``GemArchitecture.ffn``."""
+SEQUENCE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "gelu_fast", "relu2", "identity")
+"""Values of ``GemArchitecture.sequence_activation``: gem-kernels' GDPA activations, named here
+so that a config is checked without importing torch (a test keeps the two lists equal)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,11 @@ class GemArchitecture:
             raise ValueError(
                 f"embedding_dim must be a positive multiple of num_heads ({self.num_heads}), "
                 f"got {self.embedding_dim}"
+            )
+        if self.sequence_activation not in SEQUENCE_ACTIVATIONS:
+            raise ValueError(
+                f"sequence_activation must be one of {SEQUENCE_ACTIVATIONS}, "
+                f"got {self.sequence_activation!r}"
             )
         if self.self_attention not in _SELF_ATTENTION_KINDS:
             raise ValueError(

@@ -225,6 +225,7 @@ class PrecisionConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("fp32", "bf16", "fp8"):
             raise ValueError(f"precision.mode must be 'fp32', 'bf16' or 'fp8', got {self.mode!r}")
+        _check_int("precision.", self, "min_features", 1)
         if self.saved_activations not in SAVED_ACTIVATION_MODES:
             raise ValueError(
                 f"precision.saved_activations must be one of {SAVED_ACTIVATION_MODES}, "

@@ -58,6 +58,19 @@ def apply_precision(model: nn.Module, config: PrecisionConfig, device: torch.dev
     attention = _apply_fp8_attention(model, config.fp8_attention)
     if config.mode == "fp32":
         return attention
+    linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    # A pattern that matches nothing is most often misspelled (bf16_layers' default names
+    # GEM's heads, and may match nothing in another model).
+    default = PrecisionConfig().bf16_layers
+    for field in ("exclude", "bf16_layers") if config.mode == "fp8" else ("exclude",):
+        for pattern in getattr(config, field):
+            if field == "bf16_layers" and pattern in default:
+                continue
+            if not any(fnmatch.fnmatchcase(name, pattern) for name in linears):
+                raise ValueError(
+                    f"precision.{field} pattern {pattern!r} matches none of the model's linear "
+                    f"layers (such as {linears[:3]})"
+                )
     policy = precision_policy(config)
     emulate_bf16 = device.type != "cuda"
     if config.mode == "bf16":
