@@ -206,6 +206,13 @@ def test_bad_inputs_raise_clear_errors():
         Latencies(zone=-1)
     with pytest.raises(ValueError, match="model.fsdp_units"):
         ModelSizes(dense_params=1, fsdp_units=0)
+    with pytest.raises(ValueError, match="layout.expert .* must fit inside one host"):
+        estimate_step(
+            MODEL, WORKLOAD, ParallelLayout(replicate=2, shard=8, expert=8, model_parallel=4),
+            Topology(gpus_per_host=4, hosts_per_zone=2),
+        )  # fmt: skip
+    with pytest.raises(TypeError, match="reshard_after_forward must be a bool"):
+        estimate_step(MODEL, WORKLOAD, LAYOUT, TOPOLOGY, reshard_after_forward="no")
     nan, inf = float("nan"), float("inf")
     with pytest.raises(ValueError, match="model.dense_params must be a finite"):
         ModelSizes(dense_params=nan)

@@ -376,6 +376,10 @@ def build_gem_mesh(
     world = dist.get_world_size()
     if topology is None:
         local = os.environ.get("LOCAL_WORLD_SIZE")
+        if local and not local.isdigit():
+            raise ValueError(
+                f"LOCAL_WORLD_SIZE must be the number of ranks per host, got {local!r}"
+            )
         topology = default_topology(world, int(local) if local else None)
     validate_layout(layout, topology, world)
 
