@@ -420,7 +420,8 @@ class Trainer:
             if not math.isfinite(value):
                 self.step = first + offset
                 raise FloatingPointError(
-                    f"loss became {value} at step {first + offset}; resume from the last checkpoint before it, if one was saved"
+                    f"loss became {value} at step {first + offset}; resume from the last "
+                    "checkpoint before it, if one was saved"
                 )
         self._losses += values
 
