@@ -201,7 +201,9 @@ def compile_sm90(path, kernel, constexprs, pointer_types, warps, stages) -> dict
     """Compile ``kernel`` of ``path`` for sm_90 and summarise the result. Pointer arguments
     (``*_ptr``) take ``pointer_types`` (``"*"``: the default, else fp32), :data:`FLOAT_ARGS`
     are fp32, other runtime arguments i32; pointers and strides (except the kernel's
-    ``do_not_specialize`` ones) are marked 16-divisible, as the launches specialise them."""
+    ``do_not_specialize`` ones) are marked 16-divisible, as the launches specialise them. A
+    stride a launch passes as 1 (which Triton specialises to the constant) is not modelled:
+    the compile then sees a strided operand."""
     fn = getattr(_load_module(ROOT / path), kernel)
     names = fn.arg_names
     signature = {}
@@ -241,6 +243,9 @@ def compile_sm90(path, kernel, constexprs, pointer_types, warps, stages) -> dict
         for key, pattern in {
             "BAR.SYNC": r"\bBAR\.SYNC", "STS": r"\bSTS\b", "LDS": r"\bLDS\b", "SHFL": r"\bSHFL",
             "HGMMA": r"\bHGMMA", "QGMMA": r"\bQGMMA", "HMMA": r"\bHMMA", "LDG": r"\bLDG", "STG": r"\bSTG", "STL/LDL": r"\b(STL|LDL)\b",
+            # byte-wide global loads (an operand the compiler cannot vectorise) and the 16-byte
+            # asynchronous copies to shared memory that pipelined tiles use
+            "LDG.U8": r"\bLDG\.E\.U8\b", "LDGSTS.128": r"\bLDGSTS\.E(\.BYPASS)?\.128\b",
         }.items()
     }  # fmt: skip
     address = {}  # SASS address -> line number
