@@ -1,4 +1,5 @@
 import pytest
+import torch.distributed as dist
 from gem_model import GemArchitecture
 from gem_train import DataConfig, TrainConfig
 
@@ -29,3 +30,13 @@ def small_train_config(root) -> TrainConfig:
 def small_config(tmp_path) -> TrainConfig:
     """A config that trains in seconds: tiny data, tiny model."""
     return small_train_config(tmp_path)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_left_behind():
+    """The Trainer starts a one-process gloo group and keeps it until exit: ended after each
+    module, so that tests run after these in one session (other packages' own groups, forked
+    ranks) start without it."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
