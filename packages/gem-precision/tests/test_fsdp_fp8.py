@@ -264,6 +264,17 @@ def test_enable_skips_unaligned_and_excluded_layers():
     assert not isinstance(model[2].weight, MXAllGatherWeight)
 
 
+def test_enable_refuses_a_tied_weight():
+    """Wrapping one holder of a shared weight untied it: FSDP would train two copies."""
+    embedding, head = nn.Embedding(100, 64), nn.Linear(64, 100, bias=False)
+    head.weight = embedding.weight
+    model = nn.ModuleDict({"embedding": embedding, "head": head})
+    with pytest.raises(ValueError, match=r"head.weight is shared by \['embedding.weight', 'head"):
+        enable_mx_all_gather(model)
+    assert model["head"].weight is model["embedding"].weight
+    assert enable_mx_all_gather(model, include=("nothing",)) == []
+
+
 def test_wire_bytes_formula_matches_quantized_sizes():
     for square in (False, True):
         mx = quantize_mx(torch.randn(64, 96), square=square)

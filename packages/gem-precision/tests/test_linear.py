@@ -293,3 +293,15 @@ def test_autocast_compiles_without_graph_breaks():
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, step(x))
     assert dict(counters["graph_break"]) == {}
+
+
+def test_conversion_keeps_train_mode_and_leaves_attention_out_projections():
+    """An eval-mode layer stayed in eval mode only through some paths; nn.MultiheadAttention
+    reads out_proj's weight itself, so an Fp8Linear there would be reported and never run."""
+    model = nn.TransformerEncoderLayer(64, 2, dim_feedforward=128, batch_first=True).eval()
+    report = convert_to_fp8(model, PrecisionPolicy(min_features=16))
+    assert report.converted == ["linear1", "linear2"]
+    assert "never calls its forward" in report.kept["self_attn.out_proj"]
+    assert type(model.self_attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
+    assert not model.linear1.training and not model.training
+    assert Fp8Linear.from_linear(nn.Linear(32, 32).eval()).training is False

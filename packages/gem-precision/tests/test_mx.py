@@ -408,7 +408,7 @@ def test_dequantize_rejects_bad_arguments():
     mx = quantize_mx(torch.ones(1, 32))
     with pytest.raises(TypeError, match="mx must be an MXTensor"):
         dequantize_mx(torch.ones(1, 32))
-    with pytest.raises(TypeError, match="dtype must be a floating point dtype"):
+    with pytest.raises(TypeError, match="dtype must be a floating point torch.dtype"):
         dequantize_mx(mx, dtype=torch.int32)
 
 
@@ -444,3 +444,13 @@ def test_cuda_matches_cpu_bit_exact(elem_dtype, rounding):
     torch.testing.assert_close(
         cpu.dequantize(), gpu.dequantize().cpu(), rtol=0, atol=0, equal_nan=True
     )
+
+
+def test_float64_dequantization_does_not_overflow_float32():
+    """A valid block with the largest finite scale (2^127) times 448 is past float32's range."""
+    data = torch.tensor([[1.0, 2.0, 448.0] + [0.0] * 29]).to(torch.float8_e4m3fn)
+    mx = MXTensor(data, torch.tensor([[254]], dtype=torch.uint8), 32, torch.float32)
+    out = dequantize_mx(mx, torch.float64, backend="reference")
+    assert out[0, :3].tolist() == [2.0**127, 2.0**128, 448 * 2.0**127]
+    with pytest.raises(TypeError, match="dtype must be a floating point torch.dtype"):
+        dequantize_mx(mx, "float32")  # type: ignore[arg-type]

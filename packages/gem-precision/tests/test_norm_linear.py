@@ -250,3 +250,14 @@ def test_autocast_output_dtype_fused_and_unfused(monkeypatch, interpret):
     out.float().square().sum().backward()
     assert x.grad.dtype == torch.float32 and torch.isfinite(x.grad).all()
     assert model[0].linear.bias.grad.dtype == torch.float32
+
+
+def test_fp8_norm_linear_checks_its_input_as_fp8_linear_does():
+    """An int64 input used to come back as int64 zeros."""
+    layer = Fp8NormLinear(32, 4)
+    with pytest.raises(TypeError, match="x must have dtype float16, bfloat16, float32"):
+        layer(torch.ones(2, 32, dtype=torch.int64))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        layer([[0.0] * 32])
+    with pytest.raises(ValueError, match="in_features=32"):
+        layer(torch.ones(2, 31))

@@ -263,6 +263,12 @@ def enable_mx_all_gather(
         raise TypeError(f"config must be an MXAllGatherConfig, got {type(config).__name__}")
     if not isinstance(include, tuple) or not all(isinstance(p, str) for p in include):
         raise TypeError(f"include must be a tuple of str, got {include!r}")
+    # A weight held by several modules (tied to an embedding, say): wrapping it for one would
+    # untie it, and FSDP would then train two copies.
+    holders: dict[int, list[str]] = {}
+    for owner_name, owner in module.named_modules(remove_duplicate=False):
+        for param_name, param in owner.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append(f"{owner_name}.{param_name}".lstrip("."))
     wrapped = []
     for name, layer in module.named_modules():
         if not isinstance(layer, nn.Linear) or isinstance(layer.weight, MXAllGatherWeight):
@@ -271,6 +277,11 @@ def enable_mx_all_gather(
             continue
         if layer.in_features % _MX_BLOCK:
             continue
+        shared = holders[id(layer.weight)]
+        if len(shared) > 1:
+            raise ValueError(
+                f"{name}.weight is shared by {shared}: exclude it from include, or untie it"
+            )
         weight = layer.weight
         layer.weight = nn.Parameter(
             MXAllGatherWeight(weight.data, config), requires_grad=weight.requires_grad

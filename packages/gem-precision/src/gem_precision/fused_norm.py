@@ -40,7 +40,14 @@ from gem_precision.blockwise import (
     _row_outputs,
     _transposed_outputs,
 )
-from gem_precision.linear import Fp8Linear, Fp8Recipe, _path, autocast_input, autocast_off
+from gem_precision.linear import (
+    Fp8Linear,
+    Fp8Recipe,
+    _check_linear_input,
+    _path,
+    autocast_input,
+    autocast_off,
+)
 from gem_precision.mx import MX_ELEMENT_DTYPES
 from gem_precision.scaled_gemm import _gemm_out_dtype, _scaled_mm_nt
 
@@ -625,8 +632,7 @@ class Fp8NormLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``linear(norm(x))`` over the last dim; leading dims are kept."""
         in_f = self.linear.in_features
-        if x.shape[-1] != in_f:
-            raise ValueError(f"the last dim of x must be in_features={in_f}, got {x.shape}")
+        _check_linear_input(x, in_f, self.linear.weight)
         x2d = x.reshape(-1, in_f)
         fused, native = self._fused(x)
         if fused:

@@ -459,18 +459,7 @@ class Fp8Linear(nn.Linear):
         divisible by 32; its backward: a number of rows not divisible by 32 for the weight
         gradient).
         """
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in _LINEAR_DTYPES:
-            raise TypeError(
-                f"x must have dtype float16, bfloat16, float32 or float64, got {x.dtype}"
-            )
-        if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"the last dim of x must be in_features={self.in_features}, got {tuple(x.shape)}"
-            )
-        if x.device != self.weight.device:
-            raise ValueError(f"x is on {x.device} but the weight is on {self.weight.device}")
+        _check_linear_input(x, self.in_features, self.weight)
         path, native = _path(self.recipe, x.device)
         if path == "mx" and (self.in_features % _MX_BLOCK or self.out_features % _MX_BLOCK):
             raise ValueError(
@@ -655,6 +644,21 @@ def load_rounding_state(model: nn.Module, state: dict[str, int]) -> None:
         layer._sr_offset.fill_(value)
 
 
+def _check_linear_input(x: object, in_features: int, weight: torch.Tensor) -> None:
+    """``x`` for an FP8 linear of ``in_features`` whose weight is ``weight``: a floating tensor
+    (float16, bfloat16, float32, float64) with that last dimension, on the weight's device."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _LINEAR_DTYPES:
+        raise TypeError(f"x must have dtype float16, bfloat16, float32 or float64, got {x.dtype}")
+    if x.dim() == 0 or x.shape[-1] != in_features:
+        raise ValueError(
+            f"the last dim of x must be in_features={in_features}, got {tuple(x.shape)}"
+        )
+    if x.device != weight.device:
+        raise ValueError(f"x is on {x.device} but the weight is on {weight.device}")
+
+
 def _check_recipe(recipe: object) -> None:
     if recipe is not None and not isinstance(recipe, Fp8Recipe):
         raise TypeError(f"recipe must be an Fp8Recipe or None, got {type(recipe).__name__}")
@@ -670,6 +674,7 @@ def _sharing_parameters_of(cls: type[nn.Module], linear: nn.Linear) -> nn.Module
     new.in_features, new.out_features = linear.in_features, linear.out_features
     new.weight = linear.weight
     new.register_parameter("bias", linear.bias)
+    new.train(linear.training)
     return new
 
 
@@ -707,7 +712,16 @@ def _swap_linears(
         )
     converted: list[str] = []
     kept: dict[str, str] = {}
+    # nn.MultiheadAttention reads its out_proj's weight and bias itself, never its forward.
+    attention_owned = {
+        f"{owner_name}.out_proj" if owner_name else "out_proj"
+        for owner_name, m in module.named_modules()
+        if isinstance(m, nn.MultiheadAttention)
+    }
     for name, linear in linears.items():
+        if name in attention_owned:
+            kept[name] = "out_proj of an nn.MultiheadAttention, which never calls its forward"
+            continue
         reason = policy.decide(name, linear)
         if reason is not None:
             kept[name] = reason

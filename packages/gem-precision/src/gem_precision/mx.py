@@ -297,15 +297,16 @@ def dequantize_mx(
 ) -> torch.Tensor:
     """Expand an :class:`MXTensor` back to a dense tensor (``dtype`` defaults to ``orig_dtype``).
 
-    Blocks whose scale is ``0xFF`` come back as NaN. The float32 product is exact; the final cast
-    to ``dtype`` rounds to nearest-even if ``dtype`` is narrower. ``backend`` as in
+    Blocks whose scale is ``0xFF`` come back as NaN. The product (float32, float64 for a float64
+    result) is exact; the final cast to ``dtype`` rounds to nearest-even if ``dtype`` is
+    narrower. ``backend`` as in
     :func:`quantize_mx` (Triton for float32 / bfloat16 / float16 results).
     """
     if not isinstance(mx, MXTensor):
         raise TypeError(f"mx must be an MXTensor, got {type(mx).__name__}")
     out_dtype = mx.orig_dtype if dtype is None else dtype
-    if not out_dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating point dtype, got {out_dtype}")
+    if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating point torch.dtype, got {out_dtype!r}")
     if out_dtype in _INPUT_DTYPES and _use_triton(mx.data, mx.block_size, backend):
         from gem_precision.mx_triton import dequantize_mx_triton
 
@@ -313,6 +314,9 @@ def dequantize_mx(
     exponent = mx.scale.to(torch.int32) - E8M0_BIAS
     scale = _pow2_fp32(exponent.clamp(max=_E8M0_MAX_EXP))
     scale = torch.where(mx.scale == E8M0_NAN, torch.full_like(scale, float("nan")), scale)
-    blocks = _to_blocks(mx.data.to(torch.float32), mx.block_size, mx.square)
+    # float64: products past float32's range (a scale of 2^127 times 448) stay finite.
+    work = torch.float64 if out_dtype == torch.float64 else torch.float32
+    scale = scale.to(work)
+    blocks = _to_blocks(mx.data.to(work), mx.block_size, mx.square)
     out = blocks * scale.unsqueeze(-1)
     return _from_blocks(out, mx.data.shape, mx.block_size, mx.square).to(out_dtype)
