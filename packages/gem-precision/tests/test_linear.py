@@ -305,3 +305,26 @@ def test_conversion_keeps_train_mode_and_leaves_attention_out_projections():
     assert type(model.self_attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
     assert not model.linear1.training and not model.training
     assert Fp8Linear.from_linear(nn.Linear(32, 32).eval()).training is False
+
+
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_stochastic_rounding_draws_disjoint_counters_across_gemms_and_steps(monkeypatch, hadamard):
+    """dgrad, wgrad and the next step each draw their own Philox counters. With the Hadamard
+    rotation the operands are padded to the block, so they need more than 2 * M * N counters
+    a step (the ranges overlapped: correlated rounding noise)."""
+    import gem_precision.rounding as rounding
+
+    drawn, uniform = [], rounding.philox_uniform
+
+    def spy(shape, *, seed, offset=0, device=None):
+        count = int(torch.Size(shape).numel())
+        drawn.append((int(offset), int(offset) + count))
+        return uniform(shape, seed=seed, offset=offset, device=device)
+
+    monkeypatch.setattr(rounding, "philox_uniform", spy)
+    layer = Fp8Linear(64, 17, recipe=Fp8Recipe(stochastic_rounding_grads=True, hadamard=hadamard))
+    for _ in range(2):
+        layer(torch.randn(3, 64, requires_grad=True)).sum().backward()
+    assert len(drawn) == 4
+    drawn.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(drawn, drawn[1:], strict=False))

@@ -163,6 +163,14 @@ def autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def _sr_draws(rows: int, cols: int, recipe: Fp8Recipe) -> int:
+    """Philox counters that stochastic rounding of a ``(rows, cols)`` gradient operand uses:
+    with ``recipe.hadamard`` it is rotated along ``cols``, zero-padded to the block size."""
+    if recipe.hadamard:
+        cols = -(-cols // recipe.hadamard_block_size) * recipe.hadamard_block_size
+    return rows * cols
+
+
 def _rotated_operands(
     a: torch.Tensor, b: torch.Tensor, recipe: Fp8Recipe
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,8 +349,8 @@ def _hadamard_linear_backward(grad_out, x, weight, sr_offset, *rest):
                 grad_out.T, x.T, _ACT_BLOCK,
                 _WEIGHT_BLOCK if recipe.wgrad_x_tiles else _ACT_BLOCK, recipe, native=native,
                 a_dtype=recipe.grad_dtype,
-                # A second, disjoint range of counters: dgrad used numel of grad_out.
-                a_stochastic_offset=sr_offset + grad_out.numel() if sr else None,
+                # A second, disjoint range of counters after dgrad's (its padded grad_out).
+                a_stochastic_offset=sr_offset + _sr_draws(*grad_out.shape, recipe) if sr else None,
                 out_dtype=_gemm_out_dtype(weight.dtype),
             )  # fmt: skip
         grads.append(grad_w.to(weight.dtype))
@@ -496,7 +504,9 @@ class Fp8Linear(nn.Linear):
         if self.recipe.stochastic_rounding_grads and torch.is_grad_enabled():
             # This step's counter (a copy, saved for the backward), then room in the buffer for
             # the step's dgrad + wgrad draws; an evaluation forward does not move it.
-            step = 2 * x2d.shape[0] * self.out_features if self.training else 0
+            rows, cols = x2d.shape[0], self.out_features
+            step = _sr_draws(rows, cols, self.recipe) + _sr_draws(cols, rows, self.recipe)
+            step = step if self.training else 0
             offset = torch.ops.gem_precision.advance_offset(self._sr_offset, step)
         with autocast_off(x.device):
             if path == "blockwise":
