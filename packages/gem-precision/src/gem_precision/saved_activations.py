@@ -15,6 +15,11 @@ Not packed (they are stored as they are and counted as skipped):
 * non-floating tensors, tensors below ``min_numel`` elements, 0-d tensors, and tensors whose
   last dim is not a multiple of ``block_size``.
 
+MX has no infinities: a block holding ``inf`` comes back as NaN (the OCP NaN scale), so a saved
+additive mask of ``-inf`` (``nn.MultiheadAttention`` or SDPA with a float mask) turns the
+gradients into NaN. Keep such modules outside the context (a check for non-finite values would
+synchronise with the GPU at every saved tensor).
+
 The default scale rounding is ``"ceil"`` (the smallest power of two with ``amax / scale <=
 448``), so no element saturates: each restored element is within ``2**-4 * |x| + 2**-10 *
 scale`` of the original (half an E4M3 ulp, or half the subnormal spacing), with ``scale <
