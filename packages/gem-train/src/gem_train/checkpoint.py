@@ -36,6 +36,7 @@ import os
 import pickle
 import re
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -437,9 +438,13 @@ def _flat_keys(state: dict[str, Any]) -> set[str]:
 def _flat_model_keys(app_state: dict[str, Any]) -> dict[str, tuple[int, ...] | None]:
     """DCP's names of ``app_state["model"]``'s entries with their global shapes."""
     shapes: dict[str, tuple[int, ...] | None] = {}
-    for name, value in app_state.get("model", {}).items():
-        size = getattr(value, "size", None)
-        shapes[f"model.{name}"] = tuple(size()) if callable(size) else None
+    with warnings.catch_warnings():
+        # torchrec's sharded tables are ShardedTensors, whose size() warns at every call that
+        # the type is deprecated: a notice for torchrec, printed at every resume.
+        warnings.simplefilter("ignore", FutureWarning)
+        for name, value in app_state.get("model", {}).items():
+            size = getattr(value, "size", None)
+            shapes[f"model.{name}"] = tuple(size()) if callable(size) else None
     return shapes
 
 
