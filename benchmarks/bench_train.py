@@ -27,8 +27,9 @@ budget).
 Metrics per case and provider: ``ms`` (mean of the timed steps, run back to back after one
 untimed pass over every batch, so that no compile falls in the timed window),
 ``samples_per_s``, ``mfu`` (model FLOPs of the real lengths, ``gem_model.model_flops``, over
-time x 989.4 TFLOP/s), ``local_mfu`` (the same on one GPU: the scaling ratio is 1) and
-``peak_gib``; ``gem`` also gets its time split (``time_<phase>_ms``); every provider its
+time x the GPU's datasheet bf16 dense peak: 989.4 TFLOP/s on an H200), ``local_mfu`` (the same
+on one GPU: the scaling ratio is 1), ``mfu_measured`` (over a bf16 matmul's measured peak, also
+in the meta) and ``peak_gib``; ``gem`` also gets its time split (``time_<phase>_ms``); every provider its
 dynamo ``graphs``, ``graph_breaks`` and ``graphs_compiled_while_timed`` (0 in a sound timing)
 and the CUDA allocator's ``alloc_retries`` while timed; and where its GPU time goes,
 ``kernel_<kind>_ms`` per step (GEMMs, attention, Inductor's fused kernels, eager ATen, embeddings,
@@ -64,7 +65,7 @@ from baseline_gem import BaselineGem  # noqa: E402
 from gem_data import ShardedBatchLoader  # noqa: E402
 from gem_model import model_flops  # noqa: E402
 from gem_train.cli import configure, prepare_data  # noqa: E402
-from gem_train.throughput import BF16_DENSE_PEAK_TFLOPS  # noqa: E402
+from gem_train.throughput import measured_matmul_peak, peak_tflops  # noqa: E402
 from gem_train.trainer import Trainer, init_distributed, model_config  # noqa: E402
 from harness import (  # noqa: E402
     earlier_rows,
@@ -95,7 +96,6 @@ MEMORY_BUDGET = 0.5
 DEFAULT_PROVIDERS = ["gem", "baseline", "gem-eager", "gem-nopipeline"]
 FP8_SHAPE_ABLATIONS = ["gem-bf16", "gem-full-ac", "gem-memory-budget"]
 MASKS = {"window256": 256, "causal": 0}
-PEAK = BF16_DENSE_PEAK_TFLOPS["H200"] * 1e12
 
 
 def _cases() -> list[str]:
@@ -216,13 +216,16 @@ def _baseline(config, info, device, checkpoint_layers: bool):
     return _per_batch(step, device)
 
 
-def _rows(case, provider, ms, peak, flops, batch_size, extra=None) -> list[dict]:
-    mfu = flops / (ms / 1e3) / PEAK
+def _rows(case, provider, ms, peak, flops, batch_size, peaks, extra=None) -> list[dict]:
+    """``peaks``: (datasheet, measured) bf16 dense peaks in TFLOP/s."""
+    tflops = flops / (ms / 1e3) / 1e12
+    mfu = tflops / peaks[0]
     metrics = {
         "ms": ms,
         "samples_per_s": batch_size / ms * 1e3,
         "mfu": mfu,
         "local_mfu": mfu,
+        "mfu_measured": tflops / peaks[1],
         "peak_gib": peak,
         **(extra or {}),
     }
@@ -261,7 +264,14 @@ def main() -> None:
     init_distributed(device)  # torchrec's DMP needs a group, also for the baseline alone
     rows: list[dict] = []
     command = "python benchmarks/bench_train.py " + " ".join(user_args())
-    run_meta = meta("train", command, device=torch.cuda.get_device_name(), peak_tflops=PEAK / 1e12)
+    # MFU against this GPU's datasheet bf16 dense peak, and beside it a measured matmul peak.
+    peaks = (peak_tflops(device), measured_matmul_peak(device))
+    if peaks[0] is None:
+        raise SystemExit(f"no datasheet bf16 peak for {torch.cuda.get_device_name()}: no MFU")
+    run_meta = meta(
+        "train", command, device=torch.cuda.get_device_name(), peak_tflops=peaks[0],
+        measured_peak_tflops=peaks[1],
+    )  # fmt: skip
     earlier: list[dict] = []
     if args.append:
         run_meta, earlier = earlier_rows(Path(args.out), run_meta, args.cases)
@@ -352,7 +362,7 @@ def main() -> None:
                 # until collected: without this the next provider starts with it in use.
                 gc.collect()
                 torch.cuda.empty_cache()
-            new = _rows(case, provider, ms, peak, flops, config.batch_size, extra)
+            new = _rows(case, provider, ms, peak, flops, config.batch_size, peaks, extra)
             rows += new
             write_results(Path(args.out), run_meta, earlier + rows)  # a crash keeps these
             values = {r["metric"]: r["value"] for r in new}

@@ -154,6 +154,9 @@ def test_peak_table_and_step_clock():
     assert peak_tflops("NVIDIA H200") == 989.4
     assert peak_tflops("NVIDIA GH200 480GB") == 989.4
     assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_tflops("NVIDIA H100 PCIe") == 756.5 and peak_tflops("NVIDIA H200 NVL") == 835.5
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.4  # the SXM part
+    assert peak_tflops("NVIDIA GB200") == 2500.0 and peak_tflops("NVIDIA B200") == 2250.0
     assert peak_tflops("Some Future GPU") is None
     assert peak_tflops(torch.device("cpu")) is None
     clock = StepClock(torch.device("cpu"))

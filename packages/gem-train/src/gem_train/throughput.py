@@ -30,14 +30,21 @@ __all__ = [
 
 BF16_DENSE_PEAK_TFLOPS = {
     "H100": 989.4,
+    "H100 PCIe": 756.5,
+    "H100 NVL": 835.5,
     "H200": 989.4,
+    "H200 NVL": 835.5,
     "H800": 989.4,
+    "H800 PCIe": 756.5,
     "GH200": 989.4,
     "A100": 312.0,
     "B200": 2250.0,
+    "GB200": 2500.0,
 }
-"""Datasheet bf16 dense (no sparsity) tensor-core peaks of SXM parts, by the name torch
-reports (``NVIDIA H200``). MFU is quoted against these."""
+"""Datasheet bf16 dense (no sparsity) tensor-core peaks, by a part of the name torch reports
+(``NVIDIA H200``, ``NVIDIA H100 PCIe``): the longest part found wins, so the PCIe and NVL
+forms get their own lower peaks and ``GB200`` is not taken for ``B200``. MFU is quoted against
+these."""
 
 PHASES = ("data", "forward", "backward", "optimizer")
 """The parts of a step :class:`StepClock` times: waiting for the batch (host), forward,

@@ -588,6 +588,8 @@ class Trainer:
                             self.log(split="train", step=self.step, **self.last_speed)
                             window = _Window()
                         if config.checkpoint_every and self.step % config.checkpoint_every == 0:
+                            # The queued steps finish first, inside the window: training time.
+                            self._read_losses()
                             saving = time.perf_counter()
                             self.save(checkpoint_dir)
                             window.paused += time.perf_counter() - saving  # not training time
