@@ -602,10 +602,11 @@ class Trainer:
     def _speed(self, window: _Window) -> dict[str, float | None]:
         """The train log line of ``window``: loss, throughput, MFU, time split, memory.
 
-        ``model_tflop`` is this rank's model TFLOP per step (``gem_model.model_flops``: forward
-        + backward from the real history lengths); ``mfu`` divides the rank's achieved model
-        TFLOP/s by the GPU's bf16 dense datasheet peak (``mfu_measured``: by a bf16 matmul
-        measured on it); both None on a CPU. ``time_<phase>`` are seconds per step."""
+        ``model_tflop`` is a GPU's model TFLOP per step (``gem_model.model_flops``: forward +
+        backward from the real history lengths; on several ranks the mean over them); ``mfu``
+        divides the achieved model TFLOP/s per GPU by its bf16 dense datasheet peak
+        (``mfu_measured``: by a bf16 matmul measured on it); both None on a CPU.
+        ``time_<phase>`` are seconds per step."""
         seconds = time.perf_counter() - window.started - window.paused
         steps = len(window.losses)
         achieved = window.flops / seconds / 1e12
@@ -640,12 +641,23 @@ class Trainer:
             record["alloc_retries"] = retries - self._alloc_retries
             self._alloc_retries = retries
         if self.world_size > 1:
-            # History tokens of the busiest rank over the mean (1.0: balanced; BBS's target).
-            tokens = torch.tensor([float(window.tokens)], device=self.device)
-            everyone = [torch.empty_like(tokens) for _ in range(self.world_size)]
-            dist.all_gather(everyone, tokens)  # collective: every rank computes its log line
-            counts = torch.cat(everyone).cpu()
+            # Every rank's tokens and model FLOPs: the throughput and MFU of the whole job (a
+            # GPU's mean), not rank 0's batches scaled, and the history tokens of the busiest
+            # rank over the mean (1.0: balanced; BBS's target).
+            mine = torch.tensor([float(window.tokens), window.flops], device=self.device)
+            everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(everyone, mine)  # collective: every rank computes its log line
+            counts, flops = torch.stack(everyone).cpu().double().unbind(1)
             record["token_balance"] = float(counts.max() / counts.mean().clamp_min(1.0))
+            record["tokens_per_s"] = float(counts.sum()) / seconds
+            mean_flops = float(flops.mean())
+            achieved = mean_flops / seconds / 1e12
+            record["model_tflop"] = mean_flops / steps / 1e12
+            record["tflops"] = achieved
+            if self.peak_tflops:
+                record["mfu"] = achieved / self.peak_tflops
+            if self.measured_peak_tflops:
+                record["mfu_measured"] = achieved / self.measured_peak_tflops
         return record
 
     # ---------------------------------------------------------------- evaluation
