@@ -584,9 +584,12 @@ class Trainer:
                             window.losses = self._take_losses()
                             losses += window.losses
                             bar.update(task, loss=window.losses[-1])
-                            self.last_speed = self._speed(window)
+                            ended = time.perf_counter()
+                            self.last_speed = self._speed(window, ended)
                             self.log(split="train", step=self.step, **self.last_speed)
-                            window = _Window()
+                            # The next window starts where this one ended: the log line's own
+                            # time (a gather, a file and TensorBoard write) is training time.
+                            window = _Window(started=ended)
                         if config.checkpoint_every and self.step % config.checkpoint_every == 0:
                             # The queued steps finish first, inside the window: training time.
                             self._read_losses()
@@ -599,15 +602,16 @@ class Trainer:
                             profiled.begin()
         return losses + self._take_losses()
 
-    def _speed(self, window: _Window) -> dict[str, float | None]:
-        """The train log line of ``window``: loss, throughput, MFU, time split, memory.
+    def _speed(self, window: _Window, ended: float) -> dict[str, float | None]:
+        """The train log line of ``window`` (which ``ended`` then, ``time.perf_counter()``):
+        loss, throughput, MFU, time split, memory.
 
         ``model_tflop`` is a GPU's model TFLOP per step (``gem_model.model_flops``: forward +
         backward from the real history lengths; on several ranks the mean over them); ``mfu``
         divides the achieved model TFLOP/s per GPU by its bf16 dense datasheet peak
         (``mfu_measured``: by a bf16 matmul measured on it); both None on a CPU.
         ``time_<phase>`` are seconds per step."""
-        seconds = time.perf_counter() - window.started - window.paused
+        seconds = ended - window.started - window.paused
         steps = len(window.losses)
         achieved = window.flops / seconds / 1e12
         record: dict[str, float | None] = {
