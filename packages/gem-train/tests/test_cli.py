@@ -248,6 +248,11 @@ MISUSES = {
         "must divide the world size (1)",
     ),
     "table smaller than categories": (["--set", "data.num_ads=3"], "--set data.num_ads", ">="),
+    "expert groups vs the shard group": (
+        ["--set", "parallel.expert_parallel=3"],
+        "--set parallel.expert_parallel",
+        "parallel.expert_parallel (3) must divide the shard group (1)",
+    ),
     "missing GPU": (["--set", "device=cuda"], "--set device", "no CUDA device"),
     "unknown device": (["--set", "device=tpu"], "--set device", "'auto', 'cpu' or 'cuda'"),
     "data under a file": (_a_file, "--set data.directory", "is not a directory"),

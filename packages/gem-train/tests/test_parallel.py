@@ -48,7 +48,10 @@ def test_world_dependent_sizes_are_checked_when_the_trainer_starts(small_config,
     train_data, _ = prepare_data(small_config.data, progress=False)
     for parallel, message in (
         (ParallelConfig(dense="fsdp", shard=2), "parallel.shard \\(2\\) must divide"),
-        (ParallelConfig(dense="fsdp", expert_parallel=2), "parallel: layout.expert"),
+        (
+            ParallelConfig(dense="fsdp", expert_parallel=2),
+            r"parallel.expert_parallel \(2\) must divide the shard group \(1\)",
+        ),
     ):
         with pytest.raises(ValueError, match=message):
             Trainer(

@@ -228,19 +228,21 @@ def _validate_data(data: DataConfig, world: int, batch_size: int) -> None:
 
 
 def _validate_parallel(config: TrainConfig, world: int) -> None:
-    from gem_train.parallel import check_sparse_layout
+    from gem_train.parallel import check_dense_layout, check_sparse_layout
 
     parallel = config.parallel
-    try:
-        check_sparse_layout(parallel, world)
-    except ValueError as error:
-        field = re.match(r"parallel\.\w+", str(error))
-        raise UsageError(f"--set {field.group() if field else 'parallel'}", str(error)) from None
     if parallel.dense == "fsdp" and parallel.shard and world % parallel.shard:
         raise UsageError(
             "--set parallel.shard",
             f"expected a divisor of the world size ({world}), got {parallel.shard}",
         )
+    try:
+        check_sparse_layout(parallel, world)
+        if parallel.dense == "fsdp" or parallel.expert_parallel > 1:
+            check_dense_layout(parallel, world)
+    except ValueError as error:
+        field = re.search(r"parallel\.\w+", str(error))
+        raise UsageError(f"--set {field.group() if field else 'parallel'}", str(error)) from None
 
 
 def _validate_resume(config: TrainConfig) -> None:

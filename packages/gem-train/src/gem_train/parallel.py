@@ -20,6 +20,8 @@ the plain names and stores DTensors, so DCP can load a checkpoint into any other
 from __future__ import annotations
 
 import logging
+import os
+import warnings
 from typing import Any
 
 import torch
@@ -34,7 +36,9 @@ from gem_parallel import (
     build_gem_mesh,
     default_topology,
     shard_sparse,
+    validate_layout,
 )
+from gem_parallel import Topology as LayoutTopology
 from gem_precision import enable_mx_all_gather
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -319,24 +323,9 @@ class DenseParallel:
         self._expert_params: set[nn.Parameter] = set()
         self.fsdp_wrapper: FSDPWrapper | None = None
         world = self.world_size
-        if config.dense == "fsdp":
-            shard = config.shard or world
-            if world % shard:
-                raise ValueError(f"parallel.shard ({shard}) must divide the world size ({world})")
-            layout_sizes = {"replicate": world // shard, "shard": shard}
-        else:
-            layout_sizes = {"replicate": 1, "shard": world}
         if config.dense == "fsdp" or config.expert_parallel > 1:
-            topology = (
-                default_topology(world, config.gpus_per_host) if config.gpus_per_host else None
-            )
-            try:  # the layout checks name gem-parallel's fields; say which section they come from
-                layout = ParallelLayout(
-                    **layout_sizes, expert=config.expert_parallel, model_parallel=world
-                )
-                self.mesh = build_gem_mesh(layout, topology, device_type=device.type)
-            except ValueError as error:
-                raise ValueError(f"parallel: {error}") from error
+            layout, topology = check_dense_layout(config, world)
+            self.mesh = build_gem_mesh(layout, topology, device_type=device.type)
 
     # ---------------------------------------------------------------- model
     def prepare(self, model: nn.Module) -> nn.Module:
@@ -520,6 +509,30 @@ class _AllRanksDataParallel(DataParallelWrapper):
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         self.inner.wrap(dmp, ShardingEnv.from_process_group(dist.group.WORLD), device)
+
+
+def check_dense_layout(config: ParallelConfig, world: int) -> tuple[ParallelLayout, LayoutTopology]:
+    """The gem-parallel layout and topology of the dense part on ``world`` ranks, checked as
+    ``build_gem_mesh`` checks them (no process group needed), or a ``ValueError`` that names
+    the ``parallel.*`` option: ``shard`` dividing the world, ``expert_parallel`` dividing the
+    shard group and fitting a host (``gpus_per_host``, else torchrun's ``LOCAL_WORLD_SIZE``)."""
+    shard = (config.shard or world) if config.dense == "fsdp" else world
+    if world % shard:
+        raise ValueError(f"parallel.shard ({shard}) must divide the world size ({world})")
+    local = config.gpus_per_host or os.environ.get("LOCAL_WORLD_SIZE")
+    try:
+        topology = default_topology(world, int(local) if local else None)
+        layout = ParallelLayout(
+            replicate=world // shard, shard=shard, expert=config.expert_parallel,
+            model_parallel=world,
+        )  # fmt: skip
+        with warnings.catch_warnings():  # build_gem_mesh warns about the layout, once
+            warnings.simplefilter("ignore", UserWarning)
+            validate_layout(layout, topology, world)
+    except ValueError as error:  # gem-parallel names its own fields: say which options they are
+        message = str(error).replace("layout.expert", "parallel.expert_parallel")
+        raise ValueError(message.replace("layout.shard", "the shard group")) from error
+    return layout, topology
 
 
 def check_sparse_layout(config: ParallelConfig, world: int) -> None:
