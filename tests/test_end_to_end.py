@@ -40,10 +40,13 @@ from gem_train.trainer import init_distributed
 
 out = sys.argv[1]
 config = TrainConfig(
-    data=DataConfig(directory=out + "/data", num_train=1024, num_eval=512, max_seq_len=32,
+    data=DataConfig(directory=out + "/data", num_train=1024, num_eval=513, max_seq_len=32,
                     num_shards=2, workers=1),
     model=GemArchitecture(embedding_dim=16), batch_size=64, max_steps=6, device="cpu",
     output_dir=out + "/run",
+    # 513 evaluation rows over 2 ranks: 3 batches on one, 2 on the other (the evaluation's
+    # sharded lookups are collectives: uneven batch counts hung the ranks until the timeout).
+    eval_batch_size=128,
 )
 rank, world = init_distributed(torch.device("cpu"))
 train, evaluation = prepare_data(config.data, progress=False)

@@ -676,11 +676,29 @@ class Trainer:
             rank=self.rank,
             world_size=self.world_size,
         )
+        # The sharded lookups are collectives: every rank runs as many forwards as the rank
+        # with the most batches, a rank with fewer repeating its last batch and dropping the
+        # result (one more batch on some ranks hung the others until the timeout).
+        batches = len(loader)
+        if batches == 0:
+            raise ValueError(
+                f"rank {self.rank} has no evaluation sample: eval_data needs at least one per "
+                f"rank ({self.world_size})"
+            )
+        most = batches
+        if self.world_size > 1:
+            counts = torch.tensor([batches], device=self.device)
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+            most = int(counts)
         probabilities, labels = [], []
         for batch in loader:
             batch = batch.to(self.device)
-            probabilities.append(torch.sigmoid(self._forward(batch)).float().cpu())
+            # The heads' logits are bf16 under autocast: the sigmoid in float32 keeps the
+            # scores distinct (bf16 probabilities tie by the thousand, which moves the AUC).
+            probabilities.append(torch.sigmoid(self._forward(batch).float()).cpu())
             labels.append(batch.labels.cpu())
+        for _ in range(most - batches):
+            self._forward(batch)
         local = (torch.cat(probabilities), torch.cat(labels))
         if self.world_size > 1:
             gathered: list[Any] = [None] * self.world_size
