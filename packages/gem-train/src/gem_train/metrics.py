@@ -1,9 +1,10 @@
-"""Evaluation metrics: normalized entropy (NE) and AUC, computed with torchrec's metric functions."""
+"""Evaluation metrics: normalized entropy (NE, torchrec's functions) and ROC AUC (torchmetrics',
+whose curve steps once per distinct score, so tied scores count as sklearn counts them)."""
 
 from __future__ import annotations
 
 import torch
-from torchrec.metrics.auc import compute_auc
+from torchmetrics.functional.classification import binary_auroc
 from torchrec.metrics.ne import compute_ne, get_ne_states
 
 __all__ = ["normalized_entropy", "auc"]
@@ -11,13 +12,17 @@ __all__ = ["normalized_entropy", "auc"]
 _ETA = 1e-12
 
 
-def normalized_entropy(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
-    """Log loss divided by the entropy of the base rate (1.0 = predicting the average; lower is better)."""
+def _check(probabilities: torch.Tensor, labels: torch.Tensor) -> None:
     if probabilities.shape != labels.shape or probabilities.ndim != 1:
         raise ValueError(
             f"probabilities and labels must be 1-D of one shape, got {tuple(probabilities.shape)} "
             f"and {tuple(labels.shape)}"
         )
+
+
+def normalized_entropy(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
+    """Log loss divided by the entropy of the base rate (1.0 = predicting the average; lower is better)."""
+    _check(probabilities, labels)
     states = get_ne_states(
         labels.double(), probabilities.double(), torch.ones_like(labels, dtype=torch.double), _ETA
     )
@@ -33,8 +38,12 @@ def normalized_entropy(probabilities: torch.Tensor, labels: torch.Tensor) -> flo
 
 
 def auc(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
-    """Area under the ROC curve (0.5 when one class is missing)."""
-    weights = torch.ones_like(labels, dtype=torch.double)
-    # torchrec takes (n_tasks, n_examples) tensors.
-    as_rows = [t.double().view(1, -1) for t in (probabilities, labels, weights)]
-    return float(compute_auc(1, *([row] for row in as_rows))[0])
+    """Area under the ROC curve, ties counted half (0.5 when one class is missing).
+
+    torchrec's AUC integrated sample by sample, so with tied scores (bf16 probabilities tie by
+    the thousand) it depended on the order of the samples, and so on the number of ranks."""
+    _check(probabilities, labels)
+    labels = labels.long()
+    if labels.numel() == 0 or bool(labels.min() == labels.max()):
+        return 0.5
+    return float(binary_auroc(probabilities.double(), labels))
