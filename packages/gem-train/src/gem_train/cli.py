@@ -377,7 +377,8 @@ def run(
             f"{name}: {len(losses)} steps in {seconds:.1f} s (now at step {trainer.step})"
         )
         if trainer.last_speed is not None:
-            console.print(f"{name}, last {config.log_every} steps: {speed_line(trainer.last_speed)}",
+            steps = trainer.last_window_steps
+            console.print(f"{name}, last {steps} steps: {speed_line(trainer.last_speed)}",
                           soft_wrap=True, markup=False)  # fmt: skip
 
     summary = {

@@ -318,6 +318,7 @@ class Trainer:
         """The per-region table of ``fit(profile=True)`` (see ``gem_train.profiling``)."""
         #: The last train log record of :meth:`fit` (throughput, MFU, time split).
         self.last_speed: dict | None = None
+        self.last_window_steps = 0  # the number of steps last_speed covers
         self._alloc_retries = 0  # the CUDA allocator's count at the last train log line
         self._graphs = dynamo_counters["stats"]["unique_graphs"]  # at the last train log line
         self._regions_ready = False
@@ -586,6 +587,7 @@ class Trainer:
                             bar.update(task, loss=window.losses[-1])
                             ended = time.perf_counter()
                             self.last_speed = self._speed(window, ended)
+                            self.last_window_steps = len(window.losses)
                             self.log(split="train", step=self.step, **self.last_speed)
                             # The next window starts where this one ended: the log line's own
                             # time (a gather, a file and TensorBoard write) is training time.
