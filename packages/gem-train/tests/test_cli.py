@@ -188,10 +188,16 @@ def _interaction_logs(root):
 
 
 def _previous_run(root):
-    """A run left in the output directory (the test's ``output``, beside ``root``)."""
-    variant = root.parent / "run" / "gem"
-    (variant / "checkpoints" / "step_00000005").mkdir(parents=True)
-    (variant / "metrics.jsonl").write_text('{"step": 1}\n')
+    """A run with a whole checkpoint in the output directory (the test's ``output``, beside
+    ``root``), and one that crashed before its first (only a partial save and its metrics:
+    nothing to lose, so that alone starts again)."""
+    import torch
+    from gem_train.checkpoint import save_checkpoint
+
+    run = root.parent / "run"
+    save_checkpoint(run / "gem" / "checkpoints", 5, {"model": {"w": torch.ones(2)}}, {"step": 5})
+    (run / "no_sequence" / "checkpoints" / "step_00000003.partial").mkdir(parents=True)
+    (run / "no_sequence" / "metrics.jsonl").write_text('{"step": 1}\n')
     return root
 
 
@@ -263,7 +269,7 @@ MISUSES = {
     "fresh run over a previous one": (
         _previous_run,
         "--set output_dir",
-        "holds a previous run (gem/checkpoints, gem/metrics.jsonl): pass --resume",
+        "holds a run with checkpoints (gem/checkpoints/step_00000005): pass --resume",
     ),
 }
 
@@ -332,3 +338,15 @@ def test_every_rank_needs_an_evaluation_sample(tmp_path, monkeypatch):
     )
     with pytest.raises(UsageError, match=r"data.num_eval.*one evaluation sample per rank \(2\)"):
         validate(config)
+
+
+def test_a_run_that_crashed_before_its_first_checkpoint_starts_again(tmp_path):
+    """Nothing to resume and nothing to lose: a fresh run is accepted (--resume would say
+    there is no checkpoint)."""
+    from gem_train.cli import validate
+
+    run = tmp_path / "run"
+    (run / "gem" / "checkpoints" / "step_00000003.partial").mkdir(parents=True)
+    (run / "gem" / "metrics.jsonl").write_text('{"step": 1}\n')
+    config = apply_overrides(tiny(), [f"data.directory={tmp_path / 'data'}", f"output_dir={run}"])
+    validate(config)

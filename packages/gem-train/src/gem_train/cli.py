@@ -269,18 +269,21 @@ def _validate_resume(config: TrainConfig) -> None:
 
 
 def _require_no_previous_run(output: Path) -> None:
-    """A fresh run would replace a previous one's checkpoints (its first save drops later
-    steps) and append to its metrics: the user chooses instead."""
-    left = sorted(
-        str(path.relative_to(output))
-        for pattern in ("*/checkpoints", "*/metrics.jsonl")
-        for path in output.glob(pattern)
-    )
-    if left:
+    """A fresh run would replace a previous run's checkpoints (its first save drops later
+    steps): the user chooses instead. A run that crashed before its first whole checkpoint has
+    nothing to lose, and starts again."""
+    found = []
+    for checkpoints in sorted(output.glob("*/checkpoints")):
+        from gem_train.checkpoint import find_resumable
+
+        path, _ = find_resumable(checkpoints)
+        if path is not None:
+            found.append(str(path.relative_to(output)))
+    if found:
         raise UsageError(
             "--set output_dir",
-            f"{output} holds a previous run ({', '.join(left)}): pass --resume to continue it, "
-            "or choose another output_dir (or delete it)",
+            f"{output} holds a run with checkpoints ({', '.join(found)}): pass --resume to "
+            "continue it, or choose another output_dir (or delete it)",
         )
 
 
