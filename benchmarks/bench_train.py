@@ -255,8 +255,9 @@ def main() -> None:
     parser.add_argument(
         "--append",
         action="store_true",
-        help="keep the rows of other cases already in --out (same commit): one file from "
-        "several invocations",
+        help="keep the rows already in --out (same commit) that this invocation does not redo "
+        "(its cases; with --providers, only those providers of them): one file from several "
+        "invocations",
     )
     args = parser.parse_args()
     require_cuda()
@@ -274,7 +275,7 @@ def main() -> None:
     )  # fmt: skip
     earlier: list[dict] = []
     if args.append:
-        run_meta, earlier = earlier_rows(Path(args.out), run_meta, args.cases)
+        run_meta, earlier = earlier_rows(Path(args.out), run_meta, args.cases, args.providers)
     data_root = Path(tempfile.mkdtemp(prefix="bench-train-"))
     for case in args.cases:
         total = args.warmup + args.steps

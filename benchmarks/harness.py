@@ -98,11 +98,15 @@ def write_results(path: Path, meta_block: dict, rows: list[dict]) -> None:
     path.write_text(json.dumps({"meta": meta_block, "rows": rows}, indent=2) + "\n")
 
 
-def earlier_rows(path: Path, meta_block: dict, cases: list[str]) -> tuple[dict, list[dict]]:
+def earlier_rows(
+    path: Path, meta_block: dict, cases: list[str], providers: list[str] | None = None
+) -> tuple[dict, list[dict]]:
     """For a run split over several invocations (as device time limits ask): the rows already
     at ``path`` from earlier invocations of the same benchmark on the same commit, but those of
-    ``cases`` (this invocation redoes them), and ``meta_block`` with the commands joined by
-    `` ; ``. A file of another benchmark or commit is a ``ValueError``: one file, one commit."""
+    ``cases`` (this invocation redoes them; with ``providers``, only those providers' rows of
+    them, so an invocation can add providers to a case), and ``meta_block`` with the commands
+    joined by `` ; ``. A file of another benchmark or commit is a ``ValueError``: one file, one
+    commit."""
     path = Path(path)
     if not path.exists():
         return meta_block, []
@@ -114,7 +118,10 @@ def earlier_rows(path: Path, meta_block: dict, cases: list[str]) -> tuple[dict, 
                 f"{meta_block.get(key)!r}: one file holds one benchmark at one commit"
             )
     commands = [*earlier["meta"]["command"].split(" ; "), meta_block["command"]]
-    kept = [row for row in earlier["rows"] if row["case"] not in cases]
+    kept = [
+        row for row in earlier["rows"]
+        if row["case"] not in cases or (providers is not None and row["provider"] not in providers)
+    ]  # fmt: skip
     return {**meta_block, "command": " ; ".join(dict.fromkeys(commands))}, kept
 
 

@@ -33,6 +33,15 @@ def test_earlier_rows_keep_other_cases_and_join_the_commands(tmp_path):
     assert json.loads(path.read_text())["rows"][1]["value"] == 2.0
 
 
+def test_earlier_rows_with_providers_keep_the_case_s_other_providers(tmp_path):
+    path = tmp_path / "train.json"
+    meta = {"benchmark": "train", "commit": "abc", "command": "bench --cases A"}
+    write_results(path, meta, [_row("A"), _row("A", "baseline"), _row("B")])
+    second = {**meta, "command": "bench --cases A --providers gem-eager baseline"}
+    _, kept = earlier_rows(path, second, ["A"], ["gem-eager", "baseline"])
+    assert kept == [_row("A"), _row("B")]  # gem's row of A stays; baseline is redone
+
+
 @pytest.mark.parametrize("key", ["benchmark", "commit"])
 def test_earlier_rows_refuse_another_benchmark_or_commit(tmp_path, key):
     path = tmp_path / "train.json"
