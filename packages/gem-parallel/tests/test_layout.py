@@ -262,3 +262,9 @@ def test_build_gem_mesh_needs_process_group_and_valid_device_type():
         build_gem_mesh(layout)
     with pytest.raises(ValueError, match="device_type must be a device type without index"):
         build_gem_mesh(layout, device_type="cuda:0")
+
+
+def test_describe_refuses_a_layout_that_validate_refuses():
+    topo = Topology(gpus_per_host=8, hosts_per_zone=2)
+    with pytest.raises(ValueError, match="layout.expert"):
+        describe_layout(ParallelLayout(replicate=1, shard=16, expert=16), topo)

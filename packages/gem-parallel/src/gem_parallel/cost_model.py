@@ -64,7 +64,6 @@ assumptions in the same spirit: 2 us inside a host (NCCL's low-latency protocol 
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 
 from gem_parallel.mesh import (
@@ -73,8 +72,8 @@ from gem_parallel.mesh import (
     TIER_ZONE,
     ParallelLayout,
     Topology,
+    _validate_layout_quietly,
     dim_tier,
-    validate_layout,
 )
 
 __all__ = [
@@ -399,12 +398,9 @@ def estimate_step(
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
     world = layout.world_size
-    topology.check_world_size(world)
-    with warnings.catch_warnings():
-        # The layouts build_gem_mesh accepts, no others; a cross-zone embedding group is what
-        # this prices, so validate_layout's warning about it is left out.
-        warnings.simplefilter("ignore", UserWarning)
-        validate_layout(layout, topology, world)
+    # The layouts build_gem_mesh accepts, no others; a cross-zone embedding group is what this
+    # prices, so validate_layout's warning about it is left out.
+    _validate_layout_quietly(layout, topology)
     if sparse == "1d" and layout.model_parallel != world:
         raise ValueError(
             f"sparse='1d' shards tables over the whole world: layout.model_parallel "

@@ -279,8 +279,19 @@ def mesh_dims(layout: ParallelLayout, topology: Topology) -> list[MeshDim]:
     return dims
 
 
+def _validate_layout_quietly(layout: ParallelLayout, topology: Topology) -> None:
+    """:func:`validate_layout` at the layout's own world size, without the cross-zone warning:
+    for callers that show or price the tiers themselves (:func:`describe_layout`, the cost
+    model)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        validate_layout(layout, topology, layout.world_size)
+
+
 def describe_layout(layout: ParallelLayout, topology: Topology) -> str:
-    """A table of the views' dimensions, their sizes and the network tier each lands on."""
+    """A table of the views' dimensions, their sizes and the network tier each lands on.
+    A layout that :func:`validate_layout` refuses is refused here too."""
+    _validate_layout_quietly(layout, topology)
     world = layout.world_size
     zones = topology.num_zones(world)
     lines = [
