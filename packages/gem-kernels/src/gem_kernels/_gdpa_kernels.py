@@ -49,7 +49,7 @@ _to_e4m3 = load_kernel_module(
 )._to_e4m3
 
 # Columns of a work-table row (gdpa_triton builds the table).
-TABLE_WIDTH = 12
+TABLE_WIDTH = 14
 _W = tl.constexpr(TABLE_WIDTH)
 
 # Activation codes (the ``ACT`` constexpr); gdpa_triton maps names to them.
@@ -434,8 +434,10 @@ def _clip_ranges(lo_t, full_lo, full_hi, hi_t, range_lo, range_hi):
 
 @triton.jit
 def _range_of(info):
-    lo = tl.load(info + 8).to(tl.int32)
-    hi = tl.load(info + 9).to(tl.int32)
+    # Multiples of the tiles (at least 16): said to the compiler, so that the loop bounds clipped
+    # to them stay 16-divisible and a tokens-contiguous tile loads as 16-byte vectors.
+    lo = tl.multiple_of(tl.load(info + 8).to(tl.int32), 16)
+    hi = tl.multiple_of(tl.load(info + 9).to(tl.int32), 16)
     return lo, hi, tl.load(info + 10), tl.load(info + 11) != 0
 
 
@@ -450,18 +452,23 @@ def _fwd_inner(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr,
-    FP8: tl.constexpr = False, q_scale=1.0, ks_base=0, vs_base=0, num_heads=1,
+    FP8: tl.constexpr = False, q_scale=1.0, ks_base=0, vs_base=0, num_heads=1, stride_v8_d=0,
 ):  # fmt: skip
     """``FP8``: q, k, v are E4M3 (``q_scale`` the query tile's power-of-two scale, ``ks_base`` /
     ``vs_base`` the keys' / values' per-token scales, token stride ``num_heads``: every key
     tile lies inside one quantisation block); A is cast to E4M3 for A V with one power-of-two
     scale per row of this key tile (``reference.FP8_ACT_TILE`` keys, from the row's maximum:
-    a scale must be constant along the GEMM's reduction)."""
+    a scale must be constant along the GEMM's reduction). v is keys-contiguous in whole
+    zero-padded blocks from the sample's first slot ``v_base`` (head_dim stride
+    ``stride_v8_d``): no key mask, keys past the sample are zeros that meet A = 0."""
     for start in range(start_n, end_n, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < k_len
         kt = _load_tile(k_base, offs_n, n_ok, stride_kt, offs_d, HEAD_DIM, MASKED, EVEN_D, True)
-        v = _load_tile(v_base, offs_n, n_ok, stride_vt, offs_d, HEAD_DIM, MASKED, EVEN_D, False)
+        if FP8:
+            v = _load_padded_t(v_base, offs_n, offs_d, stride_v8_d, HEAD_DIM, EVEN_D)
+        else:
+            v = _load_tile(v_base, offs_n, n_ok, stride_vt, offs_d, HEAD_DIM, MASKED, EVEN_D, False)
         tile_scale = scale
         if FP8:  # dequantisation folded into the score scale (powers of two: exact)
             tile_scale = scale * (q_scale * tl.load(ks_base + start * num_heads))
@@ -484,6 +491,19 @@ def _fwd_inner(
         else:
             acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
     return acc
+
+
+@triton.jit
+def _load_padded_t(base, rows, offs_d, stride_d, HEAD_DIM, EVEN_D):
+    """Rows x head_dim of an FP8 copy stored tokens-contiguous in whole zero-padded blocks
+    (``base``: the sample's first slot, token stride 1): no row mask, so the loads along the
+    tokens are 16-byte vectors; rows past the sample are zeros."""
+    ptrs = base + rows.to(tl.int64)[:, None] + offs_d[None, :] * stride_d
+    if EVEN_D:  # noqa: SIM108 (constexpr branch in a Triton kernel)
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    return tile
 
 
 @triton.jit
@@ -584,7 +604,7 @@ def gdpa_fwd_kernel(
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     PACKED: tl.constexpr, ONE_LOOP: tl.constexpr = False, KV_TMA: tl.constexpr = False,
     PIPELINE: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False, q_rows=0, k_rows=0,
-    FP8: tl.constexpr = False, qs_ptr=0, ks_ptr=0, vs_ptr=0, num_heads=1,
+    FP8: tl.constexpr = False, qs_ptr=0, ks_ptr=0, vs_ptr=0, num_heads=1, stride_v8_d=0,
 ):  # fmt: skip
     """Items are (query tile, head); each loops over the key tiles its rows see.
 
@@ -596,7 +616,9 @@ def gdpa_fwd_kernel(
     :func:`_fwd_ws_loop`; Q is loaded through a whole-tensor descriptor too.
 
     ``FP8`` (phased loop only: the host turns the others off): q, k, v are E4M3 with per-token
-    power-of-two scales ``qs_ptr`` / ``ks_ptr`` / ``vs_ptr`` ``(tokens, heads)``."""
+    power-of-two scales ``qs_ptr`` / ``ks_ptr`` / ``vs_ptr`` ``(tokens, heads)``; v is stored
+    keys-contiguous in whole 128-slot blocks (the item's ``k_slot``; head_dim stride
+    ``stride_v8_d``)."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     USE_ONE_LOOP: tl.constexpr = ONE_LOOP and not HAS_LEFT and not HAS_RIGHT
     WS: tl.constexpr = WARP_SPECIALIZE and USE_ONE_LOOP
@@ -648,6 +670,7 @@ def gdpa_fwd_kernel(
             q_scale8 = tl.load(qs_ptr + (q_start + m0) * num_heads + head).to(tl.float32)
             ks_base = ks_ptr + k_start * num_heads + head
             vs_base = vs_ptr + k_start * num_heads + head
+            v_base = v_ptr + tl.multiple_of(tl.load(info + 12), 128) + head * stride_vh
         if WS:
             acc = _fwd_ws_loop(
                 acc, q, k_all, v_all, k_start.to(tl.int32), (head * HEAD_DIM).to(tl.int32),
@@ -678,6 +701,7 @@ def gdpa_fwd_kernel(
                 HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED,
                 FP8=FP8, q_scale=q_scale8, ks_base=ks_base, vs_base=vs_base, num_heads=num_heads,
+                stride_v8_d=stride_v8_d,
             )  # fmt: skip
             acc = _fwd_inner(
                 acc, q, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m, offs_d,
@@ -685,6 +709,7 @@ def gdpa_fwd_kernel(
                 HEAD_DIM, BLOCK_N, ACT, False, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED,
                 FP8=FP8, q_scale=q_scale8, ks_base=ks_base, vs_base=vs_base, num_heads=num_heads,
+                stride_v8_d=stride_v8_d,
             )  # fmt: skip
             acc = _fwd_inner(
                 acc, q, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m, offs_d,
@@ -692,6 +717,7 @@ def gdpa_fwd_kernel(
                 HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED,
                 FP8=FP8, q_scale=q_scale8, ks_base=ks_base, vs_base=vs_base, num_heads=num_heads,
+                stride_v8_d=stride_v8_d,
             )  # fmt: skip
         if NORMALIZE:
             acc = acc * (1.0 / tl.maximum(k_len, 1).to(tl.float32))
@@ -890,13 +916,15 @@ def _dkdv_inner(
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, NO_SCORE_MASK: tl.constexpr,
     dq_base=None, stride_dqt=0, dq_scale=1.0, FUSED_DQ: tl.constexpr = False,
     FP8: tl.constexpr = False, q8_base=0, do8_base=0, k_scale=1.0, qs_base=0, dos_base=0,
-    num_heads=1,
+    num_heads=1, stride_do8_d=0,
 ):  # fmt: skip
     """``FP8``: ``k`` is the E4M3 key tile (scale ``k_scale``); the scores are recomputed from it
     and the E4M3 queries at ``q8_base`` (the forward's values); dV = A^T dO runs in FP8 with
     one power-of-two A scale per key of this query tile (``reference.FP8_ACT_TILE`` queries)
-    and the E4M3 dO at ``do8_base``. ``qs_base`` / ``dos_base``: per-token scales of q / dO (token
-    stride ``num_heads``). dA and dK keep the input-precision v, dO and q."""
+    and the E4M3 dO stored queries-contiguous in whole zero-padded blocks from ``do8_base``
+    (K-major for Hopper's FP8 MMA; head_dim stride ``stride_do8_d``). ``qs_base`` /
+    ``dos_base``: per-token scales of q / dO (token stride ``num_heads``). dA and dK keep the
+    input-precision v, dO and q."""
     for start in range(start_m, end_m, BLOCK_M):
         offs_m = start + tl.arange(0, BLOCK_M)
         m_ok = offs_m < q_len
@@ -925,9 +953,7 @@ def _dkdv_inner(
             dst = tl.where(visible, dst, 0.0)
         dst = dst.to(qt.dtype)
         if FP8:
-            do8 = _load_tile(
-                do8_base, offs_m, m_ok, stride_dot, offs_d, HEAD_DIM, MASKED, EVEN_D, False
-            )
+            do8 = _load_padded_t(do8_base, offs_m, offs_d, stride_do8_d, HEAD_DIM, EVEN_D)
             a_scale, a_inv = _act_scale(tl.max(tl.abs(pt), 1))
             a8 = _to_e4m3(pt * a_inv[:, None], do8.dtype, UPCAST)
             pdo_scale = a_scale * tl.load(dos_base + start * num_heads)
@@ -958,6 +984,7 @@ def gdpa_bwd_dkdv_kernel(
     PACKED: tl.constexpr, ONE_LOOP: tl.constexpr = False,
     dq_ptr=None, stride_dqt=0, stride_dqh=0, FUSED_DQ: tl.constexpr = False,
     FP8: tl.constexpr = False, q8_ptr=0, do8_ptr=0, qs_ptr=0, ks_ptr=0, dos_ptr=0, num_heads=1,
+    stride_do8_h=0, stride_do8_d=0,
 ):  # fmt: skip
     """Items are (key tile, head); each loops over the query tiles that see its keys and
     writes its dK, dV rows once (no atomics). ``FUSED_DQ``: the same loop also adds each
@@ -965,8 +992,9 @@ def gdpa_bwd_dkdv_kernel(
     computed once).
 
     ``FP8`` (never fused): ``k_ptr`` holds the E4M3 keys, ``q8_ptr`` / ``do8_ptr`` the E4M3
-    queries / dO (same strides as q / dO), ``qs_ptr`` / ``ks_ptr`` / ``dos_ptr`` their
-    per-token scales ``(tokens, heads)``."""
+    queries (q's strides) / dO (queries-contiguous in whole 128-slot blocks from the item's
+    ``out_slot``), ``qs_ptr`` / ``ks_ptr`` / ``dos_ptr`` their per-token scales
+    ``(tokens, heads)``."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     USE_ONE_LOOP: tl.constexpr = ONE_LOOP and not HAS_LEFT and not HAS_RIGHT
     offs_d = tl.arange(0, BLOCK_D)
@@ -1009,7 +1037,7 @@ def gdpa_bwd_dkdv_kernel(
         k_scale8 = 1.0
         if FP8:
             q8_base = q8_ptr + q_start * stride_qt + head * stride_qh
-            do8_base = do8_ptr + out_start * stride_dot + head * stride_doh
+            do8_base = do8_ptr + tl.multiple_of(tl.load(info + 13), 128) + head * stride_do8_h
             qs_base = qs_ptr + q_start * num_heads + head
             dos_base = dos_ptr + out_start * num_heads + head
             k_scale8 = tl.load(ks_ptr + (k_start + n0) * num_heads + head).to(tl.float32)
@@ -1026,7 +1054,7 @@ def gdpa_bwd_dkdv_kernel(
                 HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, True, dq_base, stride_dqt, dq_scale, FUSED_DQ,
                 FP8=FP8, q8_base=q8_base, do8_base=do8_base, k_scale=k_scale8, qs_base=qs_base,
-                dos_base=dos_base, num_heads=num_heads,
+                dos_base=dos_base, num_heads=num_heads, stride_do8_d=stride_do8_d,
             )  # fmt: skip
         else:
             dk, dv = _dkdv_inner(
@@ -1035,7 +1063,7 @@ def gdpa_bwd_dkdv_kernel(
                 HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, False, dq_base, stride_dqt, dq_scale, FUSED_DQ,
                 FP8=FP8, q8_base=q8_base, do8_base=do8_base, k_scale=k_scale8, qs_base=qs_base,
-                dos_base=dos_base, num_heads=num_heads,
+                dos_base=dos_base, num_heads=num_heads, stride_do8_d=stride_do8_d,
             )  # fmt: skip
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, full_lo, full_hi, offs_n,
@@ -1043,7 +1071,7 @@ def gdpa_bwd_dkdv_kernel(
                 HEAD_DIM, BLOCK_M, ACT, False, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, False, dq_base, stride_dqt, dq_scale, FUSED_DQ,
                 FP8=FP8, q8_base=q8_base, do8_base=do8_base, k_scale=k_scale8, qs_base=qs_base,
-                dos_base=dos_base, num_heads=num_heads,
+                dos_base=dos_base, num_heads=num_heads, stride_do8_d=stride_do8_d,
             )  # fmt: skip
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, full_hi, hi_t, offs_n, offs_d,
@@ -1051,7 +1079,7 @@ def gdpa_bwd_dkdv_kernel(
                 HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, False, dq_base, stride_dqt, dq_scale, FUSED_DQ,
                 FP8=FP8, q8_base=q8_base, do8_base=do8_base, k_scale=k_scale8, qs_base=qs_base,
-                dos_base=dos_base, num_heads=num_heads,
+                dos_base=dos_base, num_heads=num_heads, stride_do8_d=stride_do8_d,
             )  # fmt: skip
         dk_scale = scale
         if NORMALIZE:

@@ -58,7 +58,7 @@ import torch
 
 from gem_kernels import _triton_host as host
 from gem_kernels import reference
-from gem_kernels.fp8_quantize import quantize_fp8_blocks
+from gem_kernels.fp8_quantize import padded_starts, quantize_fp8_blocks
 from gem_kernels.triton_loader import load_kernel_module
 
 __all__ = [
@@ -123,8 +123,10 @@ _ACTIVATION_CODES = {
     "identity": 5,
 }
 # [q_start, q_len, k_start, k_len, tile_start, out_start, head, tile_end, range_lo, range_hi,
-#  dst_start, to_partial]: see _gdpa_kernels.py (its TABLE_WIDTH must match).
-_TABLE_WIDTH = 12
+#  dst_start, to_partial, k_slot, out_slot]: see _gdpa_kernels.py (its TABLE_WIDTH must match).
+# k_slot / out_slot: the sample's first slot in FP8 copies stored tokens-contiguous
+# (fp8_quantize.padded_starts of the key / output lengths).
+_TABLE_WIDTH = 14
 _NO_LIMIT = 1 << 30  # range_hi of items that see the whole other side
 
 
@@ -431,6 +433,8 @@ class _Samples:
     q_start: np.ndarray
     k_start: np.ndarray
     out_start: np.ndarray
+    k_slot: np.ndarray
+    out_slot: np.ndarray
 
 
 def _samples(q_lengths, k_lengths, num_queries: int | None) -> _Samples:
@@ -444,7 +448,8 @@ def _samples(q_lengths, k_lengths, num_queries: int | None) -> _Samples:
         q_len = np.full_like(k_len, num_queries)
         q_start = np.zeros_like(k_len)
         out_start = np.arange(k_len.size, dtype=np.int64) * num_queries
-    return _Samples(q_len, k_len, q_start, k_start, out_start)
+    k_slot, out_slot = (padded_starts(torch.from_numpy(n)).numpy() for n in (k_len, q_len))
+    return _Samples(q_len, k_len, q_start, k_start, out_start, k_slot, out_slot)
 
 
 def _tiles_of(lengths: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -482,6 +487,8 @@ def _rows(s: _Samples, sample, start, dst_start, range_lo=None, range_hi=None, t
     rows[:, 9] = _NO_LIMIT if range_hi is None else range_hi
     rows[:, 10] = dst_start
     rows[:, 11] = 0 if to_partial is None else to_partial
+    rows[:, 12] = s.k_slot[sample]
+    rows[:, 13] = s.out_slot[sample]
     return rows
 
 
@@ -891,7 +898,10 @@ def _flags(q: torch.Tensor, launch: _Launch) -> dict:
 @dataclass(frozen=True)
 class _Fp8Operands:
     """E4M3 q, k, v of an FP8 call with their per-token scales ``(tokens, heads)``
-    (``reference.gdpa_fp8_operands``)."""
+    (``reference.gdpa_fp8_operands``' values). v is stored keys-contiguous in whole 128-slot
+    blocks (``quantize_fp8_blocks(tokens_contiguous=True)``, from the items' ``k_slot``): A V
+    reduces over the keys and Hopper's FP8 MMA reads its operands K-major, so the tile loads
+    straight into that layout (token-major, it went through a transpose in shared memory)."""
 
     q8: torch.Tensor
     k8: torch.Tensor
@@ -903,9 +913,12 @@ class _Fp8Operands:
 
 def _fp8_operands(q, k, v, launch: _Launch) -> _Fp8Operands:
     """``v=None`` (the backward, whose dA = dO V^T reads the input-precision v): no v8."""
-    (q8, q_scale), (k8, k_scale), (v8, v_scale) = reference.gdpa_fp8_operands(
-        q, k, v, launch.q_lengths, launch.k_lengths,
-        quantize=functools.partial(quantize_fp8_blocks, interpret=launch.interpret),
+    quantize = functools.partial(quantize_fp8_blocks, interpret=launch.interpret)
+    (q8, q_scale), (k8, k_scale), _ = reference.gdpa_fp8_operands(
+        q, k, None, launch.q_lengths, launch.k_lengths, quantize=quantize
+    )
+    v8, v_scale = (None, None) if v is None else quantize(
+        v, launch.k_lengths, tokens_contiguous=True
     )  # fmt: skip
     return _Fp8Operands(q8, k8, v8, q_scale, k_scale, v_scale)
 
@@ -936,12 +949,12 @@ def _forward(q, k, v, plan: _Plan, launch: _Launch, out_rows: int) -> torch.Tens
         rows = plan.fwd_partial_rows * launch.num_queries
         partial = torch.empty((rows, heads, q.shape[2]), dtype=torch.float32, device=q.device)
     fp8 = {}
-    if launch.fp8:  # E4M3 copies with the strides of the (contiguous) inputs
+    if launch.fp8:  # E4M3 q and k with the (contiguous) inputs' strides, v keys-contiguous
         ops8 = _fp8_operands(q, k, v, launch)
         q, k, v = ops8.q8, ops8.k8, ops8.v8
         fp8 = dict(
             FP8=True, qs_ptr=ops8.q_scale, ks_ptr=ops8.k_scale, vs_ptr=ops8.v_scale,
-            num_heads=heads,
+            num_heads=heads, stride_v8_d=v.stride(2),
         )  # fmt: skip
     common = (
         q, k, v, out, plan.fwd, plan.fwd.shape[0],
@@ -1056,12 +1069,17 @@ def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
         out_lengths = launch.q_lengths
         if launch.num_queries is not None:  # PMA: Nq dO rows per sample
             out_lengths = torch.full_like(launch.k_lengths, launch.num_queries)
-        do8, do_scale = quantize_fp8_blocks(grad_out, out_lengths, interpret=launch.interpret)
+        # Queries-contiguous in whole blocks (the items' out_slot), as the forward's v: dV =
+        # A^T dO reduces over the queries.
+        do8, do_scale = quantize_fp8_blocks(
+            grad_out, out_lengths, interpret=launch.interpret, tokens_contiguous=True
+        )
         k_scores, q_scores = ops8.k8, ops8.q8
         heads = q.shape[1]
         dkdv_fp8 = dict(
             FP8=True, q8_ptr=ops8.q8, do8_ptr=do8, qs_ptr=ops8.q_scale, ks_ptr=ops8.k_scale,
-            dos_ptr=do_scale, num_heads=heads,
+            dos_ptr=do_scale, num_heads=heads, stride_do8_h=do8.stride(1),
+            stride_do8_d=do8.stride(2),
         )  # fmt: skip
         dq_fp8 = dict(
             FP8=True, k8_ptr=ops8.k8, qs_ptr=ops8.q_scale, ks_ptr=ops8.k_scale, num_heads=heads
