@@ -34,8 +34,11 @@ call costs one lengths copy to the host and a dictionary lookup. Host time matte
 forward takes ~0.15 ms on an H200, and an eager call whose host work is longer is bound by it
 (see docs/kernel-tuning.md).
 
-``precision="fp8"``: the host quantises q, k, v (the backward q, k and dO) with
-:func:`gem_kernels.reference.gdpa_fp8_operands` (the emulation's values) and runs the phased
+``precision="fp8"``: one Triton launch per operand quantises q, k, v (the backward q, k and
+dO) to the values of :func:`gem_kernels.reference.gdpa_fp8_operands` (the emulation's), stores
+v and dO tokens-contiguous in whole 128-token blocks (the K-major operand Hopper's FP8 MMA
+needs where they are reduced over tokens; the work items carry each sample's first slot), and
+runs the phased
 forward and the split (deterministic) backward with ``FP8=True``. A's E4M3 scales are made in
 the kernels, per row of a ``reference.FP8_ACT_TILE``-key tile (and for dV per key of a query
 tile as long), the tile the config is set to along those reductions. The one-loop, pipelined,
