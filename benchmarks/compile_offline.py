@@ -117,7 +117,7 @@ PRESETS = {
 }
 
 # The FP8 attention kernels (precision="fp8") at the tiles their default configurations give:
-# operands in E4M3 (V and dO of JFA stored K-major), per-token float32 scales.
+# operands in E4M3 (V and dO stored K-major), per-token float32 scales.
 _JFA = "packages/gem-kernels/src/gem_kernels/_jfa_kernels.py"
 _GDPA = "packages/gem-kernels/src/gem_kernels/_gdpa_kernels.py"
 _FP8_POINTERS = {
