@@ -492,6 +492,8 @@ def _rows(s: _Samples, sample, start, dst_start, range_lo=None, range_hi=None, t
     rows[:, 11] = 0 if to_partial is None else to_partial
     rows[:, 12] = s.k_slot[sample]
     rows[:, 13] = s.out_slot[sample]
+    # The kernels take the range bounds as 16-divisible (tl.multiple_of in _range_of).
+    assert not (rows[:, 8:10] % 16).any(), "range bounds must be multiples of 16"
     return rows
 
 
