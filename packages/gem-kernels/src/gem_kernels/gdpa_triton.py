@@ -38,12 +38,11 @@ forward takes ~0.15 ms on an H200, and an eager call whose host work is longer i
 dO) to the values of :func:`gem_kernels.reference.gdpa_fp8_operands` (the emulation's), stores
 v and dO tokens-contiguous in whole 128-token blocks (the K-major operand Hopper's FP8 MMA
 needs where they are reduced over tokens; the work items carry each sample's first slot), and
-runs the phased
-forward and the split (deterministic) backward with ``FP8=True``. A's E4M3 scales are made in
-the kernels, per row of a ``reference.FP8_ACT_TILE``-key tile (and for dV per key of a query
-tile as long), the tile the config is set to along those reductions. The one-loop, pipelined,
-warp-specialised, short-KV, streamed-PMA and fused-backward variants have no FP8 mode: FP8
-calls run the phased kernels whatever the config says.
+runs the phased forward and the split (deterministic) backward with ``FP8=True``. A's E4M3
+scales are made in the kernels, per row of a ``reference.FP8_ACT_TILE``-key tile (and for dV
+per key of a query tile as long), the tile the config is set to along those reductions. The
+one-loop, pipelined, warp-specialised, short-KV, streamed-PMA and fused-backward variants have
+no FP8 mode: FP8 calls run the phased kernels whatever the config says.
 
 CPU tensors run under the Triton interpreter when ``TRITON_INTERPRET=1`` is set at call time.
 """
