@@ -350,3 +350,17 @@ def test_a_run_that_crashed_before_its_first_checkpoint_starts_again(tmp_path):
     (run / "gem" / "metrics.jsonl").write_text('{"step": 1}\n')
     config = apply_overrides(tiny(), [f"data.directory={tmp_path / 'data'}", f"output_dir={run}"])
     validate(config)
+
+
+def test_eval_table_shows_an_undefined_ne_as_n_a():
+    """A one-class eval (a rare task on a small eval set) has no NE: n/a, not a huge number."""
+    from gem_train.cli import _print_summary
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    results = {"gem": {"ne_ctr": 0.8612, "auc_ctr": 0.75, "ne_cvr": float("nan"), "auc_cvr": 0.5}}
+    summary = {"recipe": "tiny", "results": results, "oracle_ne": {"ctr": 0.82, "cvr": 0.77},
+               "seconds": 1.0}  # fmt: skip
+    _print_summary(console, summary)
+    rows = {line.split()[1]: line for line in console.export_text().splitlines() if "│" in line}
+    assert "0.8612" in rows["ctr"] and "n/a" in rows["cvr"] and "nan" not in rows["cvr"]

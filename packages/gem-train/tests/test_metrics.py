@@ -4,10 +4,13 @@ probability that a positive outranks a negative, ties counting half)."""
 from __future__ import annotations
 
 import itertools
+import json
+import math
 
 import pytest
 import torch
 from gem_train import auc, normalized_entropy
+from gem_train.metrics import json_ready
 
 
 def _pairwise_auc(scores: list[float], labels: list[int]) -> float:
@@ -50,3 +53,15 @@ def test_normalized_entropy_is_log_loss_over_the_base_rate_entropy():
     rate = y.mean()
     entropy = -(rate * rate.log() + (1 - rate) * (1 - rate).log())
     assert normalized_entropy(p, y) == pytest.approx(float(log_loss / entropy), rel=1e-9)
+
+
+def test_normalized_entropy_of_one_class_is_undefined_and_written_as_null():
+    """The base rate's entropy is 0: torchrec's formula gave 2.3e11 for an all-negative
+    eval (a rare task on a small eval set)."""
+    p = torch.tensor([0.1, 0.2, 0.3])
+    assert math.isnan(normalized_entropy(p, torch.zeros(3)))
+    assert math.isnan(normalized_entropy(p, torch.ones(3)))
+    assert math.isnan(normalized_entropy(torch.zeros(0), torch.zeros(0)))
+    record = {"ne_cvr": normalized_entropy(p, torch.zeros(3)), "rows": [math.inf, 1.0], "step": 3}
+    line = json.dumps(json_ready(record), allow_nan=False)
+    assert json.loads(line) == {"ne_cvr": None, "rows": [None, 1.0], "step": 3}

@@ -333,6 +333,7 @@ def run(
     A process group that ``run`` starts, it ends after the run (see ``init_distributed``)."""
     import torch.distributed as dist
 
+    from gem_train.metrics import json_ready
     from gem_train.profiling import profile_table
     from gem_train.report import write_report
     from gem_train.throughput import speed_line
@@ -394,7 +395,7 @@ def run(
     }
     if rank == 0:
         output.mkdir(parents=True, exist_ok=True)
-        (output / "summary.json").write_text(json.dumps(summary, indent=2))
+        (output / "summary.json").write_text(json.dumps(json_ready(summary), indent=2))
     _print_summary(console, summary)
     if rank == 0:
         # Unwrapped and literal, so the path can be copied (and read by scripts) as printed.
@@ -403,6 +404,11 @@ def run(
         dist.barrier()  # no rank ends the group while another is still in a collective
         dist.destroy_process_group()
     return summary
+
+
+def _cell(value: float | None) -> str:
+    """A metric for the eval table; an undefined one (NE of a one-class eval) as n/a."""
+    return "n/a" if value is None or not math.isfinite(value) else f"{value:.4f}"
 
 
 def _print_summary(console: Console, summary: dict) -> None:
@@ -422,7 +428,7 @@ def _print_summary(console: Console, summary: dict) -> None:
         table.add_column(f"{title} AUC", justify="right")
     for task, oracle in summary["oracle_ne"].items():
         row = [task]
-        row += [f"{summary['results'][key][f'ne_{task}']:.4f}" for key, _ in columns]
+        row += [_cell(summary["results"][key][f"ne_{task}"]) for key, _ in columns]
         row.append(f"{oracle:.4f}")
         row += [f"{summary['results'][key][f'auc_{task}']:.4f}" for key, _ in columns]
         table.add_row(*row)

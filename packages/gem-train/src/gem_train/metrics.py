@@ -3,6 +3,9 @@ whose curve steps once per distinct score, so tied scores count as sklearn count
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 from torchmetrics.functional.classification import binary_auroc
 from torchrec.metrics.ne import compute_ne, get_ne_states
@@ -21,8 +24,13 @@ def _check(probabilities: torch.Tensor, labels: torch.Tensor) -> None:
 
 
 def normalized_entropy(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
-    """Log loss divided by the entropy of the base rate (1.0 = predicting the average; lower is better)."""
+    """Log loss divided by the entropy of the base rate (1.0 = predicting the average; lower is better).
+
+    NaN when the labels hold one class only (or none): the base rate's entropy is then 0 and
+    NE undefined (torchrec's formula gives 1e11 to 1e12 there). Run files write it as null."""
     _check(probabilities, labels)
+    if labels.numel() == 0 or bool(labels.min() == labels.max()):
+        return math.nan
     states = get_ne_states(
         labels.double(), probabilities.double(), torch.ones_like(labels, dtype=torch.double), _ETA
     )
@@ -47,3 +55,15 @@ def auc(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
     if labels.numel() == 0 or bool(labels.min() == labels.max()):
         return 0.5
     return float(binary_auroc(probabilities.double(), labels))
+
+
+def json_ready(value: Any) -> Any:
+    """``value`` with every non-finite float (an undefined NE, say) replaced by ``None``, inside
+    dicts and lists: run files are strict JSON (``null``, never ``NaN``)."""
+    if isinstance(value, dict):
+        return {key: json_ready(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_ready(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

@@ -363,7 +363,11 @@ def _ne_figure(variants: list[_Variant], summary: dict[str, Any], evaluation: _D
     last = max((line["step"] for v in variants for line in v.train + v.eval), default=1)
     for axes, task in zip(figure.subplots(1, len(_TASKS)), _TASKS, strict=True):
         for variant in variants:
-            points = [(line["step"], line[f"ne_{task}"]) for line in variant.eval]
+            points = [
+                (line["step"], line[f"ne_{task}"])
+                for line in variant.eval
+                if line.get(f"ne_{task}") is not None  # null: a one-class eval
+            ]
             if points:
                 steps, values = zip(*points, strict=True)
                 axes.plot(

@@ -48,7 +48,7 @@ from gem_train.checkpointing import (
     measure_regions,
 )
 from gem_train.config import TrainConfig
-from gem_train.metrics import auc, normalized_entropy
+from gem_train.metrics import auc, json_ready, normalized_entropy
 from gem_train.parallel import DenseParallel, SparseParallel
 from gem_train.precision import SavedActivations, apply_precision, autocast
 from gem_train.profiling import OPTIMIZER_SCOPE, ProfilePass
@@ -850,10 +850,14 @@ class Trainer:
             **record,
         }
         with self._metrics_file.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
+            handle.write(json.dumps(json_ready(record), allow_nan=False) + "\n")
         if self._tensorboard is None:
             self._tensorboard = SummaryWriter(self.output_dir)
         for name, value in record.items():
-            if isinstance(value, int | float) and name not in ("time", "step"):
+            if (
+                isinstance(value, int | float)
+                and math.isfinite(value)
+                and name not in ("time", "step")
+            ):
                 self._tensorboard.add_scalar(f"{record['split']}/{name}", value, record["step"])
         self._tensorboard.flush()
