@@ -272,10 +272,10 @@ def _require_no_previous_run(output: Path) -> None:
     """A fresh run would replace a previous run's checkpoints (its first save drops later
     steps): the user chooses instead. A run that crashed before its first whole checkpoint has
     nothing to lose, and starts again."""
+    from gem_train.checkpoint import find_resumable  # here: the CLI's import stays torch-free
+
     found = []
     for checkpoints in sorted(output.glob("*/checkpoints")):
-        from gem_train.checkpoint import find_resumable
-
         path, _ = find_resumable(checkpoints)
         if path is not None:
             found.append(str(path.relative_to(output)))

@@ -23,13 +23,18 @@ def _check(probabilities: torch.Tensor, labels: torch.Tensor) -> None:
         )
 
 
+def _one_class(labels: torch.Tensor) -> bool:
+    """Whether the labels hold one class only, or none: NE and AUC are undefined there."""
+    return labels.numel() == 0 or bool(labels.min() == labels.max())
+
+
 def normalized_entropy(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
     """Log loss divided by the entropy of the base rate (1.0 = predicting the average; lower is better).
 
     NaN when the labels hold one class only (or none): the base rate's entropy is then 0 and
     NE undefined (torchrec's formula gives 1e11 to 1e12 there). Run files write it as null."""
     _check(probabilities, labels)
-    if labels.numel() == 0 or bool(labels.min() == labels.max()):
+    if _one_class(labels):
         return math.nan
     states = get_ne_states(
         labels.double(), probabilities.double(), torch.ones_like(labels, dtype=torch.double), _ETA
@@ -51,10 +56,9 @@ def auc(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
     torchrec's AUC integrated sample by sample, so with tied scores (bf16 probabilities tie by
     the thousand) it depended on the order of the samples, and so on the number of ranks."""
     _check(probabilities, labels)
-    labels = labels.long()
-    if labels.numel() == 0 or bool(labels.min() == labels.max()):
+    if _one_class(labels):
         return 0.5
-    return float(binary_auroc(probabilities.double(), labels))
+    return float(binary_auroc(probabilities.double(), labels.long()))
 
 
 def json_ready(value: Any) -> Any:
