@@ -24,7 +24,8 @@ task on the same held-out users. Only the numerics of the dense ``nn.Linear`` GE
   issue 29; the CPU runs the kernels' emulation); the second's NE difference is taken against
   the first (:func:`reference`);
 * ``fp32``: the unchanged model, for reference;
-* ``bf16-repeat``: ``bf16`` run again, the run-to-run noise floor (zero on a deterministic
+* ``bf16-repeat`` / ``bf16-attention-repeat``: ``bf16`` / ``bf16-attention`` run again, the
+  run-to-run noise floor (zero on a deterministic
   device; on a GPU, atomics in the embedding and attention backward make runs differ).
 
 The same layers are converted in every non-fp32 provider: all linears with
@@ -78,6 +79,7 @@ PROVIDERS: dict[str, list[str]] = {
     "gem-all-fp8-emulated": _ALL_FP8,
     # Issue 29: FP8 attention against bf16 attention (bf16 GEMMs in both).
     "bf16-attention": ["precision.mode=bf16", "model.attention_dtype=bfloat16"],
+    "bf16-attention-repeat": ["precision.mode=bf16", "model.attention_dtype=bfloat16"],
     "gem-fp8-attention": [
         "precision.mode=bf16",
         "model.attention_dtype=bfloat16",
@@ -86,7 +88,13 @@ PROVIDERS: dict[str, list[str]] = {
 }
 # Not in the default run: the noise floor and the emulated GEMMs only tell something on a GPU;
 # the attention pair is its own comparison (--providers bf16-attention,gem-fp8-attention).
-_NOT_DEFAULT = ("bf16-repeat", "gem-all-fp8-emulated", "bf16-attention", "gem-fp8-attention")
+_NOT_DEFAULT = (
+    "bf16-repeat",
+    "gem-all-fp8-emulated",
+    "bf16-attention",
+    "bf16-attention-repeat",
+    "gem-fp8-attention",
+)
 # Environment of a provider's run (set around it, restored after).
 PROVIDER_ENV: dict[str, dict[str, str]] = {
     "gem-all-fp8-emulated": {"GEM_PRECISION_GEMM": "emulated"}
@@ -97,7 +105,8 @@ TASKS = ("ctr", "cvr")
 def reference(provider: str) -> str:
     """The provider whose NE ``provider``'s ``ne_rel_diff_vs_bf16`` is taken against: the
     attention pair against bf16 attention (bf16 GEMMs in both), every other against bf16."""
-    return "bf16-attention" if provider in ("bf16-attention", "gem-fp8-attention") else "bf16"
+    attention = ("bf16-attention", "bf16-attention-repeat", "gem-fp8-attention")
+    return "bf16-attention" if provider in attention else "bf16"
 
 
 def main() -> None:
@@ -132,6 +141,14 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/cpu/fp8_quality.json"))
     parser.add_argument(
         "--device", default="cpu", help="cpu (emulated GEMMs) or cuda (native FP8 on Hopper)"
+    )
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more TrainConfig overrides for every provider, as gem-train's --set (e.g. "
+        "data.num_items=400000 to run several providers at once on one GPU)",
     )
     parser.add_argument(
         "--rename",
@@ -190,6 +207,7 @@ def main() -> None:
         "compare_no_sequence=false",
         f"device={args.device}",
         f"seed={args.seed}",
+        *args.set,
     ]
     recipe = get_recipe(args.recipe)
     train_data, eval_data = prepare_data(apply_overrides(recipe, base).data, progress=False)
@@ -284,6 +302,7 @@ def main() -> None:
         num_eval=args.num_eval,
         threads=args.threads,
         recipe=args.recipe,
+        overrides=args.set,
         converted_linears=converted,
         emulation=(
             "CPU: FP8 and bf16 GEMMs are emulated (operands quantized/rounded, float32 matmul "
@@ -325,6 +344,7 @@ def run_seeds(args: argparse.Namespace, seeds: list[int], providers: list[str]) 
         f"--threads={args.threads}",
         f"--data-dir={args.data_dir}",
         f"--device={args.device}",
+        *(["--set", *args.set] if args.set else []),
     ]
     subprocess.run([sys.executable, script, *common, "--providers="], check=True)
     gpus = torch.cuda.device_count() if args.device == "cuda" else 0
@@ -418,6 +438,7 @@ def merge_seeds(paths: list[Path], out: Path, rename: dict[str, str] | None = No
                     "steps": data["meta"].get("steps"),
                     "lr_schedule": data["meta"].get("lr_schedule", "constant"),
                     "commit": data["meta"].get("commit"),
+                    "overrides": data["meta"].get("overrides", []),
                 }
             )
             per_seed = [(row, seed) for row in data["rows"]]
