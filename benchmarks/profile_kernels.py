@@ -45,14 +45,14 @@ def _dy(col_sum: bool, **options):
     return lambda: quantize_operand(x, "1x128", torch.float8_e4m3fn, col_sum=col_sum, config=config)
 
 
-def _gdpa_self(max_len: int, batch: int):
+def _gdpa_self(max_len: int, batch: int, precision: str = "bf16"):
     import bench_gdpa as bg
 
     case = bg.Case("self", batch, max_len, "cuda")
-    return _fresh_grads(*bg.provider_gem(case)[1:])
+    return _fresh_grads(*bg.provider_gem(case, precision=precision)[1:])
 
 
-def _jfa(max_len: int, batch: int, causal: bool, bias: str | None = None):
+def _jfa(max_len: int, batch: int, causal: bool, bias: str | None = None, precision="bf16"):
     """``bias``: ``"rel"`` (rel_pos_bias, 512 buckets) or ``"jagged"`` (jagged_bias), with the
     benchmark's bias inputs."""
     import bench_jagged_attention as bj
@@ -62,7 +62,7 @@ def _jfa(max_len: int, batch: int, causal: bool, bias: str | None = None):
     if bias is not None:
         rel, jagged = bj.bias_inputs(case, "cuda", jagged=bias == "jagged")
         extra = {"rel": rel} if bias == "rel" else {"jagged": jagged}
-    return _fresh_grads(*bj.provider_gem(case, **extra)[1:])
+    return _fresh_grads(*bj.provider_gem(case, precision=precision, **extra)[1:])
 
 
 def _fresh_grads(fwd_bwd, leaves):
@@ -88,6 +88,10 @@ TARGETS = {
     "jfa_L4096_causal": ("3", "JFA B128xL4096 causal, forward+backward", lambda: _jfa(4096, 128, True)),
     "jfa_L4096_causal_rel": ("3", "the same with rel_pos_bias", lambda: _jfa(4096, 128, True, "rel")),
     "jfa_L4096_causal_jagged": ("3", "the same with jagged_bias", lambda: _jfa(4096, 128, True, "jagged")),
+    "gdpa_self_L1024_fp8": ("29", "gdpa_self_L1024 with precision='fp8'", lambda: _gdpa_self(1024, 512, "fp8")),
+    "gdpa_self_L4096_fp8": ("29", "gdpa_self_L4096 with precision='fp8'", lambda: _gdpa_self(4096, 128, "fp8")),
+    "jfa_L4096_full_fp8": ("29", "JFA B128xL4096 non-causal with precision='fp8', forward+backward", lambda: _jfa(4096, 128, False, precision="fp8")),
+    "jfa_L4096_full": ("29", "the same in bf16", lambda: _jfa(4096, 128, False)),
 }  # fmt: skip
 
 # Metrics kept from ncu's raw page (regular expressions on the metric name).
