@@ -410,7 +410,7 @@ def test_plan_has_only_real_tiles_longest_first():
     plan = jfa_triton._plan(q_lengths, k_lengths, None, 0, config, torch.device("cpu"), True)
     expected_q_tiles = sum(-(-int(n) // 16) for n in q_lengths)
     expected_k_tiles = sum(-(-int(n) // 16) for n in k_lengths)
-    assert plan.fwd.shape == (expected_q_tiles, 8)
+    assert plan.fwd.shape == (expected_q_tiles, 7)
     assert plan.dkdv.shape == (expected_k_tiles, 8)
     # Every (sample, tile) pair appears exactly once.
     pairs = {(int(r[0]), int(r[4])) for r in plan.fwd}

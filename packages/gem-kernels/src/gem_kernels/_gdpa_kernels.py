@@ -49,7 +49,7 @@ _to_e4m3 = load_kernel_module(
 )._to_e4m3
 
 # Columns of a work-table row (gdpa_triton builds the table).
-TABLE_WIDTH = 14
+TABLE_WIDTH = 13
 _W = tl.constexpr(TABLE_WIDTH)
 
 # Activation codes (the ``ACT`` constexpr); gdpa_triton maps names to them.
@@ -915,29 +915,13 @@ def _dkdv_inner(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, NO_SCORE_MASK: tl.constexpr,
     dq_base=None, stride_dqt=0, dq_scale=1.0, FUSED_DQ: tl.constexpr = False,
-    FP8: tl.constexpr = False, q8_base=0, do8_base=0, k_scale=1.0, qs_base=0, dos_base=0,
-    num_heads=1, stride_do8_d=0,
 ):  # fmt: skip
-    """``FP8``: ``k`` is the E4M3 key tile (scale ``k_scale``); the scores are recomputed from it
-    and the E4M3 queries at ``q8_base`` (the forward's values); dV = A^T dO runs in FP8 with
-    one power-of-two A scale per key of this query tile (``reference.FP8_ACT_TILE`` queries)
-    and the E4M3 dO stored queries-contiguous in whole zero-padded blocks from ``do8_base``
-    (K-major for Hopper's FP8 MMA; head_dim stride ``stride_do8_d``). ``qs_base`` /
-    ``dos_base``: per-token scales of q / dO (token stride ``num_heads``). dA and dK keep the
-    input-precision v, dO and q."""
     for start in range(start_m, end_m, BLOCK_M):
         offs_m = start + tl.arange(0, BLOCK_M)
         m_ok = offs_m < q_len
         qt = _load_tile(q_base, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, MASKED, EVEN_D, True)
         do = _load_tile(do_base, offs_m, m_ok, stride_dot, offs_d, HEAD_DIM, MASKED, EVEN_D, False)
-        if FP8:
-            q8t = _load_tile(
-                q8_base, offs_m, m_ok, stride_qt, offs_d, HEAD_DIM, MASKED, EVEN_D, True
-            )
-            qk_s = k_scale * tl.load(qs_base + start * num_heads)
-            st = _dot(k, q8t, None, DOT_PRECISION, UPCAST) * (scale * qk_s)
-        else:
-            st = _dot(k, qt, None, DOT_PRECISION, UPCAST) * scale  # (keys, queries)
+        st = _dot(k, qt, None, DOT_PRECISION, UPCAST) * scale  # (keys, queries)
         dpt = _dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST)
         if PACKED:
             pt, dst = _act_grad_packed(st, dpt, PACKED)
@@ -952,14 +936,7 @@ def _dkdv_inner(
             pt = tl.where(visible, pt, 0.0)
             dst = tl.where(visible, dst, 0.0)
         dst = dst.to(qt.dtype)
-        if FP8:
-            do8 = _load_padded_t(do8_base, offs_m, offs_d, stride_do8_d, HEAD_DIM, EVEN_D)
-            a_scale, a_inv = _act_scale(tl.max(tl.abs(pt), 1))
-            a8 = _to_e4m3(pt * a_inv[:, None], do8.dtype, UPCAST)
-            pdo_scale = a_scale * tl.load(dos_base + start * num_heads)
-            dv += _dot(a8, do8, None, DOT_PRECISION, UPCAST) * pdo_scale[:, None]
-        else:
-            dv = _dot(pt.to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
+        dv = _dot(pt.to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
         dk = _dot(dst, tl.trans(qt), dk, DOT_PRECISION, UPCAST)
         if FUSED_DQ:  # this key tile's share of dQ rows, added in float32 (order not fixed)
             dq = _dot(tl.trans(dst), k, None, DOT_PRECISION, UPCAST) * dq_scale
@@ -983,18 +960,11 @@ def gdpa_bwd_dkdv_kernel(
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     PACKED: tl.constexpr, ONE_LOOP: tl.constexpr = False,
     dq_ptr=None, stride_dqt=0, stride_dqh=0, FUSED_DQ: tl.constexpr = False,
-    FP8: tl.constexpr = False, q8_ptr=0, do8_ptr=0, qs_ptr=0, ks_ptr=0, dos_ptr=0, num_heads=1,
-    stride_do8_h=0, stride_do8_d=0,
 ):  # fmt: skip
     """Items are (key tile, head); each loops over the query tiles that see its keys and
     writes its dK, dV rows once (no atomics). ``FUSED_DQ``: the same loop also adds each
     tile's dQ rows into a zeroed float32 ``dq_ptr`` (atomics; no separate dQ kernel, S and dP
-    computed once).
-
-    ``FP8`` (never fused): ``k_ptr`` holds the E4M3 keys, ``q8_ptr`` / ``do8_ptr`` the E4M3
-    queries (q's strides) / dO (queries-contiguous in whole 128-slot blocks from the item's
-    ``out_slot``), ``qs_ptr`` / ``ks_ptr`` / ``dos_ptr`` their per-token scales
-    ``(tokens, heads)``."""
+    computed once)."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     USE_ONE_LOOP: tl.constexpr = ONE_LOOP and not HAS_LEFT and not HAS_RIGHT
     offs_d = tl.arange(0, BLOCK_D)
@@ -1030,17 +1000,6 @@ def gdpa_bwd_dkdv_kernel(
         )
         dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        q8_base = q8_ptr
-        do8_base = do8_ptr
-        qs_base = qs_ptr
-        dos_base = dos_ptr
-        k_scale8 = 1.0
-        if FP8:
-            q8_base = q8_ptr + q_start * stride_qt + head * stride_qh
-            do8_base = do8_ptr + tl.multiple_of(tl.load(info + 13), 128) + head * stride_do8_h
-            qs_base = qs_ptr + q_start * num_heads + head
-            dos_base = dos_ptr + out_start * num_heads + head
-            k_scale8 = tl.load(ks_ptr + (k_start + n0) * num_heads + head).to(tl.float32)
         dq_base = dq_ptr
         dq_scale = scale
         if FUSED_DQ:
@@ -1053,8 +1012,6 @@ def gdpa_bwd_dkdv_kernel(
                 offs_d, shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, True, dq_base, stride_dqt, dq_scale, FUSED_DQ,
-                FP8=FP8, q8_base=q8_base, do8_base=do8_base, k_scale=k_scale8, qs_base=qs_base,
-                dos_base=dos_base, num_heads=num_heads, stride_do8_d=stride_do8_d,
             )  # fmt: skip
         else:
             dk, dv = _dkdv_inner(
@@ -1062,24 +1019,18 @@ def gdpa_bwd_dkdv_kernel(
                 shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, False, dq_base, stride_dqt, dq_scale, FUSED_DQ,
-                FP8=FP8, q8_base=q8_base, do8_base=do8_base, k_scale=k_scale8, qs_base=qs_base,
-                dos_base=dos_base, num_heads=num_heads, stride_do8_d=stride_do8_d,
             )  # fmt: skip
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, full_lo, full_hi, offs_n,
                 offs_d, shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_M, ACT, False, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, False, dq_base, stride_dqt, dq_scale, FUSED_DQ,
-                FP8=FP8, q8_base=q8_base, do8_base=do8_base, k_scale=k_scale8, qs_base=qs_base,
-                dos_base=dos_base, num_heads=num_heads, stride_do8_d=stride_do8_d,
             )  # fmt: skip
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, full_hi, hi_t, offs_n, offs_d,
                 shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_M, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, False, dq_base, stride_dqt, dq_scale, FUSED_DQ,
-                FP8=FP8, q8_base=q8_base, do8_base=do8_base, k_scale=k_scale8, qs_base=qs_base,
-                dos_base=dos_base, num_heads=num_heads, stride_do8_d=stride_do8_d,
             )  # fmt: skip
         dk_scale = scale
         if NORMALIZE:
@@ -1110,24 +1061,13 @@ def _dq_inner(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr, MASKED: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, NO_SCORE_MASK: tl.constexpr,
-    FP8: tl.constexpr = False, k8_base=0, ks_base=0, q_scale=1.0, num_heads=1,
 ):  # fmt: skip
-    """``FP8``: ``q`` is the E4M3 query tile (scale ``q_scale``); the scores are recomputed from
-    it and the E4M3 keys at ``k8_base`` (per-token scales at ``ks_base``, token stride
-    ``num_heads``); dA and dQ keep the input-precision v, dO and k."""
     for start in range(start_n, end_n, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < k_len
         kt = _load_tile(k_base, offs_n, n_ok, stride_kt, offs_d, HEAD_DIM, MASKED, EVEN_D, True)
         vt = _load_tile(v_base, offs_n, n_ok, stride_vt, offs_d, HEAD_DIM, MASKED, EVEN_D, True)
-        if FP8:
-            k8t = _load_tile(
-                k8_base, offs_n, n_ok, stride_kt, offs_d, HEAD_DIM, MASKED, EVEN_D, True
-            )
-            qk_s = q_scale * tl.load(ks_base + start * num_heads)
-            s = _dot(q, k8t, None, DOT_PRECISION, UPCAST) * (scale * qk_s)
-        else:
-            s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
+        s = _dot(q, kt, None, DOT_PRECISION, UPCAST) * scale
         dp = _dot(do, vt, None, DOT_PRECISION, UPCAST)
         if PACKED:
             ds = _ds_packed(s, dp, PACKED)
@@ -1156,14 +1096,10 @@ def gdpa_bwd_dq_kernel(
     BLOCK_D: tl.constexpr, ACT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     PACKED: tl.constexpr, ONE_LOOP: tl.constexpr = False,
-    FP8: tl.constexpr = False, k8_ptr=0, qs_ptr=0, ks_ptr=0, num_heads=1,
 ):  # fmt: skip
     """Items are (query tile, head); each loops over the key tiles its rows see (or the
     item's key range). dQ rows go to ``dst_start``: for PMA that is a partial buffer with one
-    row block per (sample, key chunk) that the host sums (deterministic, no atomics).
-
-    ``FP8``: ``q_ptr`` holds the E4M3 queries, ``k8_ptr`` the E4M3 keys (same strides as k),
-    ``qs_ptr`` / ``ks_ptr`` their per-token scales ``(tokens, heads)``."""
+    row block per (sample, key chunk) that the host sums (deterministic, no atomics)."""
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     USE_ONE_LOOP: tl.constexpr = ONE_LOOP and not HAS_LEFT and not HAS_RIGHT
     offs_d = tl.arange(0, BLOCK_D)
@@ -1198,20 +1134,12 @@ def gdpa_bwd_dq_kernel(
             lo_t, full_lo, full_hi, hi_t, range_lo, range_hi
         )
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        k8_base = k8_ptr
-        ks_base = ks_ptr
-        q_scale8 = 1.0
-        if FP8:
-            k8_base = k8_ptr + k_start * stride_kt + head * stride_kh
-            ks_base = ks_ptr + k_start * num_heads + head
-            q_scale8 = tl.load(qs_ptr + (q_start + m0) * num_heads + head).to(tl.float32)
         if USE_ONE_LOOP:  # every key tile in one loop, loads masked, no score mask
             dq = _dq_inner(
                 dq, q, do, k_base, v_base, stride_kt, stride_vt, lo_t, hi_t, offs_m, offs_d,
                 shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, True,
-                FP8=FP8, k8_base=k8_base, ks_base=ks_base, q_scale=q_scale8, num_heads=num_heads,
             )  # fmt: skip
         else:
             dq = _dq_inner(
@@ -1219,21 +1147,18 @@ def gdpa_bwd_dq_kernel(
                 shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, False,
-                FP8=FP8, k8_base=k8_base, ks_base=ks_base, q_scale=q_scale8, num_heads=num_heads,
             )  # fmt: skip
             dq = _dq_inner(
                 dq, q, do, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, offs_m, offs_d,
                 shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_N, ACT, False, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, False,
-                FP8=FP8, k8_base=k8_base, ks_base=ks_base, q_scale=q_scale8, num_heads=num_heads,
             )  # fmt: skip
             dq = _dq_inner(
                 dq, q, do, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m, offs_d,
                 shift, q_len, k_len, left, right, scale,
                 HEAD_DIM, BLOCK_N, ACT, True, HAS_LEFT, HAS_RIGHT, EVEN_D, DOT_PRECISION, UPCAST,
                 PACKED, False,
-                FP8=FP8, k8_base=k8_base, ks_base=ks_base, q_scale=q_scale8, num_heads=num_heads,
             )  # fmt: skip
         dq_scale = scale
         if NORMALIZE:

@@ -400,7 +400,7 @@ def jfa_fwd_kernel(
     pid = tl.program_id(0)
     tile = pid // num_heads
     head = pid % num_heads
-    info = tiles_ptr + tile.to(tl.int64) * 8
+    info = tiles_ptr + tile.to(tl.int64) * 7
     q_start = tl.load(info)
     q_len = tl.load(info + 1).to(tl.int32)
     k_start = tl.load(info + 2)
@@ -432,7 +432,7 @@ def jfa_fwd_kernel(
         q_scale8 = tl.load(qs_ptr + (q_start + m0) * num_heads + head)
         ks_base = ks_ptr + k_start * num_heads + head
         vs_base = vs_ptr + k_start * num_heads + head
-        v_base = v_ptr + tl.multiple_of(tl.load(info + 7), 128) + head * stride_vh
+        v_base = v_ptr + tl.multiple_of(tl.load(info + 6), 128) + head * stride_vh
 
     # Keys any real row of this tile can see; rows past q_len are never stored, so the
     # "inside the band" test only considers real rows.
@@ -685,22 +685,7 @@ def _dkdv_inner(
     dq_row0,
     dq_col,
     DQ_TMA: tl.constexpr,
-    FP8: tl.constexpr = False,
-    q8_base=0,
-    do8_base=0,
-    stride_do8_d=0,
-    qs_base=0,
-    dos_base=0,
-    k_scale=1.0,
-    num_heads=1,
 ):
-    """``FP8``: ``k`` is the E4M3 key tile (scale ``k_scale``); the scores are recomputed from it
-    and the E4M3 queries at ``q8_base`` (the forward's values), and dV = P^T dO runs in FP8 with
-    the E4M3 dO stored queries-contiguous at ``do8_base`` (K-major for Hopper's FP8 MMA; the
-    sample's first slot of whole zero-padded blocks).
-    ``qs_base`` / ``dos_base``: per-token scales of q / dO (token stride ``num_heads``); every
-    query tile lies inside one quantisation block. dP and dK keep the input-precision v, dO and
-    q (see reference.jagged_flash_attention_fp8_backward)."""
     d_ok = offs_d < HEAD_DIM
     jb_next = 0.0
     rel_next = 0.0
@@ -766,35 +751,15 @@ def _dkdv_inner(
             lse = tl.load(lse_base + offs_m)
             delta = tl.load(delta_base + offs_m)
         # Transposed tile: rows are keys (offs_n), columns are queries (offs_m).
-        if FP8:
-            q8_t = tl.load(
-                q8_base + rows64[None, :] * stride_qt + offs_d[:, None],
-                mask=m_ok[None, :] & d_ok[:, None],
-                other=0.0,
-            )
-            qk_s = k_scale * tl.load(qs_base + start * num_heads)
-            s_t = _scores(
-                k, q8_t, qk_scale * qk_s, rel_value / qk_s, rel_tile, jb_tile, HAS_REL,
-                REL_CONST, HAS_JAGGED, DOT_PRECISION, UPCAST,
-            )  # fmt: skip
-        else:
-            s_t = _scores(
-                k, q_t, qk_scale, rel_value, rel_tile, jb_tile, HAS_REL, REL_CONST, HAS_JAGGED,
-                DOT_PRECISION, UPCAST,
-            )  # fmt: skip
+        s_t = _scores(
+            k, q_t, qk_scale, rel_value, rel_tile, jb_tile, HAS_REL, REL_CONST, HAS_JAGGED,
+            DOT_PRECISION, UPCAST,
+        )  # fmt: skip
         p_t = tl.math.exp2(s_t - lse[None, :])
         if MASKED:
             p_t = _mask_scores(p_t, offs_m[None, :], offs_n[:, None], shift, q_len, k_len, left,
                                right, HAS_LEFT, HAS_RIGHT, 0.0)  # fmt: skip
-        if FP8:
-            # Queries-contiguous in whole zero-padded blocks: unmasked 16-byte loads (as the
-            # forward's v); queries past the sample are zeros that meet p = 0.
-            do8 = tl.load(do8_base + rows64[:, None] + offs_d[None, :] * stride_do8_d,
-                          mask=d_ok[None, :], other=0.0)  # fmt: skip
-            pdo = _dot(_to_e4m3(p_t * 256.0, do8.dtype, UPCAST), do8, None, DOT_PRECISION, UPCAST)
-            dv += pdo * (tl.load(dos_base + start * num_heads) * 0.00390625)
-        else:
-            dv = _dot(p_t.to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
+        dv = _dot(p_t.to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
         dp_t = _dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST)
         ds_t = p_t * (dp_t - delta[None, :])
         ds_low = ds_t.to(q_t.dtype)
@@ -885,14 +850,6 @@ def jfa_bwd_dkdv_kernel(
     FUSED_DQ: tl.constexpr,
     DQ_TMA: tl.constexpr = False,
     num_q_rows=0,
-    FP8: tl.constexpr = False,
-    q8_ptr=0,
-    do8_ptr=0,
-    stride_do8_h=0,
-    stride_do8_d=0,
-    qs_ptr=0,
-    ks_ptr=0,
-    dos_ptr=0,
 ):
     """One program per (KV tile, head): loops over the query tiles that see the tile.
 
@@ -903,7 +860,7 @@ def jfa_bwd_dkdv_kernel(
     pid = tl.program_id(0)
     tile = pid // num_heads
     head = pid % num_heads
-    info = tiles_ptr + tile.to(tl.int64) * 8
+    info = tiles_ptr + tile.to(tl.int64) * 7
     q_start = tl.load(info)
     q_len = tl.load(info + 1).to(tl.int32)
     k_start = tl.load(info + 2)
@@ -944,18 +901,6 @@ def jfa_bwd_dkdv_kernel(
             dq_ptr, shape=[num_q_rows, stride_dqt], strides=[stride_dqt, 1],
             block_shape=[BLOCK_M, BLOCK_D],
         )  # fmt: skip
-    # FP8 (k_ptr holds the E4M3 keys): the operands of the score recompute and of dV.
-    q8_base = q8_ptr
-    do8_base = do8_ptr
-    qs_base = qs_ptr
-    dos_base = dos_ptr
-    k_scale8 = 1.0
-    if FP8:
-        q8_base = q8_ptr + q_start * stride_qt + head * stride_qh
-        do8_base = do8_ptr + head * stride_do8_h + tl.multiple_of(tl.load(info + 6), 128)
-        qs_base = qs_ptr + q_start * num_heads + head
-        dos_base = dos_ptr + q_start * num_heads + head
-        k_scale8 = tl.load(ks_ptr + (k_start + n0) * num_heads + head)
 
     # Query rows that see any key of this tile, and the sub-range that sees all of them.
     j_last = tl.minimum(n0 + BLOCK_N, k_len) - 1
@@ -994,8 +939,6 @@ def jfa_bwd_dkdv_kernel(
         HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False,
         HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
         dq_base, stride_dqt, FUSED_DQ, dq_desc, dq_row0, dq_col, DQ_TMA,
-        FP8=FP8, q8_base=q8_base, do8_base=do8_base, stride_do8_d=stride_do8_d, qs_base=qs_base,
-        dos_base=dos_base, k_scale=k_scale8, num_heads=num_heads,
     )  # fmt: skip
     if HAS_REL:
         # Query tiles far above the diagonal (first bucket), the band, far below (last bucket).
@@ -1010,8 +953,6 @@ def jfa_bwd_dkdv_kernel(
             HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True,
             HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
             dq_base, stride_dqt, FUSED_DQ, dq_desc, dq_row0, dq_col, DQ_TMA,
-            FP8=FP8, q8_base=q8_base, do8_base=do8_base, stride_do8_d=stride_do8_d, qs_base=qs_base,
-            dos_base=dos_base, k_scale=k_scale8, num_heads=num_heads,
         )  # fmt: skip
         dk, dv, rel_acc, zero = _dkdv_inner(
             dk, dv, rel_acc, zero, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
@@ -1020,8 +961,6 @@ def jfa_bwd_dkdv_kernel(
             HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False,
             HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
             dq_base, stride_dqt, FUSED_DQ, dq_desc, dq_row0, dq_col, DQ_TMA,
-            FP8=FP8, q8_base=q8_base, do8_base=do8_base, stride_do8_d=stride_do8_d, qs_base=qs_base,
-            dos_base=dos_base, k_scale=k_scale8, num_heads=num_heads,
         )  # fmt: skip
         dk, dv, rel_acc, hi_sum = _dkdv_inner(
             dk, dv, rel_acc, hi_sum, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
@@ -1030,8 +969,6 @@ def jfa_bwd_dkdv_kernel(
             HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True,
             HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
             dq_base, stride_dqt, FUSED_DQ, dq_desc, dq_row0, dq_col, DQ_TMA,
-            FP8=FP8, q8_base=q8_base, do8_base=do8_base, stride_do8_d=stride_do8_d, qs_base=qs_base,
-            dos_base=dos_base, k_scale=k_scale8, num_heads=num_heads,
         )  # fmt: skip
     else:
         dk, dv, rel_acc, zero = _dkdv_inner(
@@ -1041,8 +978,6 @@ def jfa_bwd_dkdv_kernel(
             HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False,
             HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
             dq_base, stride_dqt, FUSED_DQ, dq_desc, dq_row0, dq_col, DQ_TMA,
-            FP8=FP8, q8_base=q8_base, do8_base=do8_base, stride_do8_d=stride_do8_d, qs_base=qs_base,
-            dos_base=dos_base, k_scale=k_scale8, num_heads=num_heads,
         )  # fmt: skip
     dk, dv, rel_acc, zero = _dkdv_inner(
         dk, dv, rel_acc, zero, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
@@ -1051,8 +986,6 @@ def jfa_bwd_dkdv_kernel(
         HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False,
         HAS_JAGGED, DIAG_W, BUCKETS_PAD, DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
         dq_base, stride_dqt, FUSED_DQ, dq_desc, dq_row0, dq_col, DQ_TMA,
-        FP8=FP8, q8_base=q8_base, do8_base=do8_base, stride_do8_d=stride_do8_d, qs_base=qs_base,
-        dos_base=dos_base, k_scale=k_scale8, num_heads=num_heads,
     )  # fmt: skip
 
     tl.store(
@@ -1112,15 +1045,7 @@ def _dq_inner(
     UPCAST: tl.constexpr,
     STRIP_P: tl.constexpr,
     STRIP_W: tl.constexpr,
-    FP8: tl.constexpr = False,
-    k8_base=0,
-    ks_base=0,
-    q_scale=1.0,
-    num_heads=1,
 ):
-    """``FP8``: ``q`` is the E4M3 query tile (scale ``q_scale``); the scores are recomputed from
-    it and the E4M3 keys at ``k8_base`` (per-token scales at ``ks_base``, token stride
-    ``num_heads``); dP and dQ keep the input-precision v and k."""
     d_ok = offs_d < HEAD_DIM
     jb_next = 0.0
     rel_next = 0.0
@@ -1168,20 +1093,10 @@ def _dq_inner(
         vt = tl.load(
             v_base + rows64[None, :] * stride_vt + offs_d[:, None], mask=load_mask, other=0.0
         )
-        if FP8:
-            k8t = tl.load(
-                k8_base + rows64[None, :] * stride_kt + offs_d[:, None], mask=load_mask, other=0.0
-            )
-            qk_s = q_scale * tl.load(ks_base + start * num_heads)
-            s = _scores(
-                q, k8t, qk_scale * qk_s, rel_value / qk_s, rel_tile, jb_tile, HAS_REL, REL_CONST,
-                HAS_JAGGED, DOT_PRECISION, UPCAST,
-            )  # fmt: skip
-        else:
-            s = _scores(
-                q, kt, qk_scale, rel_value, rel_tile, jb_tile, HAS_REL, REL_CONST, HAS_JAGGED,
-                DOT_PRECISION, UPCAST,
-            )  # fmt: skip
+        s = _scores(
+            q, kt, qk_scale, rel_value, rel_tile, jb_tile, HAS_REL, REL_CONST, HAS_JAGGED,
+            DOT_PRECISION, UPCAST,
+        )  # fmt: skip
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
             p = _mask_scores(p, offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left,
@@ -1249,18 +1164,12 @@ def jfa_bwd_dq_kernel(
     UPCAST: tl.constexpr,
     STRIP_P: tl.constexpr,
     STRIP_W: tl.constexpr,
-    FP8: tl.constexpr = False,
-    k8_ptr=0,
-    qs_ptr=0,
-    ks_ptr=0,
 ):
-    """One program per (Q tile, head): loops over the KV tiles the tile sees. ``FP8``: q_ptr
-    holds the E4M3 queries, ``k8_ptr`` the E4M3 keys (same strides as k), ``qs_ptr`` /
-    ``ks_ptr`` their per-token scales ``(tokens, heads)``."""
+    """One program per (Q tile, head): loops over the KV tiles the tile sees."""
     pid = tl.program_id(0)
     tile = pid // num_heads
     head = pid % num_heads
-    info = tiles_ptr + tile.to(tl.int64) * 8
+    info = tiles_ptr + tile.to(tl.int64) * 7
     q_start = tl.load(info)
     q_len = tl.load(info + 1).to(tl.int32)
     k_start = tl.load(info + 2)
@@ -1294,13 +1203,6 @@ def jfa_bwd_dq_kernel(
     # Row m0 of the sample's bias block: the tile's loads use int32 offsets from it.
     jb_base = jb_ptr + head * stride_jb_h + jb_start + m0.to(tl.int64) * k_len
     jb_grad_base = jb_grad_ptr + head * stride_jb_h + jb_start + m0.to(tl.int64) * k_len
-    k8_base = k8_ptr
-    ks_base = ks_ptr
-    q_scale8 = 1.0
-    if FP8:
-        k8_base = k8_ptr + k_start * stride_kt + head * stride_kh
-        ks_base = ks_ptr + k_start * num_heads + head
-        q_scale8 = tl.load(qs_ptr + (q_start + m0) * num_heads + head)
 
     # Same key ranges as the forward kernel.
     p_lo = m0 + shift
@@ -1339,7 +1241,6 @@ def jfa_bwd_dq_kernel(
         jb_grad_base,
         HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
         DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
-        FP8=FP8, k8_base=k8_base, ks_base=ks_base, q_scale=q_scale8, num_heads=num_heads,
     )  # fmt: skip
     if HAS_REL:
         # Same split as the forward.
@@ -1353,7 +1254,6 @@ def jfa_bwd_dq_kernel(
             tl.load(rel_base + num_buckets - 1), jb_base, m0, jb_grad_base,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True, HAS_JAGGED,
             DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
-            FP8=FP8, k8_base=k8_base, ks_base=ks_base, q_scale=q_scale8, num_heads=num_heads,
         )  # fmt: skip
         dq = _dq_inner(
             dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, far_hi, near_lo,
@@ -1361,7 +1261,6 @@ def jfa_bwd_dq_kernel(
             0.0, jb_base, m0, jb_grad_base,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
             DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
-            FP8=FP8, k8_base=k8_base, ks_base=ks_base, q_scale=q_scale8, num_heads=num_heads,
         )  # fmt: skip
         dq = _dq_inner(
             dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, near_lo, full_hi,
@@ -1369,7 +1268,6 @@ def jfa_bwd_dq_kernel(
             tl.load(rel_base), jb_base, m0, jb_grad_base,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, True, HAS_JAGGED,
             DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
-            FP8=FP8, k8_base=k8_base, ks_base=ks_base, q_scale=q_scale8, num_heads=num_heads,
         )  # fmt: skip
     else:
         dq = _dq_inner(
@@ -1378,7 +1276,6 @@ def jfa_bwd_dq_kernel(
             0.0, jb_base, m0, jb_grad_base,
             HEAD_DIM, BLOCK_N, BLOCK_D, False, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
             DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
-            FP8=FP8, k8_base=k8_base, ks_base=ks_base, q_scale=q_scale8, num_heads=num_heads,
         )  # fmt: skip
     dq = _dq_inner(
         dq, q, do, lse, delta, k_base, v_base, stride_kt, stride_vt, full_hi, hi_t, offs_m,
@@ -1386,7 +1283,6 @@ def jfa_bwd_dq_kernel(
         jb_grad_base,
         HEAD_DIM, BLOCK_N, BLOCK_D, True, HAS_LEFT, HAS_RIGHT, HAS_REL, False, HAS_JAGGED,
         DOT_PRECISION, UPCAST, STRIP_P, STRIP_W,
-        FP8=FP8, k8_base=k8_base, ks_base=ks_base, q_scale=q_scale8, num_heads=num_heads,
     )  # fmt: skip
     tl.store(
         dq_ptr + q_start * stride_dqt + head * stride_dqh + rows64 * stride_dqt + offs_d[None, :],

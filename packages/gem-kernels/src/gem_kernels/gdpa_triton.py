@@ -34,15 +34,14 @@ call costs one lengths copy to the host and a dictionary lookup. Host time matte
 forward takes ~0.15 ms on an H200, and an eager call whose host work is longer is bound by it
 (see docs/kernel-tuning.md).
 
-``precision="fp8"``: one Triton launch per operand quantises q, k, v (the backward q, k and
-dO) to the values of :func:`gem_kernels.reference.gdpa_fp8_operands` (the emulation's), stores
-v and dO tokens-contiguous in whole 128-token blocks (the K-major operand Hopper's FP8 MMA
-needs where they are reduced over tokens; the work items carry each sample's first slot), and
-runs the phased forward and the split (deterministic) backward with ``FP8=True``. A's E4M3
-scales are made in the kernels, per row of a ``reference.FP8_ACT_TILE``-key tile (and for dV
-per key of a query tile as long), the tile the config is set to along those reductions. The
-one-loop, pipelined, warp-specialised, short-KV, streamed-PMA and fused-backward variants have
-no FP8 mode: FP8 calls run the phased kernels whatever the config says.
+``precision="fp8"``: one Triton launch per operand quantises q, k, v to the values of
+:func:`gem_kernels.reference.gdpa_fp8_operands` (the emulation's), stores v keys-contiguous in
+whole 128-token blocks (the K-major operand Hopper's FP8 MMA needs for A V; the work items
+carry each sample's first slot), and runs the phased forward with ``FP8=True``. A's E4M3
+scales are made in the kernel, per row of a ``reference.FP8_ACT_TILE``-key tile, the tile the
+config is set to along that reduction. The one-loop, pipelined, warp-specialised, short-KV and
+streamed-PMA forwards have no FP8 mode: FP8 calls run the phased forward whatever the config
+says. The backward is the bf16 one, on the input-precision operands.
 
 CPU tensors run under the Triton interpreter when ``TRITON_INTERPRET=1`` is set at call time.
 """
@@ -125,10 +124,10 @@ _ACTIVATION_CODES = {
     "identity": 5,
 }
 # [q_start, q_len, k_start, k_len, tile_start, out_start, head, tile_end, range_lo, range_hi,
-#  dst_start, to_partial, k_slot, out_slot]: see _gdpa_kernels.py (its TABLE_WIDTH must match).
-# k_slot / out_slot: the sample's first slot in FP8 copies stored tokens-contiguous
-# (fp8_quantize.padded_starts of the key / output lengths).
-_TABLE_WIDTH = 14
+#  dst_start, to_partial, k_slot]: see _gdpa_kernels.py (its TABLE_WIDTH must match).
+# k_slot: the sample's first slot in the FP8 forward's v, stored keys-contiguous
+# (fp8_quantize.padded_starts of the key lengths).
+_TABLE_WIDTH = 13
 _NO_LIMIT = 1 << 30  # range_hi of items that see the whole other side
 
 
@@ -436,7 +435,6 @@ class _Samples:
     k_start: np.ndarray
     out_start: np.ndarray
     k_slot: np.ndarray
-    out_slot: np.ndarray
 
 
 def _samples(q_lengths, k_lengths, num_queries: int | None) -> _Samples:
@@ -450,8 +448,8 @@ def _samples(q_lengths, k_lengths, num_queries: int | None) -> _Samples:
         q_len = np.full_like(k_len, num_queries)
         q_start = np.zeros_like(k_len)
         out_start = np.arange(k_len.size, dtype=np.int64) * num_queries
-    k_slot, out_slot = (padded_starts(torch.from_numpy(n)).numpy() for n in (k_len, q_len))
-    return _Samples(q_len, k_len, q_start, k_start, out_start, k_slot, out_slot)
+    k_slot = padded_starts(torch.from_numpy(k_len)).numpy()
+    return _Samples(q_len, k_len, q_start, k_start, out_start, k_slot)
 
 
 def _tiles_of(lengths: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -490,7 +488,6 @@ def _rows(s: _Samples, sample, start, dst_start, range_lo=None, range_hi=None, t
     rows[:, 10] = dst_start
     rows[:, 11] = 0 if to_partial is None else to_partial
     rows[:, 12] = s.k_slot[sample]
-    rows[:, 13] = s.out_slot[sample]
     # The kernels take the range bounds as 16-divisible (tl.multiple_of in _range_of).
     assert not (rows[:, 8:10] % 16).any(), "range bounds must be multiples of 16"
     return rows
@@ -712,8 +709,8 @@ class _Plan:
 
 
 def _pma_block_m(num_queries: int, config: GdpaTritonConfig, fp8_compiled: bool = False) -> int:
-    """PMA query tile: Nq padded to a power of two (at least 16; 32 for compiled FP8, whose
-    A^T dO MMA reduces over these rows, 32 per instruction), at most ``fwd_block_m``."""
+    """PMA query tile: Nq padded to a power of two (at least 16; 32 for compiled FP8, the
+    smallest tile its forward has run at on a GPU), at most ``fwd_block_m``."""
     least = 32 if fp8_compiled else 16
     return min(config.fwd_block_m, max(least, 1 << max(0, num_queries - 1).bit_length()))
 
@@ -1041,9 +1038,11 @@ def _segment_sum(src: torch.Tensor, dst: torch.Tensor, combine: torch.Tensor, la
 def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
     cfg = launch.config
     kernels = _kernels(launch.interpret)
-    # FP8: contiguous like q, k, v, so that the E4M3 copy of dO shares its strides.
-    grad_out = grad_out.contiguous() if launch.fp8 else host.unit_stride(grad_out)
-    flags = _flags(q, launch)
+    grad_out = host.unit_stride(grad_out)
+    # precision="fp8" quantises the forward's GEMMs only: the backward is the bf16 one, on the
+    # input-precision q, k, v and dO (on Hopper FP8 backward GEMMs were slower and no more
+    # accurate: docs/kernel-tuning.md, "FP8 backward in bf16").
+    flags = _flags(q, replace(launch, fp8=False))
     pma_m = 0
     if launch.num_queries is not None:
         pma_m = _pma_block_m(launch.num_queries, cfg, _fp8_compiled(launch))
@@ -1065,32 +1064,9 @@ def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
         shape = (plan.dkdv_partial_rows, *k.shape[1:])
         dk_part = torch.empty(shape, dtype=torch.float32, device=k.device)
         dv_part = torch.empty(shape, dtype=torch.float32, device=k.device)
-    # FP8: the kernels recompute the scores from the forward's E4M3 q and k (with q's and k's
-    # strides: all contiguous) and take dO in E4M3 for dV = A^T dO.
-    dkdv_fp8, dq_fp8, k_scores, q_scores = {}, {}, k, q
-    if launch.fp8:
-        ops8 = _fp8_operands(q, k, None, launch)
-        out_lengths = launch.q_lengths
-        if launch.num_queries is not None:  # PMA: Nq dO rows per sample
-            out_lengths = torch.full_like(launch.k_lengths, launch.num_queries)
-        # Queries-contiguous in whole blocks (the items' out_slot), as the forward's v: dV =
-        # A^T dO reduces over the queries.
-        do8, do_scale = quantize_fp8_blocks(
-            grad_out, out_lengths, interpret=launch.interpret, tokens_contiguous=True
-        )
-        k_scores, q_scores = ops8.k8, ops8.q8
-        heads = q.shape[1]
-        dkdv_fp8 = dict(
-            FP8=True, q8_ptr=ops8.q8, do8_ptr=do8, qs_ptr=ops8.q_scale, ks_ptr=ops8.k_scale,
-            dos_ptr=do_scale, num_heads=heads, stride_do8_h=do8.stride(1),
-            stride_do8_d=do8.stride(2),
-        )  # fmt: skip
-        dq_fp8 = dict(
-            FP8=True, k8_ptr=ops8.k8, qs_ptr=ops8.q_scale, ks_ptr=ops8.k_scale, num_heads=heads
-        )
     if plan.dkdv_grid > 0:
         kernels.gdpa_bwd_dkdv_kernel[(plan.dkdv_grid,)](
-            q, k_scores, v, grad_out, dk, dv, plan.dkdv, plan.dkdv.shape[0],
+            q, k, v, grad_out, dk, dv, plan.dkdv, plan.dkdv.shape[0],
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1),
             dv.stride(0), dv.stride(1), launch.left or 0, launch.right or 0, launch.scale,
@@ -1099,18 +1075,18 @@ def _backward(grad_out, q, k, v, plan: _Plan, launch: _Launch):
             num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
             ONE_LOOP=one_loop, dq_ptr=dq_rows,
             stride_dqt=dq_rows.stride(0), stride_dqh=dq_rows.stride(1), FUSED_DQ=fused_dq,
-            **flags, **dkdv_fp8,
+            **flags,
         )  # fmt: skip
     if plan.dq_grid > 0 and not fused_dq:
         kernels.gdpa_bwd_dq_kernel[(plan.dq_grid,)](
-            q_scores, k, v, grad_out, dq_rows, plan.dq, plan.dq.shape[0],
+            q, k, v, grad_out, dq_rows, plan.dq, plan.dq.shape[0],
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dq_rows.stride(0), dq_rows.stride(1),
             launch.left or 0, launch.right or 0, launch.scale,
             BLOCK_M=pma_m or cfg.dq_block_m,
             BLOCK_N=cfg.pma_dq_block_n if pma_m else cfg.dq_block_n,
             num_warps=cfg.pma_warps if pma_m else cfg.bwd_warps,
-            num_stages=cfg.bwd_stages, ONE_LOOP=one_loop, **flags, **dq_fp8,
+            num_stages=cfg.bwd_stages, ONE_LOOP=one_loop, **flags,
         )  # fmt: skip
     if plan.dkdv_combine is not None:
         width = k.shape[1] * k.shape[2]
@@ -1314,7 +1290,8 @@ def backward_from_lengths(
     precision: str = "bf16",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)``: the kernels :class:`GdpaFunction` runs in its backward, on
-    the same prepared inputs (GDPA's backward needs no saved forward output)."""
+    the same prepared inputs (GDPA's backward needs no saved forward output). ``precision``
+    is the forward's: it picks the plan (FP8 forward tiles), the backward runs in bf16."""
     q, k, v, plan, launch, _ = _prepare(
         q, k, v, q_lengths, k_lengths, activation=activation, scale=scale, causal=causal,
         window=window, normalize_by_length=normalize_by_length, config=config,
@@ -1332,22 +1309,15 @@ def _without_short_kv(config: GdpaTritonConfig) -> GdpaTritonConfig:
 def _fp8_config(config: GdpaTritonConfig, pma: bool) -> GdpaTritonConfig:
     """``config`` for an FP8 call (``pma``: PMA broadcast).
 
-    Only the phased forward and the split backward have an FP8 mode, so the other loop
-    variants, the short-KV and streamed PMA forwards and gelu packing are switched off. A's
-    E4M3 scale is per row of a key tile (A V) and per key of a query tile (dV = A^T dO): those
-    tiles are set to ``reference.FP8_ACT_TILE`` (``fwd_block_n``, ``pma_block_n``,
-    ``dkdv_block_m``; PMA's query tile via ``fwd_block_m``), so that the emulation groups A
-    as the kernels do whatever the config (and the FP8 MMAs reduce at least 32 rows). q, k,
-    v and dO carry one scale per ``reference.FP8_BLOCK`` tokens: every other tile must fit
-    in one block (tiles are powers of two from 16 that start at multiples of their size
-    within a sample, so a size up to FP8_BLOCK does)."""
-    sizes = {
-        "fwd_block_m": config.fwd_block_m,
-        "dkdv_block_n": config.dkdv_block_n,
-        "dq_block_m": config.dq_block_m,
-        "dq_block_n": config.dq_block_n,
-        "pma_dq_block_n": config.pma_dq_block_n,
-    }
+    Only the phased forward has an FP8 mode, so the other forward loops, the short-KV and
+    streamed PMA forwards and gelu packing are switched off. A's E4M3 scale is per row of a
+    key tile (A V): that tile is set to ``reference.FP8_ACT_TILE`` (``fwd_block_n``,
+    ``pma_block_n``), so that the emulation groups A as the kernel does whatever the config
+    (and the FP8 MMAs reduce at least 32 rows). q, k and v carry one scale per
+    ``reference.FP8_BLOCK`` tokens: the query tile must fit in one block (tiles are powers of
+    two from 16 that start at multiples of their size within a sample, so a size up to
+    FP8_BLOCK does). The backward (bf16) keeps the config's tiles and loop."""
+    sizes = {"fwd_block_m": config.fwd_block_m}
     for name, size in sizes.items():
         if size > reference.FP8_BLOCK:
             raise ValueError(
@@ -1356,9 +1326,8 @@ def _fp8_config(config: GdpaTritonConfig, pma: bool) -> GdpaTritonConfig:
             )
     tile = reference.FP8_ACT_TILE
     return replace(
-        config, fwd_loop="phased", bwd_loop="phased", short_kv_max=0, pma_stream=False,
-        packed_gelu=False, fwd_block_n=tile, pma_block_n=tile, dkdv_block_m=tile,
-        fwd_block_m=tile if pma else config.fwd_block_m,
+        config, fwd_loop="phased", short_kv_max=0, pma_stream=False, packed_gelu=False,
+        fwd_block_n=tile, pma_block_n=tile, fwd_block_m=tile if pma else config.fwd_block_m,
     )  # fmt: skip
 
 

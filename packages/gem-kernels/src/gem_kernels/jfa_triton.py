@@ -16,11 +16,11 @@ accumulated per dK/dV program into its own row of a partial buffer and summed af
 ``JfaTritonConfig.bwd_fused`` the dK/dV kernel adds dQ in float32 instead (TMA bulk reduces,
 summation order not fixed); ``torch.use_deterministic_algorithms(True)`` selects the split one.
 
-``precision="fp8"``: one Triton launch per operand quantises q, k and v (the backward also dO)
-to the values of :func:`gem_kernels.reference.quantize_fp8_blocks` (the emulation's), stores v
-and dO token-contiguous (the K-major operand Hopper's FP8 MMA needs where they are reduced over
-tokens) in whole 128-token blocks, and runs the same kernels with ``FP8=True``; always the split
-(deterministic) backward.
+``precision="fp8"``: one Triton launch per operand quantises q, k and v to the values of
+:func:`gem_kernels.reference.quantize_fp8_blocks` (the emulation's), stores v keys-contiguous
+(the K-major operand Hopper's FP8 MMA needs for P V) in whole 128-token blocks, and runs the
+forward kernel with ``FP8=True``; the backward is the bf16 one, given the FP8 forward's out and
+lse.
 
 CPU tensors run under the Triton interpreter when ``TRITON_INTERPRET=1`` is set at call time:
 the kernel module is loaded once per mode (interpreted or compiled), so the variable may be set
@@ -65,7 +65,7 @@ MAX_TRITON_HEAD_DIM = 256
 MAX_TRITON_BUCKETS = 2048
 
 _LOG2E = 1.4426950408889634
-_TABLE_WIDTH = 8  # [q_start, q_len, k_start, k_len, tile_start, bias_start, 0, 0]
+_TABLE_WIDTH = 7  # [q_start, q_len, k_start, k_len, tile_start, bias_start, k_slot]
 
 
 @dataclass(frozen=True)
@@ -347,13 +347,13 @@ def _table(columns: list[torch.Tensor], work: torch.Tensor, sample: torch.Tensor
 
 
 def _columns(samples, sample: torch.Tensor, start: torch.Tensor) -> list[torch.Tensor]:
-    """A tile table's 8 columns: the sample's query start and length, key start and length,
+    """A tile table's 7 columns: the sample's query start and length, key start and length,
     the tile's start within the sample, the sample's jagged-bias offset, and the sample's first
-    query and key slots in the FP8 operands stored tokens-contiguous (``padded_starts``)."""
-    q_len, k_len, q_start, k_start, bias_start, q_slot, k_slot = samples
+    key slot in the FP8 forward's v, stored keys-contiguous (``padded_starts``)."""
+    q_len, k_len, q_start, k_start, bias_start, k_slot = samples
     return [
         q_start[sample], q_len[sample], k_start[sample], k_len[sample], start,
-        bias_start[sample], q_slot[sample], k_slot[sample],
+        bias_start[sample], k_slot[sample],
     ]  # fmt: skip
 
 
@@ -431,8 +431,7 @@ def _build_plan(q_len, k_len, left, right, config, device, with_backward) -> _Pl
     k_start = torch.cumsum(k_len, 0) - k_len
     pairs = q_len * k_len
     samples = (
-        q_len, k_len, q_start, k_start, torch.cumsum(pairs, 0) - pairs,
-        padded_starts(q_len), padded_starts(k_len),
+        q_len, k_len, q_start, k_start, torch.cumsum(pairs, 0) - pairs, padded_starts(k_len),
     )  # fmt: skip
     tables = [_query_tile_table(samples, config.fwd_block_m, left, right)]
     if with_backward:
@@ -581,7 +580,10 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
     cfg = launch.config
     kernels = _kernels(launch.interpret)
     grad_out = host.unit_stride(grad_out)
-    flags = _flags(q, launch)
+    # precision="fp8" quantises the forward's GEMMs only: the backward is the bf16 one, on the
+    # input-precision q, k, v and dO, with the FP8 forward's out and lse (on Hopper FP8 backward
+    # GEMMs were slower and no more accurate: docs/kernel-tuning.md, "FP8 backward in bf16").
+    flags = _flags(q, replace(launch, fp8=False))
     fused_dq = (
         cfg.bwd_fused and jagged_bias is None and not torch.are_deterministic_algorithms_enabled()
     )
@@ -617,26 +619,9 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
             out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1), delta.stride(0),
             HEAD_DIM=head_dim, BLOCK_M=block, BLOCK_D=flags["BLOCK_D"],
         )  # fmt: skip
-    # FP8: the kernels recompute the scores from the forward's E4M3 q and k (same strides as
-    # q and k, both contiguous) and take dO in E4M3 for dV = P^T dO, queries-contiguous in
-    # whole blocks as the forward's v.
-    dkdv_fp8, dq_fp8, k_scores = {}, {}, k
-    q_scores = q
-    if launch.fp8:
-        q8, q_scale = quantize_fp8_blocks(q, launch.q_lengths, interpret=launch.interpret)
-        k8, k_scale = quantize_fp8_blocks(k, launch.k_lengths, interpret=launch.interpret)
-        do8, do_scale = quantize_fp8_blocks(
-            grad_out, launch.q_lengths, interpret=launch.interpret, tokens_contiguous=True
-        )
-        k_scores, q_scores = k8, q8
-        dkdv_fp8 = dict(
-            FP8=True, q8_ptr=q8, do8_ptr=do8, stride_do8_h=do8.stride(1),
-            stride_do8_d=do8.stride(2), qs_ptr=q_scale, ks_ptr=k_scale, dos_ptr=do_scale,
-        )  # fmt: skip
-        dq_fp8 = dict(FP8=True, k8_ptr=k8, qs_ptr=q_scale, ks_ptr=k_scale)
     if num_key_tiles > 0:
         kernels.jfa_bwd_dkdv_kernel[(num_key_tiles * heads,)](
-            q, k_scores, v, grad_out, lse, delta, dk, dv, plan.dkdv, rel, jb,
+            q, k, v, grad_out, lse, delta, dk, dv, plan.dkdv, rel, jb,
             q if rel_partial is None else rel_partial,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1),
@@ -649,14 +634,14 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
             BUCKETS_PAD=buckets_pad, dq_ptr=dq32, stride_dqt=dq32.stride(0),
             stride_dqh=dq32.stride(1), FUSED_DQ=fused_dq, DQ_TMA=dq_tma, num_q_rows=num_rows,
             num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
-            **strip, **flags, **dkdv_fp8,
+            **strip, **flags,
         )  # fmt: skip
     num_query_tiles = 0 if fused_dq else plan.dq.shape[0]
     if fused_dq:
         dq = (dq32 * launch.scale).to(q.dtype)
     if num_query_tiles > 0:
         kernels.jfa_bwd_dq_kernel[(num_query_tiles * heads,)](
-            q_scores, k, v, grad_out, lse, delta, dq, plan.dq, rel, jb,
+            q, k, v, grad_out, lse, delta, dq, plan.dq, rel, jb,
             q if jb_grad is None else jb_grad,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
@@ -666,7 +651,7 @@ def _backward(grad_out, q, k, v, out, lse, rel_pos_bias, jagged_bias, plan, laun
             BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
             HAS_REL=rel_pos_bias is not None, HAS_JAGGED=jagged_bias is not None,
             num_warps=cfg.dq_warps or cfg.bwd_warps, num_stages=cfg.dq_stages or cfg.bwd_stages,
-            **strip, **flags, **dq_fp8,
+            **strip, **flags,
         )  # fmt: skip
     if rel_pos_bias is not None:
         # Fixed-order reduction of the per-program partials: deterministic.
@@ -754,8 +739,6 @@ def _prepare(
     fp8 = precision == "fp8"
     if fp8:
         _check_fp8_config(config, interpret)
-        # The split backward: deterministic, and its dQ kernel holds the FP8 score recompute.
-        config = replace(config, bwd_fused=False)
     launch = _Launch(
         scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
         left=left,
@@ -781,28 +764,22 @@ def _prepare(
 
 
 def _check_fp8_config(config: JfaTritonConfig, interpret: bool) -> None:
-    """FP8 reads one scale per tile and operand: every tile must lie inside one
+    """The FP8 forward reads one scale per tile and operand: its tiles must lie inside one
     ``reference.FP8_BLOCK``-token quantisation block (tiles are powers of two from 16 and start
     at multiples of their size within a sample, so a size up to FP8_BLOCK does). Compiled, the
-    tiles that FP8 GEMMs reduce over (keys for P V, queries for P^T dO) need 32 rows: an FP8
-    MMA instruction reduces 32 elements."""
-    sizes = {
-        "fwd_block_m": config.fwd_block_m,
-        "fwd_block_n": config.fwd_block_n,
-        "dkdv_block_n": config.dkdv_block_n,
-        "dkdv_block_m": config.dkdv_block_m,
-        "dq_block_m": config.dq_block_m,
-        "dq_block_n": config.dq_block_n,
-    }
+    key tile that P V reduces over needs 32 rows: an FP8 MMA instruction reduces 32 elements.
+    (The backward runs in bf16, at any tiles.)"""
+    sizes = {"fwd_block_m": config.fwd_block_m, "fwd_block_n": config.fwd_block_n}
     for name, size in sizes.items():
         if size > reference.FP8_BLOCK:
             raise ValueError(
                 f"config.{name}={size} is larger than the FP8 quantisation block "
                 f"({reference.FP8_BLOCK} tokens) that precision='fp8' needs"
             )
-    for name in ("fwd_block_n", "dkdv_block_m"):
-        if not interpret and sizes[name] < 32:
-            raise ValueError(f"config.{name}={sizes[name]} is below 32, which FP8 MMAs need")
+    if not interpret and config.fwd_block_n < 32:
+        raise ValueError(
+            f"config.fwd_block_n={config.fwd_block_n} is below 32, which FP8 MMAs need"
+        )
 
 
 def jagged_flash_attention_from_lengths(
@@ -883,15 +860,14 @@ def backward_from_lengths(
     rel_pos_bias: torch.Tensor | None = None,
     jagged_bias: torch.Tensor | None = None,
     config: JfaTritonConfig | None = None,
-    precision: str = "bf16",
 ) -> tuple[torch.Tensor, ...]:
     """Gradients ``(dq, dk, dv, d_rel_pos_bias, d_jagged_bias)`` (``None`` for absent biases)
     from the forward's ``out`` and ``lse``: the kernels :class:`JaggedFlashAttentionFunction`
-    runs in its backward, on the same prepared inputs."""
+    runs in its backward, on the same prepared inputs. The same for either forward precision
+    (an FP8 forward's ``out`` and ``lse`` included): the backward runs in the inputs' precision."""
     q0, k, v, rel_pos_bias, jagged_bias, plan, launch = _prepare(
         q, k, v, q_lengths, k_lengths, scale=scale, causal=causal, window=window,
         rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias, config=config, with_backward=True,
-        precision=precision,
     )  # fmt: skip
     dq, dk, dv, rel_grad, jb_grad = _backward(
         grad_out, q0, k, v, host.unit_stride(out), host.unit_stride(lse), rel_pos_bias,

@@ -378,12 +378,12 @@ def _jfa_backward_impl(
         grads = triton.backward_from_lengths(
             grad_out, q, k, v, out, lse, host_lengths(q_offsets),
             None if k_offsets is None else host_lengths(k_offsets),
-            rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias, precision=precision, **options,
+            rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias, **options,
         )  # fmt: skip
         return _fresh([g for g in grads if g is not None])
     if precision == "fp8":
-        # The emulation's own backward (FP8 GEMMs where the kernels have them): autograd over
-        # its forward would differentiate the rounding as the identity in every GEMM.
+        # As the kernels: the bf16 backward normalised by the FP8 forward's lse (autograd over
+        # the reference would recompute its own).
         grads = reference.jagged_flash_attention_fp8_backward(
             grad_out.contiguous(), q, k, v, out, lse, q_offsets, k_offsets,
             rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias, **options,
@@ -520,8 +520,7 @@ def _gdpa_backward_impl(
         )
         return tuple(_fresh(grads))
     if precision == "fp8":
-        # The emulation's own backward (autograd over its forward would differentiate every
-        # FP8 rounding as the identity).
+        # As the kernels: the bf16 backward, with the kernels' roundings.
         grads = reference.gdpa_fp8_backward(
             grad_out.contiguous(), q, k, v, q_offsets, k_offsets, **options
         )

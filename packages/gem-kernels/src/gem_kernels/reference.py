@@ -516,15 +516,15 @@ def _to_compute(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor
 # ---------------------------------------------------------------------------------------------
 # FP8 attention emulation (``precision="fp8"``): the numerics of the FP8 Triton kernels.
 #
-# q, k, v (and dO in the backward) are quantised to E4M3 in blocks of FP8_BLOCK tokens of one
-# sample and one head, each with a power-of-two scale (an E8M0 exponent), so every kernel tile
-# (at most FP8_BLOCK rows, aligned within the sample) sits inside one block and a scale is a
-# scalar per tile and operand; scaling by a power of two is exact, so the MX storage format
-# (E4M3 with E8M0 scales per 1x32 block) holds the same values. GEMMs in FP8 multiply E4M3
-# values exactly and accumulate in float32: forward Q K^T and P V, backward the Q K^T
-# recompute and dV = P^T dO. dP = dO V^T, dQ = dS K and dK = dS^T Q stay in the input
-# precision (bf16/fp16 operands), as measured in docs/kernel-tuning.md: dS has no bounded range
-# and its per-tile FP8 rounding enters dQ and dK directly.
+# q, k and v are quantised to E4M3 in blocks of FP8_BLOCK tokens of one sample and one head,
+# each with a power-of-two scale (an E8M0 exponent), so every forward tile (at most FP8_BLOCK
+# rows, aligned within the sample) sits inside one block and a scale is a scalar per tile and
+# operand; scaling by a power of two is exact, so the MX storage format (E4M3 with E8M0 scales
+# per 1x32 block) holds the same values. The forward's GEMMs, Q K^T and P V, multiply E4M3
+# values exactly and accumulate in float32. The backward runs no FP8 GEMM: its five GEMMs take
+# the input-precision (bf16/fp16) operands, with the FP8 forward's output and log-sum-exp. FP8
+# backward GEMMs were slower on Hopper, and dP or dS in FP8 raised the dQ and dK error
+# (docs/kernel-tuning.md, "FP8 backward in bf16").
 
 #: Largest finite E4M3 value (``torch.float8_e4m3fn``).
 FP8_MAX = 448.0
@@ -587,21 +587,21 @@ def _dequantized(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_p(p: torch.Tensor) -> torch.Tensor:
-    """P in [0, 1] through E4M3 at ``FP8_P_SCALE`` (the value the FP8 P V and P^T dO GEMMs
+    """P in [0, 1] through E4M3 at ``FP8_P_SCALE`` (the value the FP8 P V GEMM
     multiply, still times ``FP8_P_SCALE``)."""
     return (p * FP8_P_SCALE).to(_FP8).float()
 
 
 @dataclass
 class _Fp8Problem:
-    """One FP8 call: quantised operands (head-major float32) and the masking options."""
+    """One FP8 call: the score operands (head-major float32) and the masking options."""
 
     q_lengths: torch.Tensor
     k_lengths: torch.Tensor
     q_starts: torch.Tensor
     k_starts: torch.Tensor
-    q8: torch.Tensor  # (H, Tq, D) dequantised E4M3 values
-    k8: torch.Tensor
+    q_heads: torch.Tensor  # (H, Tq, D): the E4M3 values in the forward, the inputs' in backward
+    k_heads: torch.Tensor
     scale: float
     causal: bool
     window: Window | None
@@ -612,7 +612,7 @@ class _Fp8Problem:
     def samples(self) -> Iterator[tuple[int, int, int, int, int, int, int]]:
         """``(b, q0, lq, k0, lk, bias0, rows_per_chunk)`` of the samples with queries and keys."""
         bias0 = 0
-        heads = self.q8.shape[0]
+        heads = self.q_heads.shape[0]
         for b in range(self.q_lengths.numel()):
             lq, lk = int(self.q_lengths[b]), int(self.k_lengths[b])
             if lq > 0 and lk > 0:
@@ -623,9 +623,9 @@ class _Fp8Problem:
     def scores(self, q0, lq, k0, lk, bias0, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """Log2-domain scores ``(H, r, lk)`` of query rows ``rows`` of a sample, masked pairs
         ``-inf``, and the visibility ``(r, lk)``."""
-        device = self.q8.device
-        q = self.q8[:, q0 + rows]
-        k = self.k8[:, k0 : k0 + lk]
+        device = self.q_heads.device
+        q = self.q_heads[:, q0 + rows]
+        k = self.k_heads[:, k0 : k0 + lk]
         s = torch.matmul(q, k.transpose(-1, -2)) * self.scale
         _record_scores(s)
         keys = torch.arange(lk, device=device)[None, :]
@@ -648,8 +648,10 @@ class _Fp8Problem:
 
 
 def _fp8_problem(
-    q, k, q_offsets, k_offsets, *, scale, causal, window, rel_pos_bias, jagged_bias, score_budget
-) -> _Fp8Problem:
+    q, k, q_offsets, k_offsets, *, scale, causal, window, rel_pos_bias, jagged_bias, score_budget,
+    quantize=True,
+) -> _Fp8Problem:  # fmt: skip
+    """``quantize``: scores from the E4M3 q and k (the forward), else from the inputs."""
     q_lengths, q_starts = _lengths_and_starts(q_offsets)
     k_lengths, k_starts = _lengths_and_starts(q_offsets if k_offsets is None else k_offsets)
     return _Fp8Problem(
@@ -657,8 +659,8 @@ def _fp8_problem(
         k_lengths=k_lengths,
         q_starts=q_starts,
         k_starts=k_starts,
-        q8=_dequantized(q, q_lengths),
-        k8=_dequantized(k, k_lengths),
+        q_heads=_dequantized(q, q_lengths) if quantize else q.float().transpose(0, 1),
+        k_heads=_dequantized(k, k_lengths) if quantize else k.float().transpose(0, 1),
         scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
         causal=causal,
         window=window,
@@ -723,22 +725,21 @@ def jagged_flash_attention_fp8_backward(
     jagged_bias: torch.Tensor | None = None,
     score_budget: int = DEFAULT_SCORE_BUDGET,
 ) -> tuple[torch.Tensor | None, ...]:
-    """FP8 emulation of the backward: ``(dq, dk, dv, d_rel_pos_bias, d_jagged_bias)`` (``None``
-    for absent biases) from the FP8 forward's ``out`` and ``lse``.
+    """Emulation of the FP8 mode's backward: ``(dq, dk, dv, d_rel_pos_bias, d_jagged_bias)``
+    (``None`` for absent biases) from the FP8 forward's ``out`` and ``lse``.
 
-    Scores are recomputed from the E4M3 q and k (the forward's, so P = exp2(s - lse) matches
-    its normalisation); dV = P^T dO in FP8 (P at ``FP8_P_SCALE``, dO in blocks like q);
-    dP = dO V^T in float32 from the input-precision dO and V; dS = P (dP - delta) with
-    delta = rowsum(dO * O); dQ = dS K and dK = dS^T Q from dS rounded to the input dtype and
-    the input-precision K and Q, as the bf16 kernels. Deterministic."""
+    The backward of ``precision="fp8"`` runs no FP8 GEMM (on Hopper they were slower and no
+    more accurate): as the bf16 kernels, scores from the input-precision q and k, normalised
+    by the FP8 forward's lse (P = exp2(s - lse)); dV = P^T dO with P rounded to the input
+    dtype; dP = dO V^T in float32; dS = P (dP - delta) with delta = rowsum(dO * O);
+    dQ = dS K and dK = dS^T Q from dS rounded to the input dtype. Deterministic."""
     problem = _fp8_problem(
         q, k, q_offsets, k_offsets, scale=scale, causal=causal, window=window,
         rel_pos_bias=rel_pos_bias, jagged_bias=jagged_bias, score_budget=score_budget,
+        quantize=False,
     )  # fmt: skip
     low = q.dtype
-    do8 = _dequantized(grad_out, problem.q_lengths)
-    q_heads = q.float().transpose(0, 1)
-    k_heads = k.float().transpose(0, 1)
+    q_heads, k_heads = problem.q_heads, problem.k_heads
     v_heads = v.float().transpose(0, 1)
     do_heads = grad_out.float().transpose(0, 1)
     o_heads = out.float().transpose(0, 1)
@@ -757,9 +758,7 @@ def jagged_flash_attention_fp8_backward(
             delta = (do * o_heads[:, q0 + rows]).sum(-1)
             dp = torch.matmul(do, v_heads[:, keys].transpose(-1, -2))
             ds = p * (dp - delta[..., None])
-            dv[:, keys] += (
-                torch.matmul(_quantize_p(p).transpose(-1, -2), do8[:, q0 + rows]) / FP8_P_SCALE
-            )
+            dv[:, keys] += torch.matmul(p.to(low).float().transpose(-1, -2), do)
             ds_low = ds.to(low).float()
             dk[:, keys] += torch.matmul(ds_low.transpose(-1, -2), q_heads[:, q0 + rows])
             dq[:, q0 + rows] = torch.matmul(ds_low, k_heads[:, keys])
@@ -810,18 +809,16 @@ class _Fp8AttentionFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 # GDPA FP8 emulation (``gdpa(..., precision="fp8")``): the numerics of the FP8 GDPA kernels.
 #
-# q, k, v (and dO) are quantised as for JFA (``quantize_fp8_blocks``; PMA's Nq shared queries as
-# one sample). A = act(scale * Q K^T) has no fixed range (silu, gelu, identity grow like |s|,
-# relu2 like s^2), so the A V and A^T dO GEMMs scale A dynamically: one power of two per query
-# row and FP8_ACT_TILE-key tile (A V), per key and FP8_ACT_TILE-query tile (dV), from the
-# tile's absolute maximum. The scale must be constant along the GEMM's reduction, so its
-# granularity is the kernels' tile along it; FP8 calls fix that tile at FP8_ACT_TILE, and the
-# emulation groups keys / queries the same way (tiles start at each sample's first row), so it
-# matches every tile config the kernels accept.
+# q, k, v are quantised as for JFA (``quantize_fp8_blocks``; PMA's Nq shared queries as one
+# sample). A = act(scale * Q K^T) has no fixed range (silu, gelu, identity grow like |s|, relu2
+# like s^2), so the A V GEMM scales A dynamically: one power of two per query row and
+# FP8_ACT_TILE-key tile, from the tile's absolute maximum. The scale must be constant along the
+# GEMM's reduction, so its granularity is the kernel's tile along it; FP8 calls fix that tile at
+# FP8_ACT_TILE, and the emulation groups keys the same way (tiles start at each sample's first
+# key), so it matches every tile config the kernels accept. The backward runs in bf16, as JFA's.
 
-#: Keys per A scale in the forward's A V (and queries per A scale in the backward's
-#: dV = A^T dO): the FP8 kernels' tile along those reductions (``fwd_block_n``,
-#: ``pma_block_n``, ``dkdv_block_m``) is set to it.
+#: Keys per A scale in the forward's A V: the FP8 kernel's tile along that reduction
+#: (``fwd_block_n``, ``pma_block_n``) is set to it.
 FP8_ACT_TILE = 64
 
 
@@ -878,7 +875,8 @@ def gdpa_act_and_grad(s: torch.Tensor, activation: str) -> tuple[torch.Tensor, t
 
 @dataclass
 class _GdpaFp8Problem:
-    """One FP8 GDPA call: sample geometry and E4M3 operands (head-major float32)."""
+    """One FP8 GDPA call: sample geometry and operands (head-major float32; the E4M3 values
+    in the forward, the inputs' in the backward)."""
 
     q_lengths: torch.Tensor  # (B,) queries per sample (Nq for PMA)
     k_lengths: torch.Tensor
@@ -886,9 +884,9 @@ class _GdpaFp8Problem:
     k_starts: torch.Tensor
     out_starts: torch.Tensor  # (B,) first row of the sample's output / dO
     out_rows: int
-    q8: torch.Tensor  # (H, Tq, D) dequantised E4M3 values
-    k8: torch.Tensor  # (H, Tk, D)
-    v8: torch.Tensor  # (H, Tk, D)
+    q_heads: torch.Tensor  # (H, Tq, D)
+    k_heads: torch.Tensor  # (H, Tk, D)
+    v_heads: torch.Tensor  # (H, Tk, D)
     scale: float
     activation: str
     causal: bool
@@ -898,13 +896,11 @@ class _GdpaFp8Problem:
 
     def samples(self) -> Iterator[tuple[int, int, int, int, int, int]]:
         """``(q0, lq, k0, lk, o0, rows_per_chunk)`` of the samples with queries and keys."""
-        heads = self.q8.shape[0]
+        heads = self.q_heads.shape[0]
         for b in range(self.k_lengths.numel()):
             lq, lk = int(self.q_lengths[b]), int(self.k_lengths[b])
             if lq > 0 and lk > 0:
-                # Row chunks of whole FP8_ACT_TILE-query tiles (dV's A scales span them).
-                rows = self.score_budget // (heads * lk) // FP8_ACT_TILE * FP8_ACT_TILE
-                rows = max(FP8_ACT_TILE, rows)
+                rows = max(1, self.score_budget // (heads * lk))
                 yield (
                     int(self.q_starts[b]), lq, int(self.k_starts[b]), lk, int(self.out_starts[b]),
                     rows,
@@ -912,7 +908,9 @@ class _GdpaFp8Problem:
 
     def scores(self, q0, lq, k0, lk, rows) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores ``(H, r, lk)`` of query rows ``rows`` of a sample and the visibility."""
-        s = torch.matmul(self.q8[:, q0 + rows], self.k8[:, k0 : k0 + lk].transpose(-1, -2))
+        s = torch.matmul(
+            self.q_heads[:, q0 + rows], self.k_heads[:, k0 : k0 + lk].transpose(-1, -2)
+        )
         s = s * self.scale
         _record_scores(s)
         keys = torch.arange(lk, device=s.device)[None, :]
@@ -970,15 +968,23 @@ def gdpa_fp8_operands(
 
 def _gdpa_fp8_problem(
     q, k, v, q_offsets, k_offsets, *, activation, scale, causal, window, normalize_by_length,
-    score_budget,
+    score_budget, quantize=True,
 ) -> _GdpaFp8Problem:  # fmt: skip
+    """``quantize``: the E4M3 q, k, v (the forward), else the inputs (the backward)."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     q_lengths, k_lengths, q_starts, k_starts, out_starts, _, out_rows = _gdpa_geometry(
         q, q_offsets, k_offsets
     )
-    (q8, q_scale), (k8, k_scale), (v8, v_scale) = gdpa_fp8_operands(
-        q, k, v, None if q_offsets is None else q_lengths, k_lengths
-    )
+    if quantize:
+        (q8, q_scale), (k8, k_scale), (v8, v_scale) = gdpa_fp8_operands(
+            q, k, v, None if q_offsets is None else q_lengths, k_lengths
+        )
+        operands = [
+            (x.float() * s[..., None]) for x, s in ((q8, q_scale), (k8, k_scale), (v8, v_scale))
+        ]
+    else:
+        operands = [x.float() for x in (q, k, v)]
+    q_heads, k_heads, v_heads = (x.transpose(0, 1) for x in operands)
     return _GdpaFp8Problem(
         q_lengths=q_lengths,
         k_lengths=k_lengths,
@@ -986,9 +992,9 @@ def _gdpa_fp8_problem(
         k_starts=k_starts,
         out_starts=out_starts,
         out_rows=out_rows,
-        q8=(q8.float() * q_scale[..., None]).transpose(0, 1),
-        k8=(k8.float() * k_scale[..., None]).transpose(0, 1),
-        v8=(v8.float() * v_scale[..., None]).transpose(0, 1),
+        q_heads=q_heads,
+        k_heads=k_heads,
+        v_heads=v_heads,
         scale=scale,
         activation=activation,
         causal=causal,
@@ -1011,7 +1017,7 @@ def _gdpa_fp8_forward(
         q, k, v, q_offsets, k_offsets, activation=activation, scale=scale, causal=causal,
         window=window, normalize_by_length=normalize_by_length, score_budget=score_budget,
     )  # fmt: skip
-    v8 = problem.v8
+    v8 = problem.v_heads
     heads, head_dim = q.shape[1], q.shape[2]
     out = torch.zeros(heads, problem.out_rows, head_dim, dtype=torch.float32, device=q.device)
     for q0, lq, k0, lk, o0, chunk in problem.samples():
@@ -1041,24 +1047,20 @@ def gdpa_fp8_backward(
     normalize_by_length: bool = False,
     score_budget: int = DEFAULT_SCORE_BUDGET,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FP8 emulation of the GDPA backward: ``(dq, dk, dv)``.
+    """Emulation of the FP8 mode's GDPA backward: ``(dq, dk, dv)``.
 
-    Scores recomputed from the E4M3 q and k (the forward's); dV = A^T dO in FP8 (A scaled per
-    key and ``FP8_ACT_TILE`` queries of the sample, dO in blocks of its output rows like q);
-    dA = dO V^T in
-    float32 from the input-precision dO and V; dS = dA act'(s), rounded to the input dtype;
-    dQ = dS K and dK = dS^T Q on the input-precision K and Q, as the bf16 kernels.
-    Deterministic (PMA: dQ summed over the samples in order)."""
+    The backward of ``precision="fp8"`` runs no FP8 GEMM (on Hopper they were slower and no
+    more accurate): as the bf16 kernels, scores from the input-precision q and k, A = act(s);
+    dV = A^T dO with A rounded to the input dtype; dA = dO V^T in float32; dS = dA act'(s),
+    rounded to the input dtype; dQ = dS K and dK = dS^T Q. Deterministic (PMA: dQ summed over
+    the samples in order)."""
     problem = _gdpa_fp8_problem(
         q, k, v, q_offsets, k_offsets, activation=activation, scale=scale, causal=causal,
         window=window, normalize_by_length=normalize_by_length, score_budget=score_budget,
+        quantize=False,
     )  # fmt: skip
     low = q.dtype
-    out_lengths = _gdpa_geometry(q, q_offsets, k_offsets)[5]
-    do8 = _dequantized(grad_out, out_lengths)
-    q_heads = q.float().transpose(0, 1)
-    k_heads = k.float().transpose(0, 1)
-    v_heads = v.float().transpose(0, 1)
+    q_heads, k_heads, v_heads = problem.q_heads, problem.k_heads, problem.v_heads
     do_heads = grad_out.float().transpose(0, 1)
     dq = torch.zeros_like(q_heads)
     dk = torch.zeros_like(k_heads)
@@ -1076,8 +1078,7 @@ def gdpa_fp8_backward(
             do = do_heads[:, o0 + rows]
             da = torch.matmul(do, v_heads[:, keys].transpose(-1, -2))
             ds = torch.where(mask, da * g, 0.0).to(low).float()
-            a8_t = _quantize_act(a.transpose(-1, -2))  # (H, lk, r), query tiles from r0
-            dv_sample += torch.matmul(a8_t, do8[:, o0 + rows])
+            dv_sample += torch.matmul(a.to(low).float().transpose(-1, -2), do)
             dk_sample += torch.matmul(ds.transpose(-1, -2), q_heads[:, q0 + rows])
             dq[:, q0 + rows] += torch.matmul(ds, k_heads[:, keys]) * (problem.scale * norm)
         dk[:, keys] = dk_sample * (problem.scale * norm)
