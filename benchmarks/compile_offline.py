@@ -10,7 +10,7 @@ shared memory); other Triton versions generate different code.
     python benchmarks/compile_offline.py dy            # the dy quantise tile kernel (4 warps)
     python benchmarks/compile_offline.py gdpa_dkdv     # GDPA's fused dK/dV/dQ backward
     python benchmarks/compile_offline.py mx_dequant    # MX (1x32, E4M3) -> bfloat16
-    python benchmarks/compile_offline.py jfa_dkdv_fp8  # JFA's FP8 dK/dV (also *_fwd_fp8, gdpa_*)
+    python benchmarks/compile_offline.py jfa_fwd_fp8  # JFA's FP8 forward (also gdpa_*)
     python benchmarks/compile_offline.py swiglu_bwd    # SwiGLU's gradient
     python benchmarks/compile_offline.py dy --warps 8 --set COLSUM=False
 
@@ -108,7 +108,6 @@ PRESETS = {
             PACKED=1,
             ONE_LOOP=True,
             FUSED_DQ=True,
-            FP8=False,
         ),  # fmt: skip
         {"items_ptr": "i64", "dkp_ptr": "fp32", "dvp_ptr": "fp32", "dq_ptr": "fp32", "*": "bf16"},
         8,
@@ -116,14 +115,14 @@ PRESETS = {
     ),
 }
 
-# The FP8 attention kernels (precision="fp8") at the tiles their default configurations give:
-# operands in E4M3 (V and dO stored K-major), per-token float32 scales.
+# The FP8 attention forwards (precision="fp8") at the tiles their default configurations give:
+# operands in E4M3 (V stored K-major), per-token float32 scales. (Their backward is bf16.)
 _JFA = "packages/gem-kernels/src/gem_kernels/_jfa_kernels.py"
 _GDPA = "packages/gem-kernels/src/gem_kernels/_gdpa_kernels.py"
 _FP8_POINTERS = {
     "tiles_ptr": "i32", "items_ptr": "i64", "lse_ptr": "fp32", "delta_ptr": "fp32",
     "rs_ptr": "fp32", "rel_partial_ptr": "fp32", "part_ptr": "fp32", "dkp_ptr": "fp32",
-    "dvp_ptr": "fp32", "qs_ptr": "fp32", "ks_ptr": "fp32", "vs_ptr": "fp32", "dos_ptr": "fp32",
+    "dvp_ptr": "fp32", "qs_ptr": "fp32", "ks_ptr": "fp32", "vs_ptr": "fp32",
     "*": "bf16",
 }  # fmt: skip
 _JFA_FP8 = dict(
@@ -145,26 +144,9 @@ PRESETS |= {
         _JFA, "jfa_fwd_kernel", dict(_JFA_FP8, BLOCK_M=128, BLOCK_N=128, ONE_LOOP=True),
         _e4m3("q_ptr", "k_ptr", "v_ptr"), 8, 3,
     ),
-    "jfa_dkdv_fp8": (
-        _JFA, "jfa_bwd_dkdv_kernel",
-        dict(_JFA_FP8, BLOCK_M=64, BLOCK_N=128, DIAG_W=256, BUCKETS_PAD=16, FUSED_DQ=False),
-        _e4m3("k_ptr", "q8_ptr", "do8_ptr"), 8, 3,
-    ),
-    "jfa_dq_fp8": (
-        _JFA, "jfa_bwd_dq_kernel", dict(_JFA_FP8, BLOCK_M=128, BLOCK_N=64),
-        _e4m3("q_ptr", "k8_ptr"), 8, 3,
-    ),
     "gdpa_fwd_fp8": (
         _GDPA, "gdpa_fwd_kernel", dict(_GDPA_FP8, BLOCK_M=128, BLOCK_N=64),
         _e4m3("q_ptr", "k_ptr", "v_ptr"), 8, 3,
-    ),
-    "gdpa_dkdv_fp8": (
-        _GDPA, "gdpa_bwd_dkdv_kernel", dict(_GDPA_FP8, BLOCK_M=64, BLOCK_N=128, FUSED_DQ=False),
-        _e4m3("k_ptr", "q8_ptr", "do8_ptr"), 8, 3,
-    ),
-    "gdpa_dq_fp8": (
-        _GDPA, "gdpa_bwd_dq_kernel", dict(_GDPA_FP8, BLOCK_M=128, BLOCK_N=64),
-        dict(_e4m3("q_ptr", "k8_ptr"), dq_ptr="fp32"), 8, 3,
     ),
     "swiglu_bwd": (
         "packages/gem-kernels/src/gem_kernels/_swiglu_kernels.py", "swiglu_bwd_kernel",

@@ -43,12 +43,14 @@ CASES = {
 #: Largest FP8 / bf16 error ratio allowed, per output and gradient (measured maxima: see the
 #: module docstring and docs/kernel-tuning.md).
 #: Against the reference's bf16 path (float32 math, only the output rounded): measured up to
-#: 29.5 / 23.4 / 24.3 / 31.5 / 19.9 / 21.1 (out, dq, dk, dv, d_rel_pos_bias, d_jagged_bias).
-EMULATION_RATIO = {"out": 40.0, "q": 32.0, "k": 32.0, "v": 45.0, "rel_pos_bias": 30.0,
-                   "jagged_bias": 30.0}  # fmt: skip
+#: 29.5 / 34.7 / 30.3 / 18.0 / 27.6 / 28.1 (out, dq, dk, dv, d_rel_pos_bias, d_jagged_bias;
+#: the gradients' largest on these short cross samples, whose few keys per row put most of
+#: the FP8 forward's rounding into its lse, which the bf16 backward normalises by).
+EMULATION_RATIO = {"out": 40.0, "q": 45.0, "k": 40.0, "v": 25.0, "rel_pos_bias": 36.0,
+                   "jagged_bias": 36.0}  # fmt: skip
 #: Against the bf16 kernels (P and dS rounded to bf16, under the interpreter truncated):
-#: measured up to 11.1 / 7.4 / 6.8 / 8.9 / 7.6 / 9.0.
-KERNEL_RATIO = {"out": 16.0, "q": 11.0, "k": 11.0, "v": 13.0, "rel_pos_bias": 12.0,
+#: measured up to 11.1 / 6.6 / 6.7 / 5.2 / 8.0 / 10.4.
+KERNEL_RATIO = {"out": 16.0, "q": 10.0, "k": 10.0, "v": 8.0, "rel_pos_bias": 12.0,
                 "jagged_bias": 14.0}  # fmt: skip
 
 
@@ -276,8 +278,8 @@ def test_kernels_match_emulation(interpret, case):
     fp8_error = (ref_out.double() - exact).norm()
     assert (out.double() - ref_out.double()).norm() <= 0.75 * fp8_error
     # Backward from the same forward results: the same numbers up to float32 summation order.
-    grads = backward_from_lengths(grad_out, q, k, v, ref_out, ref_lse, *lengths, **call)
     backward = {n: value for n, value in call.items() if n != "precision"}
+    grads = backward_from_lengths(grad_out, q, k, v, ref_out, ref_lse, *lengths, **backward)
     ref_grads = reference.jagged_flash_attention_fp8_backward(
         grad_out, q, k, v, ref_out, ref_lse, offsets_of(q_lengths), k_offsets, **backward
     )
@@ -330,10 +332,14 @@ def test_kernels_backward_is_deterministic(interpret):
 # The design choices (docs/kernel-tuning.md has the full table): dense one-sample variants.
 
 
-def _dense_fp8_attention(q, k, v, grad_out, *, p_scale=256.0, dp_fp8=False, ds_fp8=False):
+def _dense_fp8_attention(q, k, v, grad_out, *, p_scale=256.0, fp8_backward=False, dp_fp8=False,
+                         ds_fp8=False):  # fmt: skip
     """FP8 attention of one causal sample (float64 math, E4M3 roundings), out and grads, with
-    the variants the shipped design was chosen against: dP = dO V^T in FP8, dS in FP8 (per
-    64x64 tile, power-of-two scale) for dQ and dK, and other P scales."""
+    the variants the shipped design was chosen against. Shipped: the backward in bf16 (scores
+    from the unquantised q and k, normalised by the FP8 forward's lse). ``fp8_backward``: the
+    scores recomputed from the E4M3 q and k and dV = P^T dO in FP8; with it ``dp_fp8``
+    (dP = dO V^T in FP8) and ``ds_fp8`` (dS in FP8, per 64x64 tile, for dQ and dK); and other
+    P scales."""
 
     def blocks(x):  # the shipped per-128-token quantisation
         return reference._dequantized(x[:, None], torch.tensor([x.shape[0]]))[0].double()
@@ -356,7 +362,15 @@ def _dense_fp8_attention(q, k, v, grad_out, *, p_scale=256.0, dp_fp8=False, ds_f
     p = torch.exp(s - m)
     p8 = (p * p_scale).float().to(torch.float8_e4m3fn).double() / p_scale
     out = ((p8 @ blocks(v)) / p.sum(-1, keepdim=True)).bfloat16().double()
-    probs = torch.exp(s - m - torch.log(p.sum(-1, keepdim=True)))
+    lse = m + torch.log(p.sum(-1, keepdim=True))
+    if not fp8_backward:
+        exact = (q @ k.T * scale).masked_fill(hidden, -math.inf)
+        probs = torch.exp(exact - lse)
+        ds = probs * (grad_out @ v.T - (grad_out * out).sum(-1, keepdim=True))
+        low = ds.bfloat16().double()
+        dv = probs.bfloat16().double().T @ grad_out
+        return {"out": out, "q": low @ k * scale, "k": low.T @ q * scale, "v": dv}
+    probs = torch.exp(s - lse)
     dp = blocks(grad_out) @ blocks(v).T if dp_fp8 else grad_out @ v.T
     ds = probs * (dp - (grad_out * out).sum(-1, keepdim=True))
     pq = (probs * 256).float().to(torch.float8_e4m3fn).double() / 256
@@ -369,7 +383,7 @@ def _dense_fp8_attention(q, k, v, grad_out, *, p_scale=256.0, dp_fp8=False, ds_f
     return {"out": out, "q": dq, "k": dk, "v": dv}
 
 
-def test_fp8_backward_keeps_dp_and_ds_in_bf16_by_measured_error():
+def test_fp8_backward_runs_in_bf16_by_measured_error():
     gen = torch.Generator().manual_seed(0)
     q, k, v, grad_out = (
         torch.randn(384, 64, generator=gen, dtype=torch.float64).bfloat16().double()
@@ -391,12 +405,16 @@ def test_fp8_backward_keeps_dp_and_ds_in_bf16_by_measured_error():
     for p_scale in (448.0, 1.0):
         for name, err in errors(p_scale=p_scale).items():
             assert err == pytest.approx(shipped[name], rel=0.05), (p_scale, name)
-    # dP or dS in FP8 would add at least 10% to the error of dQ and dK (measured 36-38% here;
-    # with large query and key outliers the score rounding dominates dK and both add ~0).
+    # FP8 backward GEMMs (the score recompute and dV in FP8) add error to every gradient here
+    # (measured: dQ and dK 1.5x, dV 4.3x the bf16 backward's); dP or dS in FP8 too
+    # would add more to dQ and dK.
+    fp8_backward = errors(fp8_backward=True)
+    for name in ("q", "k", "v"):
+        assert fp8_backward[name] > 1.2 * shipped[name], (name, fp8_backward, shipped)
     for variant in ({"dp_fp8": True}, {"ds_fp8": True}):
-        worse = errors(**variant)
+        worse = errors(fp8_backward=True, **variant)
         for name in ("q", "k"):
-            assert worse[name] > 1.1 * shipped[name], (variant, name, worse[name], shipped[name])
+            assert worse[name] > 1.1 * fp8_backward[name], (variant, name, worse, fp8_backward)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -411,7 +411,7 @@ def test_plan_has_only_real_tiles_longest_first():
     expected_q_tiles = sum(-(-int(n) // 16) for n in q_lengths)
     expected_k_tiles = sum(-(-int(n) // 16) for n in k_lengths)
     assert plan.fwd.shape == (expected_q_tiles, 7)
-    assert plan.dkdv.shape == (expected_k_tiles, 8)
+    assert plan.dkdv.shape == (expected_k_tiles, 7)
     # Every (sample, tile) pair appears exactly once.
     pairs = {(int(r[0]), int(r[4])) for r in plan.fwd}
     assert len(pairs) == expected_q_tiles
