@@ -12,14 +12,17 @@ backward is timed alone, from a saved forward, in three ways:
 and their gradients' errors against float64 on a smaller shape, as ratios to bf16's error.
 Uses the kernels' public split entry points (``forward_from_lengths`` / ``backward_from_lengths``).
 
-    PYTHONPATH=packages/gem-kernels/src:benchmarks python benchmarks/tune/fp8_backward_choice.py
-    # writes benchmarks/results/<machine>/tuning/fp8_backward_choice.json
+    PYTHONPATH=packages/gem-kernels/src:benchmarks python benchmarks/tune/fp8_backward_choice.py \
+        --out benchmarks/results/h200/tuning/fp8_backward_choice.json
+    # the error check alone, on the CPU (interpreter; small shapes):
+    TRITON_INTERPRET=1 ... fp8_backward_choice.py --device cpu --error-shape 4x300 --out ...
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -71,12 +74,12 @@ def timings(warmup: float, rep: float) -> list[dict]:
     return rows
 
 
-def errors(batch: int, max_len: int) -> list[dict]:
+def errors(batch: int, max_len: int, device: str) -> list[dict]:
     """Relative Frobenius error of out, dq, dk, dv against float64, per variant, and each as a
     ratio to bf16's."""
     rows = []
     for causal in (False, True):
-        case = bench.Case(batch, max_len, causal, None, "cuda")
+        case = bench.Case(batch, max_len, causal, None, device)
         leaves = [t.double().requires_grad_(True) for t in (case.q, case.k, case.v)]
         want_out = jagged_flash_attention_reference(*leaves, case.offsets_dev, causal=causal)
         want = [want_out, *torch.autograd.grad(want_out, leaves, case.grad.double())]
@@ -102,11 +105,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--error-shape", default="8x2048", help="BxL of the error check")
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        help="cpu: the error check only, on the Triton interpreter (TRITON_INTERPRET=1)",
+    )
     args = parser.parse_args()
     batch, max_len = (int(x) for x in args.error_shape.split("x"))
-    rows = errors(batch, max_len) + timings(warmup=25.0, rep=100.0)
+    on_gpu = args.device == "cuda"
+    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--device cpu runs the kernels under the interpreter: set TRITON_INTERPRET=1")
+    rows = errors(batch, max_len, args.device)
+    if on_gpu:
+        rows += timings(warmup=25.0, rep=100.0)
     command = "python benchmarks/tune/fp8_backward_choice.py " + " ".join(sys.argv[1:])
-    block = meta("fp8_backward_choice", command, device=torch.cuda.get_device_name())
+    device = {"device": torch.cuda.get_device_name()} if on_gpu else {}
+    block = meta(
+        "fp8_backward_choice", command, **device, shape={"heads": bench.H, "head_dim": bench.D}
+    )
     Path(args.out).write_text(json.dumps({"meta": block, "rows": rows}, indent=2))
 
 
