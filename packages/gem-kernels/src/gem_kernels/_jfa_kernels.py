@@ -262,6 +262,11 @@ def _fwd_inner(
         rel_next = _strip_load(
             rs_base, g0 - start_n, strip_offsets, num_buckets, start_n < end_n, STRIP_P, STRIP_W
         )
+    # FP8: inside the loop acc is in units of the current value tile's scale, so that P V
+    # accumulates into it in the MMA (no second register tile, no multiply-add per element);
+    # it enters and leaves in plain units. Exact while a sample's value blocks have scales
+    # within 2^100 of each other.
+    v_unit = 1.0
     for start in range(start_n, end_n, BLOCK_N):
         jb_tile = jb_next
         rel_tile = rel_next
@@ -331,18 +336,26 @@ def _fwd_inner(
         # m_i starts at a finite -1e30, so a row whose tile is fully masked keeps alpha = 1 and
         # p = 0 instead of producing inf - inf.
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
+        # FP8: P in [0, 1] times 2^8 keeps 1 exact and the top binades at full E4M3 precision.
+        # The 2^8 is in the exponent (no multiply per score); l_i and acc carry it too, and the
+        # epilogue takes it out of the log-sum-exp.
+        if FP8:  # noqa: SIM108 (constexpr branch: only one side is compiled)
+            p = tl.math.exp2(s - (m_new - 8.0)[:, None])
+        else:
+            p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if FP8:
-            # P in [0, 1] times 2^8 keeps 1 exact and the top binades at full E4M3 precision;
-            # the product is rescaled by the value tile's scale / 2^8 (powers of two: exact).
-            pv = _dot(_to_e4m3(p * 256.0, v.dtype, UPCAST), v, None, DOT_PRECISION, UPCAST)
-            acc += pv * (tl.load(vs_base + start * num_heads) * 0.00390625)
+        if FP8:  # the change of unit (powers of two: exact) rides on alpha
+            tile_unit = tl.load(vs_base + start * num_heads)
+            acc = acc * (alpha * (v_unit / tile_unit))[:, None]
+            acc = _dot(_to_e4m3(p, v.dtype, UPCAST), v, acc, DOT_PRECISION, UPCAST)
+            v_unit = tile_unit
         else:
+            acc = acc * alpha[:, None]
             acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
         m_i = m_new
+    if FP8:
+        acc = acc * v_unit
     return acc, l_i, m_i
 
 
@@ -533,6 +546,8 @@ def jfa_fwd_kernel(
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if FP8:  # l_i holds the row sums times 2^8
+        m_i = m_i - 8.0
     lse = tl.where(empty, float("inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
     o_base = o_ptr + q_start * stride_ot + head * stride_oh
     tl.store(
