@@ -2,10 +2,11 @@
 
 Why FP8 attention is not faster where its MMAs are twice as fast: per key tile, compare the
 cycles the tile's MMAs need with the cycles its warps need to issue their other instructions.
-Hopper issues one warp instruction per clock per SM sub-partition (four per SM) and its dense
+Hopper issues one warp instruction per clock per SM sub-partition (four per SM), its dense
 tensor cores retire 2048 bf16 or 4096 FP8 multiply-adds per clock per SM (989.4 / 1979 TFLOP/s
-at 1.83 GHz over 132 SMs). A loop whose issue cycles exceed its MMA cycles is bound by issue,
-whatever the MMA precision: FP8 then speeds it up only by what it removes from the issue count.
+at 1.83 GHz over 132 SMs) and its special-function units 16 results (``MUFU``: exp2, log2,
+reciprocal) per clock per SM. A loop whose issue (or MUFU) cycles exceed its MMA cycles is
+bound by them, whatever the MMA precision: FP8 then speeds it up only by what it removes there.
 
 Counts come from the SASS of each kernel's steady-state key loop (the innermost loop with MMAs
 and the fewest instructions: the unmasked one), per thread per tile, at the tiles the kernels
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import compile_offline as co  # noqa: E402
 
 MACS_PER_CLOCK = {"bf16": 2048, "fp8": 4096}  # dense, per SM (H100 / H200 SXM)
+MUFU_PER_CLOCK = 16  # per SM
 SUB_PARTITIONS = 4
 MMA_OPCODES = ("HGMMA", "QGMMA")
 
@@ -103,6 +105,8 @@ def budget(name: str) -> dict:
             families[family] += count
     issue = per_thread * warps / SUB_PARTITIONS
     mma_cycles = 2 * block_m * block_n * dim / MACS_PER_CLOCK[mma]
+    mufu_cycles = families["mufu"] * threads / MUFU_PER_CLOCK
+    cycles = {"issue": issue, "mma": mma_cycles, "mufu": mufu_cycles}
     return {
         "kernel": kernel,
         "mma": mma,
@@ -116,7 +120,8 @@ def budget(name: str) -> dict:
         "families_per_score": {f: round(c * threads / scores, 2) for f, c in families.items()},
         "issue_cycles_per_tile": issue,
         "mma_cycles_per_tile": mma_cycles,
-        "bound": "issue" if issue > mma_cycles else "mma",
+        "mufu_cycles_per_tile": mufu_cycles,
+        "bound": max(cycles, key=cycles.get),
         "steady_loop_opcodes": steady,
     }
 
@@ -133,22 +138,24 @@ def main() -> None:
         print(
             f"{name:32s} {row['tile']:8s} {row['instructions_per_thread_per_tile']:4d} instr/thread "
             f"({row['instructions_per_score']:5.2f}/score) issue {row['issue_cycles_per_tile']:6.0f} "
-            f"vs MMA {row['mma_cycles_per_tile']:5.0f} cycles: {row['bound']}-bound",
+            f"MMA {row['mma_cycles_per_tile']:5.0f} MUFU {row['mufu_cycles_per_tile']:5.0f} cycles: "
+            f"{row['bound']}-bound",
             flush=True,
         )  # fmt: skip
 
-    # Predicted speed of each FP8 forward against its bf16 forward: the larger of issue and
-    # MMA cycles per score (the loops overlap the two at best).
+    # Predicted speed of each FP8 forward against its bf16 forward: the largest of the issue,
+    # MMA and MUFU cycles per score (the loops overlap them at best).
     def cycles_per_score(row: dict) -> float:
         block_m, block_n = (int(x) for x in row["tile"].split("x"))
-        return max(row["issue_cycles_per_tile"], row["mma_cycles_per_tile"]) / (block_m * block_n)
+        slowest = max(row[f"{k}_cycles_per_tile"] for k in ("issue", "mma", "mufu"))
+        return slowest / (block_m * block_n)
 
     predicted = {}
     for kind in ("jfa", "gdpa"):
         fp8, bf16 = rows.get(f"{kind}_fwd_fp8"), rows.get(f"{kind}_fwd_bf16")
         if fp8 and bf16:
             predicted[kind] = round(cycles_per_score(bf16) / cycles_per_score(fp8), 3)
-            print(f"{kind}: FP8 / bf16 forward speed, issue-or-MMA bound: {predicted[kind]}x")
+            print(f"{kind}: FP8 / bf16 forward speed, issue / MMA / MUFU bound: {predicted[kind]}x")
     if args.out:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=co.ROOT
@@ -160,8 +167,9 @@ def main() -> None:
             "commit": commit,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": "python benchmarks/tune/fp8_issue_budget.py " + " ".join(sys.argv[1:]),
-            "model": "issue cycles = instructions x warps / 4 sub-partitions; MMA cycles = "
-            "2 x BLOCK_M x BLOCK_N x D / (2048 bf16 or 4096 FP8 MACs per clock per SM)",
+            "model": "per tile and SM: issue cycles = instructions x warps / 4 sub-partitions; "
+            "MMA cycles = 2 x BLOCK_M x BLOCK_N x D / (2048 bf16 or 4096 FP8 MACs per clock); "
+            "MUFU cycles = MUFU instructions x threads / 16",
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(

@@ -94,8 +94,10 @@ def _scores(
     HAS_JAGGED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    SCALED: tl.constexpr = True,
 ):
-    """Scores ``log2(e) * (scale * a @ b + bias)`` of a tile.
+    """Scores ``log2(e) * (scale * a @ b + bias)`` of a tile (``qk_scale`` = log2(e) * scale),
+    or without ``SCALED`` the same before the multiply by ``qk_scale``.
 
     The bias tiles (``rel_tile`` from the ``rel_pos_bias`` strip, ``jb_tile`` from the jagged
     bias, both raw values loaded one iteration ahead by the caller) enter as the accumulator of
@@ -117,7 +119,9 @@ def _scores(
         s = _dot(a, b, None, DOT_PRECISION, UPCAST)
     if HAS_REL and REL_CONST:
         s += rel_value
-    return s * qk_scale
+    if SCALED:
+        s = s * qk_scale
+    return s
 
 
 @triton.jit
@@ -324,7 +328,7 @@ def _fwd_inner(
             tile_rel = rel_value / qk_s
         s = _scores(
             q, kt, tile_scale, tile_rel, rel_tile, jb_tile, HAS_REL, REL_CONST, HAS_JAGGED,
-            DOT_PRECISION, UPCAST,
+            DOT_PRECISION, UPCAST, SCALED=not FP8,
         )  # fmt: skip
         if MASKED:
             s = _mask_scores(s, offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left,
@@ -335,13 +339,16 @@ def _fwd_inner(
                                  left, right, HAS_LEFT, HAS_RIGHT, float("-inf"))  # fmt: skip
         # m_i starts at a finite -1e30, so a row whose tile is fully masked keeps alpha = 1 and
         # p = 0 instead of producing inf - inf.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # FP8: P in [0, 1] times 2^8 keeps 1 exact and the top binades at full E4M3 precision.
-        # The 2^8 is in the exponent (no multiply per score); l_i and acc carry it too, and the
+        # FP8: s is unscaled; the row maximum is taken before the scale (positive: the host
+        # negates q for a negative one), which then rides in the exponent's multiply-add instead
+        # of a multiply per score. P in [0, 1] times 2^8 keeps 1 exact and the top binades at
+        # full E4M3 precision; the 2^8 is in the exponent too, l_i and acc carry it, and the
         # epilogue takes it out of the log-sum-exp.
-        if FP8:  # noqa: SIM108 (constexpr branch: only one side is compiled)
-            p = tl.math.exp2(s - (m_new - 8.0)[:, None])
+        if FP8:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * tile_scale)
+            p = tl.math.exp2(s * tile_scale - (m_new - 8.0)[:, None])
         else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -409,7 +416,7 @@ def jfa_fwd_kernel(
     """One program per (query tile, head). ``ONE_LOOP`` (unbiased calls): one key loop that
     masks only the tiles needing it (see :func:`_fwd_inner`). ``FP8``: q, k, v are E4M3 with
     per-token power-of-two scales ``qs_ptr`` / ``ks_ptr`` / ``vs_ptr`` (``(tokens, heads)``
-    float32, constant over each ``FP8_BLOCK``-token block of a sample)."""
+    float32, constant over each ``FP8_BLOCK``-token block of a sample) and ``qk_scale > 0``."""
     pid = tl.program_id(0)
     tile = pid // num_heads
     head = pid % num_heads
