@@ -43,3 +43,12 @@ def test_fp8_jfa_forward_key_loop_issues_fewer_instructions_than_bf16():
     assert "QGMMA.64" in fp8["steady_loop_opcodes"] and "HGMMA.64" in bf16["steady_loop_opcodes"]
     assert fp8["bound"] == "issue" and bf16["bound"] == "mma"
     assert fp8["instructions_per_thread_per_tile"] < bf16["instructions_per_thread_per_tile"]
+
+
+def test_gdpa_silu_forward_key_loop_is_not_issue_bound():
+    """silu, the GEM model's GDPA activation: its sigmoid (approximate exponential and
+    reciprocal, one special-function instruction each) must leave the bf16 forward's key loop
+    bound by its MMAs; ``tl.sigmoid``'s full-range versions made it issue 27% more cycles."""
+    row = fp8_issue_budget.budget("gdpa_silu_fwd_bf16")
+    assert row["steady_loop_opcodes"].get("MUFU.RCP", 0) > 0
+    assert row["issue_cycles_per_tile"] <= row["mma_cycles_per_tile"]

@@ -67,6 +67,16 @@ VARIANTS = {
         co._GDPA, "gdpa_fwd_kernel", dict(_GDPA, FP8=False), _BF16_POINTERS, 8, 3, "bf16",
     ),
     "gdpa_fwd_fp8": (co._GDPA, "gdpa_fwd_kernel", _GDPA, _FP8_POINTERS, 8, 3, "fp8"),
+    # silu, the GEM model's GDPA activation (float32, no packed path).
+    "gdpa_silu_fwd_bf16": (
+        co._GDPA, "gdpa_fwd_kernel",
+        dict(_GDPA, FP8=False, ACT=0, ONE_LOOP=True, PIPELINE=True, KV_TMA=False,
+             WARP_SPECIALIZE=False),
+        _BF16_POINTERS, 8, 4, "bf16",
+    ),
+    "gdpa_silu_fwd_fp8": (
+        co._GDPA, "gdpa_fwd_kernel", dict(_GDPA, ACT=0), _FP8_POINTERS, 8, 3, "fp8",
+    ),
 }  # fmt: skip
 
 # Opcode families reported beside the total (the rest is addressing, loads, barriers, MMA).
@@ -151,7 +161,7 @@ def main() -> None:
         return slowest / (block_m * block_n)
 
     predicted = {}
-    for kind in ("jfa", "gdpa"):
+    for kind in ("jfa", "gdpa", "gdpa_silu"):
         fp8, bf16 = rows.get(f"{kind}_fwd_fp8"), rows.get(f"{kind}_fwd_bf16")
         if fp8 and bf16:
             predicted[kind] = round(cycles_per_score(bf16) / cycles_per_score(fp8), 3)
