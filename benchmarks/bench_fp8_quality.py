@@ -25,8 +25,8 @@ task on the same held-out users. Only the numerics of the dense ``nn.Linear`` GE
   the first (:func:`reference`);
 * ``fp32``: the unchanged model, for reference;
 * ``bf16-repeat`` / ``bf16-attention-repeat``: ``bf16`` / ``bf16-attention`` run again, the
-  run-to-run noise floor (zero on a deterministic
-  device; on a GPU, atomics in the embedding and attention backward make runs differ).
+  run-to-run noise floor (zero on a deterministic device; on a GPU, atomics in the embedding
+  and attention backward make runs differ).
 
 The same layers are converted in every non-fp32 provider: all linears with
 ``min(in, out) >= 16`` (the 1-wide task-head outputs and the 8-wide dense-feature projection
@@ -67,6 +67,7 @@ from gem_train.trainer import Trainer
 from harness import ROOT, meta, write_results
 
 _ALL_FP8 = ["precision.mode=fp8", "precision.bf16_layers="]
+_BF16_ATTENTION = ["precision.mode=bf16", "model.attention_dtype=bfloat16"]
 PROVIDERS: dict[str, list[str]] = {
     "fp32": ["precision.mode=fp32"],
     "bf16": ["precision.mode=bf16"],
@@ -78,13 +79,9 @@ PROVIDERS: dict[str, list[str]] = {
     "gem-bf16wgrad": [*_ALL_FP8, "precision.wgrad_in_bf16=true"],
     "gem-all-fp8-emulated": _ALL_FP8,
     # Issue 29: FP8 attention against bf16 attention (bf16 GEMMs in both).
-    "bf16-attention": ["precision.mode=bf16", "model.attention_dtype=bfloat16"],
-    "bf16-attention-repeat": ["precision.mode=bf16", "model.attention_dtype=bfloat16"],
-    "gem-fp8-attention": [
-        "precision.mode=bf16",
-        "model.attention_dtype=bfloat16",
-        "precision.fp8_attention=*",
-    ],
+    "bf16-attention": _BF16_ATTENTION,
+    "bf16-attention-repeat": _BF16_ATTENTION,
+    "gem-fp8-attention": [*_BF16_ATTENTION, "precision.fp8_attention=*"],
 }
 # Not in the default run: the noise floor and the emulated GEMMs only tell something on a GPU;
 # the attention pair is its own comparison (--providers bf16-attention,gem-fp8-attention).

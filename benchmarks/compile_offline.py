@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import types
+from collections import Counter
 from pathlib import Path
 
 import triton
@@ -177,6 +178,8 @@ def _load_module(path: Path) -> types.ModuleType:
 
 
 FLOAT_ARGS = ("scale", "qk_scale", "eps")
+# A SASS line's opcode, after its address and an optional predicate (@P0, @!UP1).
+_OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
 def compile_sm90(path, kernel, constexprs, pointer_types, warps, stages) -> dict:
@@ -246,6 +249,17 @@ def compile_sm90(path, kernel, constexprs, pointer_types, warps, stages) -> dict
         for a, b in loops
         if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)
     ]
+    # The opcode mix of each innermost loop (its steady state: what one key tile costs).
+    loop_opcodes = [
+        dict(
+            sorted(
+                Counter(
+                    found.group(1) for ln in lines[a : b + 1] if (found := _OPCODE.search(ln))
+                ).items()
+            )
+        )
+        for a, b in innermost
+    ]
     return {
         "kernel": kernel,
         "triton": triton.__version__,
@@ -260,6 +274,7 @@ def compile_sm90(path, kernel, constexprs, pointer_types, warps, stages) -> dict
         "spill_lines": spills,
         "spills_in_innermost_loops": sum(any(a <= i <= b for a, b in innermost) for i in spills),
         "layout_conversions": compiled.asm["ttgir"].count("ttg.convert_layout"),
+        "innermost_loop_opcodes": loop_opcodes,
     }
 
 

@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "tune"))
 
 import compile_offline  # noqa: E402
+import fp8_issue_budget  # noqa: E402
 
 
 @pytest.mark.parametrize("preset", sorted(compile_offline.PRESETS))
@@ -20,6 +22,7 @@ def test_presets_compile_for_hopper_without_a_gpu(preset):
     assert got["shared_bytes"] > 0 and got["LDG"] > 0 and got["STG"] > 0
     if preset == "gdpa_dkdv":  # the fused backward: wgmma and a persistent loop around a tile loop
         assert got["HGMMA"] > 0 and len(got["loops"]) >= 2
+        assert any("HGMMA.64" in mix for mix in got["innermost_loop_opcodes"])
     assert 0 <= got["spills_in_innermost_loops"] <= len(got["spill_lines"])
 
 
@@ -29,3 +32,23 @@ def test_cli_rejects_an_unknown_constexpr():
         [sys.executable, str(script), "dy", "--set", "NOT_A_FLAG=1"], capture_output=True, text=True
     )
     assert proc.returncode != 0 and "NOT_A_FLAG" in proc.stderr
+
+
+def test_fp8_jfa_forward_key_loop_issues_fewer_instructions_than_bf16():
+    """The FP8 forward's key loop is bound by instruction issue, not by its MMAs: it must not
+    issue more per tile than the bf16 loop it is meant to beat (P's 2^8 rides in the exponent,
+    P V accumulates in the MMA)."""
+    fp8 = fp8_issue_budget.budget("jfa_fwd_fp8")
+    bf16 = fp8_issue_budget.budget("jfa_fwd_bf16")
+    assert "QGMMA.64" in fp8["steady_loop_opcodes"] and "HGMMA.64" in bf16["steady_loop_opcodes"]
+    assert fp8["bound"] == "issue" and bf16["bound"] == "mma"
+    assert fp8["instructions_per_thread_per_tile"] < bf16["instructions_per_thread_per_tile"]
+
+
+def test_gdpa_silu_forward_key_loop_is_not_issue_bound():
+    """silu, the GEM model's GDPA activation: its sigmoid (approximate exponential and
+    reciprocal, one special-function instruction each) must leave the bf16 forward's key loop
+    bound by its MMAs; ``tl.sigmoid``'s full-range versions made it issue 27% more cycles."""
+    row = fp8_issue_budget.budget("gdpa_silu_fwd_bf16")
+    assert row["steady_loop_opcodes"].get("MUFU.RCP", 0) > 0
+    assert row["issue_cycles_per_tile"] <= row["mma_cycles_per_tile"]

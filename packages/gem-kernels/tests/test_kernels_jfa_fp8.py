@@ -304,6 +304,25 @@ def test_kernels_forward_matches_emulation_with_one_key_tile(interpret):
     torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("scale", [-0.4, 0.4])
+def test_kernels_forward_with_either_sign_of_scale_matches_emulation(interpret, scale):
+    # The FP8 forward takes each row's maximum before the scale, which must be positive: the
+    # host negates q for a negative one. One key tile per row, biases in the dot: the same P.
+    lengths = [0, 1, 9, 16, 13]
+    tensors, _ = _inputs(lengths, None, ("rel", "jagged"), seed=9, dtype=torch.float16)
+    q, k, v = tensors["q"], tensors["k"], tensors["v"]
+    call = dict(causal=True, scale=scale, rel_pos_bias=tensors["rel_pos_bias"],
+                jagged_bias=tensors["jagged_bias"], precision="fp8")  # fmt: skip
+    out, lse = forward_from_lengths(q, k, v, torch.tensor(lengths), **call)
+    want, want_lse = reference.jagged_flash_attention_reference(
+        q, k, v, offsets_of(lengths), return_lse=True, **call
+    )
+    torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    torch.testing.assert_close(lse[finite], want_lse[finite], rtol=0, atol=1e-5)
+
+
 def test_kernels_long_sample_and_rows_without_keys(interpret):
     q_lengths, k_lengths = [130, 5, 3], [140, 0, 2]
     tensors, grad_out = _inputs(q_lengths, k_lengths, (), seed=8)

@@ -60,6 +60,27 @@ ACT_GELU_FAST = 3
 ACT_RELU2 = 4
 ACT_IDENTITY = 5
 
+if interpret_requested():
+
+    @triton.jit
+    def _sigmoid(x):
+        return tl.sigmoid(x)
+
+else:
+
+    @triton.jit
+    def _sigmoid(x):
+        """1 / (1 + 2^(-x log2 e)) from the flush-to-zero approximate exponential and reciprocal
+        (one special-function instruction each, relative error near 2^-22): ``tl.sigmoid``'s
+        full-range exponential and division cost about 10 more instructions per score, which
+        made the silu / gelu_tanh loops issue-bound (``benchmarks/tune/fp8_issue_budget.py``).
+        Large negative x: the exponential overflows to inf and the reciprocal gives 0."""
+        e = tl.math.exp2(x * -1.4426950408889634)
+        return tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
 # The polynomial of reference.gelu_fast (globals read by a jit function must be constexpr).
 assert len(_GELU_FAST_COEFFS) == 5, "the kernels hard-code a degree-4 P of reference.gelu_fast"
 _GF0 = tl.constexpr(_GELU_FAST_COEFFS[0])
@@ -262,12 +283,12 @@ def _ds_packed(s, dp, PACKED: tl.constexpr):
 def _act(s, ACT: tl.constexpr):
     """act(s), element-wise, float32."""
     if ACT == 0:
-        a = s * tl.sigmoid(s)
+        a = s * _sigmoid(s)
     elif ACT == 1:
         a = 0.5 * s * (1.0 + tl.math.erf(s * 0.7071067811865476))
     elif ACT == 2:
         # 0.5 * (1 + tanh(x)) == sigmoid(2x): gelu_tanh(s) = s * sigmoid(2k(s + 0.044715 s^3)).
-        a = s * tl.sigmoid(1.5957691216057308 * s * (1.0 + 0.044715 * s * s))
+        a = s * _sigmoid(1.5957691216057308 * s * (1.0 + 0.044715 * s * s))
     elif ACT == 3:
         cdf, raw, s2, poly = _gelu_fast_cdf(s)
         a = s * cdf
@@ -283,7 +304,7 @@ def _act(s, ACT: tl.constexpr):
 def _act_grad(s, ACT: tl.constexpr):
     """(act(s), act'(s)), element-wise, float32."""
     if ACT == 0:
-        sig = tl.sigmoid(s)
+        sig = _sigmoid(s)
         a = s * sig
         g = sig * (1.0 + s * (1.0 - sig))
     elif ACT == 1:
@@ -292,7 +313,7 @@ def _act_grad(s, ACT: tl.constexpr):
         g = cdf + s * (0.3989422804014327 * tl.exp(-0.5 * s * s))
     elif ACT == 2:
         s2 = s * s
-        sig = tl.sigmoid(1.5957691216057308 * s * (1.0 + 0.044715 * s2))
+        sig = _sigmoid(1.5957691216057308 * s * (1.0 + 0.044715 * s2))
         a = s * sig
         g = sig + s * sig * (1.0 - sig) * (1.5957691216057308 * (1.0 + 0.134145 * s2))
     elif ACT == 3:

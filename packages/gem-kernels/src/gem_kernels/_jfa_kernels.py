@@ -94,8 +94,10 @@ def _scores(
     HAS_JAGGED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    SCALED: tl.constexpr = True,
 ):
-    """Scores ``log2(e) * (scale * a @ b + bias)`` of a tile.
+    """Scores ``log2(e) * (scale * a @ b + bias)`` of a tile (``qk_scale`` = log2(e) * scale),
+    or without ``SCALED`` the same before the multiply by ``qk_scale``.
 
     The bias tiles (``rel_tile`` from the ``rel_pos_bias`` strip, ``jb_tile`` from the jagged
     bias, both raw values loaded one iteration ahead by the caller) enter as the accumulator of
@@ -117,7 +119,9 @@ def _scores(
         s = _dot(a, b, None, DOT_PRECISION, UPCAST)
     if HAS_REL and REL_CONST:
         s += rel_value
-    return s * qk_scale
+    if SCALED:
+        s = s * qk_scale
+    return s
 
 
 @triton.jit
@@ -262,6 +266,11 @@ def _fwd_inner(
         rel_next = _strip_load(
             rs_base, g0 - start_n, strip_offsets, num_buckets, start_n < end_n, STRIP_P, STRIP_W
         )
+    # FP8: inside the loop acc is in units of the current value tile's scale, so that P V
+    # accumulates into it in the MMA (no second register tile, no multiply-add per element);
+    # it enters and leaves in plain units. Exact while a sample's value blocks have scales
+    # within 2^100 of each other.
+    v_unit = 1.0
     for start in range(start_n, end_n, BLOCK_N):
         jb_tile = jb_next
         rel_tile = rel_next
@@ -319,7 +328,7 @@ def _fwd_inner(
             tile_rel = rel_value / qk_s
         s = _scores(
             q, kt, tile_scale, tile_rel, rel_tile, jb_tile, HAS_REL, REL_CONST, HAS_JAGGED,
-            DOT_PRECISION, UPCAST,
+            DOT_PRECISION, UPCAST, SCALED=not FP8,
         )  # fmt: skip
         if MASKED:
             s = _mask_scores(s, offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left,
@@ -330,19 +339,30 @@ def _fwd_inner(
                                  left, right, HAS_LEFT, HAS_RIGHT, float("-inf"))  # fmt: skip
         # m_i starts at a finite -1e30, so a row whose tile is fully masked keeps alpha = 1 and
         # p = 0 instead of producing inf - inf.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
+        # FP8: s is unscaled; the row maximum is taken before the scale (positive: the host
+        # negates q for a negative one), which then rides in the exponent's multiply-add instead
+        # of a multiply per score. P in [0, 1] times 2^8 keeps 1 exact and the top binades at
+        # full E4M3 precision; the 2^8 is in the exponent too, l_i and acc carry it, and the
+        # epilogue takes it out of the log-sum-exp.
+        if FP8:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * tile_scale)
+            p = tl.math.exp2(s * tile_scale - (m_new - 8.0)[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if FP8:
-            # P in [0, 1] times 2^8 keeps 1 exact and the top binades at full E4M3 precision;
-            # the product is rescaled by the value tile's scale / 2^8 (powers of two: exact).
-            pv = _dot(_to_e4m3(p * 256.0, v.dtype, UPCAST), v, None, DOT_PRECISION, UPCAST)
-            acc += pv * (tl.load(vs_base + start * num_heads) * 0.00390625)
+        if FP8:  # the change of unit (powers of two: exact) rides on alpha
+            tile_unit = tl.load(vs_base + start * num_heads)
+            acc = acc * (alpha * (v_unit / tile_unit))[:, None]
+            acc = _dot(_to_e4m3(p, v.dtype, UPCAST), v, acc, DOT_PRECISION, UPCAST)
+            v_unit = tile_unit
         else:
+            acc = acc * alpha[:, None]
             acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, UPCAST)
         m_i = m_new
+    if FP8:
+        acc = acc * v_unit
     return acc, l_i, m_i
 
 
@@ -396,7 +416,7 @@ def jfa_fwd_kernel(
     """One program per (query tile, head). ``ONE_LOOP`` (unbiased calls): one key loop that
     masks only the tiles needing it (see :func:`_fwd_inner`). ``FP8``: q, k, v are E4M3 with
     per-token power-of-two scales ``qs_ptr`` / ``ks_ptr`` / ``vs_ptr`` (``(tokens, heads)``
-    float32, constant over each ``FP8_BLOCK``-token block of a sample)."""
+    float32, constant over each ``FP8_BLOCK``-token block of a sample) and ``qk_scale > 0``."""
     pid = tl.program_id(0)
     tile = pid // num_heads
     head = pid % num_heads
@@ -533,6 +553,8 @@ def jfa_fwd_kernel(
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if FP8:  # l_i holds the row sums times 2^8
+        m_i = m_i - 8.0
     lse = tl.where(empty, float("inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
     o_base = o_ptr + q_start * stride_ot + head * stride_oh
     tl.store(

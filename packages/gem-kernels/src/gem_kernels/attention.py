@@ -374,8 +374,9 @@ def gdpa(
         precision: ``"bf16"`` (default): GEMMs on the input dtype's operands. ``"fp8"``
             (float16/bfloat16 inputs): q, k, v quantised to E4M3 in blocks of
             ``reference.FP8_BLOCK`` tokens with power-of-two scales; Q K^T, A V (A divided by a
-            power-of-two scale per query row from a bound on |A|) and the backward's Q K^T
-            recompute and dV = A^T dO (A scaled per key) run in FP8 with float32
+            power-of-two scale per query row and ``reference.FP8_ACT_TILE`` keys, from their
+            maximum) and the backward's Q K^T recompute and dV = A^T dO (A scaled per key and
+            ``FP8_ACT_TILE`` queries) run in FP8 with float32
             accumulation, dA = dO V^T, dQ and dK in the input precision. The reference backend
             runs an emulation with the kernels' numerics (``reference.gdpa_fp8_backward``).
 

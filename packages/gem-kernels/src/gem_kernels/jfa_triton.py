@@ -554,9 +554,10 @@ def _forward(q, k, v, rel_pos_bias, jagged_bias, plan: _Plan, launch: _Launch):
     if num_tiles == 0:
         return out, lse
     cfg = launch.config
-    rel, jb, num_buckets, stride_rel, stride_jb = _bias_args(
-        q, rel_pos_bias, jagged_bias, launch.scale
-    )
+    scale = launch.scale
+    if launch.fp8 and scale < 0:  # the FP8 kernel takes each row's maximum before the scale
+        q, scale = -q, -scale
+    rel, jb, num_buckets, stride_rel, stride_jb = _bias_args(q, rel_pos_bias, jagged_bias, scale)
     fp8 = {}
     if launch.fp8:
         ops8 = _fp8_operands(q, k, v, launch)
@@ -566,7 +567,7 @@ def _forward(q, k, v, rel_pos_bias, jagged_bias, plan: _Plan, launch: _Launch):
         q, k, v, out, lse, plan.fwd, rel, jb,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), lse.stride(0), stride_rel, stride_jb,
-        heads, num_buckets, launch.left or 0, launch.right or 0, launch.scale * _LOG2E,
+        heads, num_buckets, launch.left or 0, launch.right or 0, scale * _LOG2E,
         BLOCK_M=cfg.fwd_block_m, BLOCK_N=cfg.fwd_block_n,
         HAS_REL=rel_pos_bias is not None, HAS_JAGGED=jagged_bias is not None,
         ONE_LOOP=cfg.fwd_one_loop, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,

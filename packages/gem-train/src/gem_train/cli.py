@@ -395,7 +395,9 @@ def run(
     }
     if rank == 0:
         output.mkdir(parents=True, exist_ok=True)
-        (output / "summary.json").write_text(json.dumps(json_ready(summary), indent=2))
+        (output / "summary.json").write_text(
+            json.dumps(json_ready(summary), indent=2, allow_nan=False)
+        )
     _print_summary(console, summary)
     if rank == 0:
         # Unwrapped and literal, so the path can be copied (and read by scripts) as printed.
