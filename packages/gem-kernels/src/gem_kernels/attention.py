@@ -299,10 +299,10 @@ def jagged_flash_attention(
             ``"reference"``: always the PyTorch reference.
         precision: ``"bf16"`` (default): GEMMs on the input dtype's operands. ``"fp8"``
             (float16/bfloat16 inputs): q, k, v quantised to E4M3 in blocks of
-            ``reference.FP8_BLOCK`` tokens with power-of-two scales; forward Q K^T and P V,
-            and the backward's Q K^T recompute and dV = P^T dO run in FP8 (float32
-            accumulation), dP, dQ and dK in the input precision. The reference backend runs
-            an emulation with the kernels' numerics (``reference.jagged_flash_attention_fp8_*``).
+            ``reference.FP8_BLOCK`` tokens with power-of-two scales; the forward's Q K^T and
+            P V run in FP8 (float32 accumulation); the backward runs in the input precision,
+            given the FP8 forward's output and log-sum-exp. The reference backend runs an
+            emulation with the kernels' numerics (``reference.jagged_flash_attention_fp8_*``).
 
     Returns:
         ``(Tq, H, D)`` in q's dtype. Rows that see no key (empty KV, or fully masked) are 0.
@@ -375,10 +375,9 @@ def gdpa(
             (float16/bfloat16 inputs): q, k, v quantised to E4M3 in blocks of
             ``reference.FP8_BLOCK`` tokens with power-of-two scales; Q K^T, A V (A divided by a
             power-of-two scale per query row and ``reference.FP8_ACT_TILE`` keys, from their
-            maximum) and the backward's Q K^T recompute and dV = A^T dO (A scaled per key and
-            ``FP8_ACT_TILE`` queries) run in FP8 with float32
-            accumulation, dA = dO V^T, dQ and dK in the input precision. The reference backend
-            runs an emulation with the kernels' numerics (``reference.gdpa_fp8_backward``).
+            maximum) run in FP8 with float32 accumulation; the backward runs in the input
+            precision. The reference backend runs an emulation with the kernels' numerics
+            (``reference.gdpa_fp8_backward``).
 
     Returns:
         Output in q's dtype: ``(Tq, H, D)``, or ``(B * Nq, H, D)`` in PMA mode.
