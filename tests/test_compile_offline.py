@@ -34,15 +34,16 @@ def test_cli_rejects_an_unknown_constexpr():
     assert proc.returncode != 0 and "NOT_A_FLAG" in proc.stderr
 
 
-def test_fp8_jfa_forward_key_loop_issues_fewer_instructions_than_bf16():
-    """The FP8 forward's key loop is bound by instruction issue, not by its MMAs: it must not
-    issue more per tile than the bf16 loop it is meant to beat (P's 2^8 rides in the exponent,
-    P V accumulates in the MMA)."""
+def test_fp8_jfa_forward_key_loop_issues_close_to_its_mma_time():
+    """The FP8 forward's key loop is bound by instruction issue, not by its MMAs (twice as
+    fast as bf16's): it must issue within 20% of its MMA cycles (P's 2^8 and the score scale
+    ride in the exponent, P V accumulates in the MMA; 47% over before), while bf16's loop
+    stays MMA-bound."""
     fp8 = fp8_issue_budget.budget("jfa_fwd_fp8")
     bf16 = fp8_issue_budget.budget("jfa_fwd_bf16")
     assert "QGMMA.64" in fp8["steady_loop_opcodes"] and "HGMMA.64" in bf16["steady_loop_opcodes"]
-    assert fp8["bound"] == "issue" and bf16["bound"] == "mma"
-    assert fp8["instructions_per_thread_per_tile"] < bf16["instructions_per_thread_per_tile"]
+    assert bf16["bound"] == "mma"
+    assert fp8["issue_cycles_per_tile"] <= 1.2 * fp8["mma_cycles_per_tile"]
 
 
 def test_gdpa_silu_forward_key_loop_is_not_issue_bound():

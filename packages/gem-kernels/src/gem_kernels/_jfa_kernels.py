@@ -266,6 +266,7 @@ def _fwd_inner(
         rel_next = _strip_load(
             rs_base, g0 - start_n, strip_offsets, num_buckets, start_n < end_n, STRIP_P, STRIP_W
         )
+    P_LOG2: tl.constexpr = 8.0 if FP8 else 0.0  # log2 of P's scale (FP8: see below)
     # FP8: inside the loop acc is in units of the current value tile's scale, so that P V
     # accumulates into it in the MMA (no second register tile, no multiply-add per element);
     # it enters and leaves in plain units. Exact while a sample's value blocks have scales
@@ -328,7 +329,7 @@ def _fwd_inner(
             tile_rel = rel_value / qk_s
         s = _scores(
             q, kt, tile_scale, tile_rel, rel_tile, jb_tile, HAS_REL, REL_CONST, HAS_JAGGED,
-            DOT_PRECISION, UPCAST, SCALED=not FP8,
+            DOT_PRECISION, UPCAST, SCALED=False,
         )  # fmt: skip
         if MASKED:
             s = _mask_scores(s, offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left,
@@ -338,18 +339,14 @@ def _fwd_inner(
                 s = _mask_scores(s, offs_m[:, None], offs_n[None, :], shift, q_len, k_len,
                                  left, right, HAS_LEFT, HAS_RIGHT, float("-inf"))  # fmt: skip
         # m_i starts at a finite -1e30, so a row whose tile is fully masked keeps alpha = 1 and
-        # p = 0 instead of producing inf - inf.
-        # FP8: s is unscaled; the row maximum is taken before the scale (positive: the host
-        # negates q for a negative one), which then rides in the exponent's multiply-add instead
-        # of a multiply per score. P in [0, 1] times 2^8 keeps 1 exact and the top binades at
-        # full E4M3 precision; the 2^8 is in the exponent too, l_i and acc carry it, and the
-        # epilogue takes it out of the log-sum-exp.
-        if FP8:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * tile_scale)
-            p = tl.math.exp2(s * tile_scale - (m_new - 8.0)[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
+        # p = 0 instead of producing inf - inf. s is unscaled: each row's maximum is taken
+        # before the scale (positive: the host negates q for a negative one), which then rides
+        # in the exponent's multiply-add instead of a multiply per score (the same values: a
+        # positive scale keeps the order). FP8: P in [0, 1] times 2^8 keeps 1 exact and the top
+        # binades at full E4M3 precision; the 2^8 is in the exponent too, l_i and acc carry it,
+        # and the epilogue takes it out of the log-sum-exp.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * tile_scale)
+        p = tl.math.exp2(s * tile_scale - (m_new - P_LOG2)[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if FP8:  # the change of unit (powers of two: exact) rides on alpha
@@ -416,7 +413,7 @@ def jfa_fwd_kernel(
     """One program per (query tile, head). ``ONE_LOOP`` (unbiased calls): one key loop that
     masks only the tiles needing it (see :func:`_fwd_inner`). ``FP8``: q, k, v are E4M3 with
     per-token power-of-two scales ``qs_ptr`` / ``ks_ptr`` / ``vs_ptr`` (``(tokens, heads)``
-    float32, constant over each ``FP8_BLOCK``-token block of a sample) and ``qk_scale > 0``."""
+    float32, constant over each ``FP8_BLOCK``-token block of a sample). ``qk_scale > 0``."""
     pid = tl.program_id(0)
     tile = pid // num_heads
     head = pid % num_heads
