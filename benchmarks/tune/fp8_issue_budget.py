@@ -55,6 +55,14 @@ VARIANTS = {
         co._JFA, "jfa_fwd_kernel", dict(_JFA, FP8=False, stride_vd=1), _BF16_POINTERS, 8, 3, "bf16",
     ),
     "jfa_fwd_fp8": (co._JFA, "jfa_fwd_kernel", _JFA, _FP8_POINTERS, 8, 3, "fp8"),
+    # The GEM model's windowed causal self-attention up to 1024 events (d128_short_masked:
+    # 64x32, 4 warps, one loop whose masked tiles branch to the mask: both paths counted).
+    "jfa_fwd_bf16_window": (
+        co._JFA, "jfa_fwd_kernel",
+        dict(_JFA, FP8=False, stride_vd=1, HAS_LEFT=True, HAS_RIGHT=True, BLOCK_M=64, BLOCK_N=32,
+             ONE_LOOP=True),
+        _BF16_POINTERS, 4, 3, "bf16",
+    ),
     # GDPA self, gelu_fast: bf16's d128_long forward (pipelined one loop, packed f16x2
     # activation, 4 stages) and the phased loop FP8 mode runs; the bf16 phased loop (packed and
     # float32 activation) separates the loop's share from the activation's.

@@ -75,6 +75,24 @@ def _visible(rows, cols, shift, q_len, k_len, left, right, HAS_LEFT, HAS_RIGHT):
 
 
 @triton.jit
+def _mask_tile(tile, rows, start, BLOCK_N: tl.constexpr, shift, k_len, left, right,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, fill):  # fmt: skip
+    """The forward's score ``tile`` (sample-local query ``rows`` x the BLOCK_N keys from
+    ``start``) with the pairs outside the mask set to ``fill``: keys past the sample and
+    outside each row's window. The tile-local key index meets per-row bounds, so the loop's
+    key offset stays out of the per-score compares (with it they ran in 64 bits), and rows
+    past the sample are left as they are (never stored)."""
+    j = tl.arange(0, BLOCK_N)[None, :]
+    end = k_len - start
+    if HAS_RIGHT:
+        end = tl.minimum(end, rows + (shift + right + 1 - start))
+    mask = j < end
+    if HAS_LEFT:
+        mask = mask & (j >= rows + (shift - left - start))
+    return tl.where(mask, tile, fill)
+
+
+@triton.jit
 def _mask_scores(tile, rows, cols, shift, q_len, k_len, left, right, HAS_LEFT, HAS_RIGHT, fill):
     """``tile`` with the pairs outside the mask (see :func:`_visible`) set to ``fill``."""
     visible = _visible(rows, cols, shift, q_len, k_len, left, right, HAS_LEFT, HAS_RIGHT)
@@ -332,12 +350,12 @@ def _fwd_inner(
             DOT_PRECISION, UPCAST, SCALED=False,
         )  # fmt: skip
         if MASKED:
-            s = _mask_scores(s, offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left,
-                             right, HAS_LEFT, HAS_RIGHT, float("-inf"))  # fmt: skip
+            s = _mask_tile(s, offs_m[:, None], start, BLOCK_N, shift, k_len, left, right,
+                           HAS_LEFT, HAS_RIGHT, float("-inf"))  # fmt: skip
         elif ONE_LOOP:  # noqa: SIM102 (a constexpr branch, then a runtime one)
             if (start < mask_lo) | (start >= mask_hi):
-                s = _mask_scores(s, offs_m[:, None], offs_n[None, :], shift, q_len, k_len,
-                                 left, right, HAS_LEFT, HAS_RIGHT, float("-inf"))  # fmt: skip
+                s = _mask_tile(s, offs_m[:, None], start, BLOCK_N, shift, k_len, left, right,
+                               HAS_LEFT, HAS_RIGHT, float("-inf"))  # fmt: skip
         # m_i starts at a finite -1e30, so a row whose tile is fully masked keeps alpha = 1 and
         # p = 0 instead of producing inf - inf. s is unscaled: each row's maximum is taken
         # before the scale (positive: the host negates q for a negative one), which then rides
