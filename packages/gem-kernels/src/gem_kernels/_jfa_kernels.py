@@ -77,7 +77,7 @@ def _visible(rows, cols, shift, q_len, k_len, left, right, HAS_LEFT, HAS_RIGHT):
 @triton.jit
 def _mask_tile(tile, rows, start, BLOCK_N: tl.constexpr, shift, k_len, left, right,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, fill):  # fmt: skip
-    """The forward's score ``tile`` (sample-local query ``rows`` x the BLOCK_N keys from
+    """A forward or dQ ``tile`` (sample-local query ``rows`` x the BLOCK_N keys from
     ``start``) with the pairs outside the mask set to ``fill``: keys past the sample and
     outside each row's window. The tile-local key index meets per-row bounds, so the loop's
     key offset stays out of the per-score compares (with it they ran in 64 bits), and rows
@@ -1220,9 +1220,9 @@ def _dq_inner(
                 DOT_PRECISION, UPCAST,
             )  # fmt: skip
         p = tl.math.exp2(s - lse[:, None])
-        if MASKED:
-            p = _mask_scores(p, offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left,
-                             right, HAS_LEFT, HAS_RIGHT, 0.0)  # fmt: skip
+        if MASKED:  # rows past the sample have p = 0 already (their lse loads as inf)
+            p = _mask_tile(p, offs_m[:, None], start, BLOCK_N, shift, k_len, left, right,
+                           HAS_LEFT, HAS_RIGHT, 0.0)  # fmt: skip
         dp = _dot(do, vt, None, DOT_PRECISION, UPCAST)
         ds = p * (dp - delta[:, None])
         dq = _dot(ds.to(kt.dtype), tl.trans(kt), dq, DOT_PRECISION, UPCAST)
