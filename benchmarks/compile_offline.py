@@ -136,6 +136,16 @@ _GDPA_FP8 = dict(
 )  # fmt: skip
 
 
+_GDPA_SILU = dict(
+    HEAD_DIM=128, BLOCK_D=128, ACT=0, HAS_LEFT=False, HAS_RIGHT=False, NORMALIZE=False,
+    DOT_PRECISION="tf32", UPCAST=False,
+)  # fmt: skip
+_GDPA_SILU_PTRS = {
+    "items_ptr": "i64", "steps_ptr": "i64", "bounds_ptr": "i64", "part_ptr": "fp32",
+    "dq_ptr": "fp32", "dkp_ptr": "fp32", "dvp_ptr": "fp32", "*": "bf16",
+}  # fmt: skip
+
+
 def _e4m3(*names: str) -> dict:
     return dict(_FP8_POINTERS, **dict.fromkeys(names, "fp8e4nv"))
 
@@ -148,6 +158,23 @@ PRESETS |= {
     "gdpa_fwd_fp8": (
         _GDPA, "gdpa_fwd_kernel", dict(_GDPA_FP8, BLOCK_M=128, BLOCK_N=64),
         _e4m3("q_ptr", "k_ptr", "v_ptr"), 8, 3,
+    ),
+    # silu, the GEM model's GDPA activation: its cross-attention over the feature tokens (the
+    # short-KV forward), its PMA (the streamed forward) and the fused backward.
+    "gdpa_short_kv_silu": (
+        _GDPA, "gdpa_fwd_short_kv_kernel",
+        dict(_GDPA_SILU, BLOCK_M=128, BLOCK_KV=256, PACKED=0, MASK_FREE=True), _GDPA_SILU_PTRS, 8, 2,
+    ),
+    "gdpa_pma_silu": (
+        _GDPA, "gdpa_pma_fwd_stream_kernel",
+        dict({k: v for k, v in _GDPA_SILU.items() if not k.startswith("HAS_")}, NORMALIZE=True,
+             BLOCK_M=32, BLOCK_N=128),
+        _GDPA_SILU_PTRS, 4, 2,
+    ),
+    "gdpa_dkdv_silu": (
+        _GDPA, "gdpa_bwd_dkdv_kernel",
+        dict(_GDPA_SILU, BLOCK_M=64, BLOCK_N=128, PACKED=0, ONE_LOOP=True, FUSED_DQ=True),
+        _GDPA_SILU_PTRS, 8, 3,
     ),
     "swiglu_bwd": (
         "packages/gem-kernels/src/gem_kernels/_swiglu_kernels.py", "swiglu_bwd_kernel",

@@ -34,15 +34,16 @@ def test_cli_rejects_an_unknown_constexpr():
     assert proc.returncode != 0 and "NOT_A_FLAG" in proc.stderr
 
 
-def test_fp8_jfa_forward_key_loop_issues_fewer_instructions_than_bf16():
-    """The FP8 forward's key loop is bound by instruction issue, not by its MMAs: it must not
-    issue more per tile than the bf16 loop it is meant to beat (P's 2^8 rides in the exponent,
-    P V accumulates in the MMA)."""
+def test_fp8_jfa_forward_key_loop_issues_close_to_its_mma_time():
+    """The FP8 forward's key loop is bound by instruction issue, not by its MMAs (twice as
+    fast as bf16's): it must issue within 20% of its MMA cycles (P's 2^8 and the score scale
+    ride in the exponent, P V accumulates in the MMA; 47% over before), while bf16's loop
+    stays MMA-bound."""
     fp8 = fp8_issue_budget.budget("jfa_fwd_fp8")
     bf16 = fp8_issue_budget.budget("jfa_fwd_bf16")
     assert "QGMMA.64" in fp8["steady_loop_opcodes"] and "HGMMA.64" in bf16["steady_loop_opcodes"]
-    assert fp8["bound"] == "issue" and bf16["bound"] == "mma"
-    assert fp8["instructions_per_thread_per_tile"] < bf16["instructions_per_thread_per_tile"]
+    assert bf16["bound"] == "mma"
+    assert fp8["issue_cycles_per_tile"] <= 1.2 * fp8["mma_cycles_per_tile"]
 
 
 def test_gdpa_silu_forward_key_loop_is_not_issue_bound():
@@ -52,3 +53,17 @@ def test_gdpa_silu_forward_key_loop_is_not_issue_bound():
     row = fp8_issue_budget.budget("gdpa_silu_fwd_bf16")
     assert row["steady_loop_opcodes"].get("MUFU.RCP", 0) > 0
     assert row["issue_cycles_per_tile"] <= row["mma_cycles_per_tile"]
+
+
+def test_jfa_window_mask_compares_in_32_bits():
+    """The windowed causal forward at the GEM model's tiles (64x32, one loop): the mask
+    compares a tile-local key index with per-row bounds in 32 bits (with the loop's key offset
+    in every compare they ran in 64 bits, 473 instructions per thread and tile against 382)."""
+    row = fp8_issue_budget.budget("jfa_fwd_bf16_window")
+    wide = sum(
+        n
+        for op, n in row["steady_loop_opcodes"].items()
+        if op.startswith("ISETP") and op.endswith(".EX")
+    )
+    assert wide < 8  # a few for the loop's bounds, not one per score (about 50 before)
+    assert row["issue_cycles_per_tile"] <= 1.6 * row["mma_cycles_per_tile"]

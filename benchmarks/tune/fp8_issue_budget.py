@@ -37,10 +37,14 @@ MUFU_PER_CLOCK = 16  # per SM
 SUB_PARTITIONS = 4
 MMA_OPCODES = ("HGMMA", "QGMMA")
 
-_BF16_POINTERS = {k: v for k, v in co._FP8_POINTERS.items()}
+_BF16_POINTERS = dict(co._FP8_POINTERS)  # "*": bf16
 _FP8_POINTERS = co._e4m3("q_ptr", "k_ptr", "v_ptr")
 _JFA = dict(co._JFA_FP8, HAS_RIGHT=False, BLOCK_M=128, BLOCK_N=128, ONE_LOOP=False)
 _GDPA = dict(co._GDPA_FP8, BLOCK_M=128, BLOCK_N=64)
+# bf16's d128_long forward loop: one loop, the next tile's Q K^T issued before the activation.
+_GDPA_PIPELINED = dict(
+    _GDPA, FP8=False, ONE_LOOP=True, PIPELINE=True, KV_TMA=False, WARP_SPECIALIZE=False
+)
 
 # name -> (kernel file, kernel, constexprs, pointer types, warps, stages, MMA precision)
 VARIANTS = {
@@ -51,14 +55,19 @@ VARIANTS = {
         co._JFA, "jfa_fwd_kernel", dict(_JFA, FP8=False, stride_vd=1), _BF16_POINTERS, 8, 3, "bf16",
     ),
     "jfa_fwd_fp8": (co._JFA, "jfa_fwd_kernel", _JFA, _FP8_POINTERS, 8, 3, "fp8"),
+    # The GEM model's windowed causal self-attention up to 1024 events (d128_short_masked:
+    # 64x32, 4 warps, one loop whose masked tiles branch to the mask: both paths counted).
+    "jfa_fwd_bf16_window": (
+        co._JFA, "jfa_fwd_kernel",
+        dict(_JFA, FP8=False, stride_vd=1, HAS_LEFT=True, HAS_RIGHT=True, BLOCK_M=64, BLOCK_N=32,
+             ONE_LOOP=True),
+        _BF16_POINTERS, 4, 3, "bf16",
+    ),
     # GDPA self, gelu_fast: bf16's d128_long forward (pipelined one loop, packed f16x2
     # activation, 4 stages) and the phased loop FP8 mode runs; the bf16 phased loop (packed and
     # float32 activation) separates the loop's share from the activation's.
     "gdpa_fwd_bf16": (
-        co._GDPA, "gdpa_fwd_kernel",
-        dict(_GDPA, FP8=False, PACKED=1, ONE_LOOP=True, PIPELINE=True, KV_TMA=False,
-             WARP_SPECIALIZE=False),
-        _BF16_POINTERS, 8, 4, "bf16",
+        co._GDPA, "gdpa_fwd_kernel", dict(_GDPA_PIPELINED, PACKED=1), _BF16_POINTERS, 8, 4, "bf16",
     ),
     "gdpa_fwd_bf16_phased": (
         co._GDPA, "gdpa_fwd_kernel", dict(_GDPA, FP8=False, PACKED=1), _BF16_POINTERS, 8, 3, "bf16",
@@ -69,10 +78,7 @@ VARIANTS = {
     "gdpa_fwd_fp8": (co._GDPA, "gdpa_fwd_kernel", _GDPA, _FP8_POINTERS, 8, 3, "fp8"),
     # silu, the GEM model's GDPA activation (float32, no packed path).
     "gdpa_silu_fwd_bf16": (
-        co._GDPA, "gdpa_fwd_kernel",
-        dict(_GDPA, FP8=False, ACT=0, ONE_LOOP=True, PIPELINE=True, KV_TMA=False,
-             WARP_SPECIALIZE=False),
-        _BF16_POINTERS, 8, 4, "bf16",
+        co._GDPA, "gdpa_fwd_kernel", dict(_GDPA_PIPELINED, ACT=0), _BF16_POINTERS, 8, 4, "bf16",
     ),
     "gdpa_silu_fwd_fp8": (
         co._GDPA, "gdpa_fwd_kernel", dict(_GDPA, ACT=0), _FP8_POINTERS, 8, 3, "fp8",

@@ -75,6 +75,24 @@ def _visible(rows, cols, shift, q_len, k_len, left, right, HAS_LEFT, HAS_RIGHT):
 
 
 @triton.jit
+def _mask_tile(tile, rows, start, BLOCK_N: tl.constexpr, shift, k_len, left, right,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, fill):  # fmt: skip
+    """A forward or dQ ``tile`` (sample-local query ``rows`` x the BLOCK_N keys from
+    ``start``) with the pairs outside the mask set to ``fill``: keys past the sample and
+    outside each row's window. The tile-local key index meets per-row bounds, so the loop's
+    key offset stays out of the per-score compares (with it they ran in 64 bits), and rows
+    past the sample are left as they are (never stored)."""
+    j = tl.arange(0, BLOCK_N)[None, :]
+    end = k_len - start
+    if HAS_RIGHT:
+        end = tl.minimum(end, rows + (shift + right + 1 - start))
+    mask = j < end
+    if HAS_LEFT:
+        mask = mask & (j >= rows + (shift - left - start))
+    return tl.where(mask, tile, fill)
+
+
+@triton.jit
 def _mask_scores(tile, rows, cols, shift, q_len, k_len, left, right, HAS_LEFT, HAS_RIGHT, fill):
     """``tile`` with the pairs outside the mask (see :func:`_visible`) set to ``fill``."""
     visible = _visible(rows, cols, shift, q_len, k_len, left, right, HAS_LEFT, HAS_RIGHT)
@@ -266,6 +284,7 @@ def _fwd_inner(
         rel_next = _strip_load(
             rs_base, g0 - start_n, strip_offsets, num_buckets, start_n < end_n, STRIP_P, STRIP_W
         )
+    P_LOG2: tl.constexpr = 8.0 if FP8 else 0.0  # log2 of P's scale (FP8: see below)
     # FP8: inside the loop acc is in units of the current value tile's scale, so that P V
     # accumulates into it in the MMA (no second register tile, no multiply-add per element);
     # it enters and leaves in plain units. Exact while a sample's value blocks have scales
@@ -328,28 +347,24 @@ def _fwd_inner(
             tile_rel = rel_value / qk_s
         s = _scores(
             q, kt, tile_scale, tile_rel, rel_tile, jb_tile, HAS_REL, REL_CONST, HAS_JAGGED,
-            DOT_PRECISION, UPCAST, SCALED=not FP8,
+            DOT_PRECISION, UPCAST, SCALED=False,
         )  # fmt: skip
         if MASKED:
-            s = _mask_scores(s, offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left,
-                             right, HAS_LEFT, HAS_RIGHT, float("-inf"))  # fmt: skip
+            s = _mask_tile(s, offs_m[:, None], start, BLOCK_N, shift, k_len, left, right,
+                           HAS_LEFT, HAS_RIGHT, float("-inf"))  # fmt: skip
         elif ONE_LOOP:  # noqa: SIM102 (a constexpr branch, then a runtime one)
             if (start < mask_lo) | (start >= mask_hi):
-                s = _mask_scores(s, offs_m[:, None], offs_n[None, :], shift, q_len, k_len,
-                                 left, right, HAS_LEFT, HAS_RIGHT, float("-inf"))  # fmt: skip
+                s = _mask_tile(s, offs_m[:, None], start, BLOCK_N, shift, k_len, left, right,
+                               HAS_LEFT, HAS_RIGHT, float("-inf"))  # fmt: skip
         # m_i starts at a finite -1e30, so a row whose tile is fully masked keeps alpha = 1 and
-        # p = 0 instead of producing inf - inf.
-        # FP8: s is unscaled; the row maximum is taken before the scale (positive: the host
-        # negates q for a negative one), which then rides in the exponent's multiply-add instead
-        # of a multiply per score. P in [0, 1] times 2^8 keeps 1 exact and the top binades at
-        # full E4M3 precision; the 2^8 is in the exponent too, l_i and acc carry it, and the
-        # epilogue takes it out of the log-sum-exp.
-        if FP8:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * tile_scale)
-            p = tl.math.exp2(s * tile_scale - (m_new - 8.0)[:, None])
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
+        # p = 0 instead of producing inf - inf. s is unscaled: each row's maximum is taken
+        # before the scale (positive: the host negates q for a negative one), which then rides
+        # in the exponent's multiply-add instead of a multiply per score (the same values: a
+        # positive scale keeps the order). FP8: P in [0, 1] times 2^8 keeps 1 exact and the top
+        # binades at full E4M3 precision; the 2^8 is in the exponent too, l_i and acc carry it,
+        # and the epilogue takes it out of the log-sum-exp.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * tile_scale)
+        p = tl.math.exp2(s * tile_scale - (m_new - P_LOG2)[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if FP8:  # the change of unit (powers of two: exact) rides on alpha
@@ -416,7 +431,7 @@ def jfa_fwd_kernel(
     """One program per (query tile, head). ``ONE_LOOP`` (unbiased calls): one key loop that
     masks only the tiles needing it (see :func:`_fwd_inner`). ``FP8``: q, k, v are E4M3 with
     per-token power-of-two scales ``qs_ptr`` / ``ks_ptr`` / ``vs_ptr`` (``(tokens, heads)``
-    float32, constant over each ``FP8_BLOCK``-token block of a sample) and ``qk_scale > 0``."""
+    float32, constant over each ``FP8_BLOCK``-token block of a sample). ``qk_scale > 0``."""
     pid = tl.program_id(0)
     tile = pid // num_heads
     head = pid % num_heads
@@ -1120,9 +1135,9 @@ def _dq_inner(
             DOT_PRECISION, UPCAST,
         )  # fmt: skip
         p = tl.math.exp2(s - lse[:, None])
-        if MASKED:
-            p = _mask_scores(p, offs_m[:, None], offs_n[None, :], shift, q_len, k_len, left,
-                             right, HAS_LEFT, HAS_RIGHT, 0.0)  # fmt: skip
+        if MASKED:  # rows past the sample have p = 0 already (their lse loads as inf)
+            p = _mask_tile(p, offs_m[:, None], start, BLOCK_N, shift, k_len, left, right,
+                           HAS_LEFT, HAS_RIGHT, 0.0)  # fmt: skip
         dp = _dot(do, vt, None, DOT_PRECISION, UPCAST)
         ds = p * (dp - delta[:, None])
         dq = _dot(ds.to(kt.dtype), tl.trans(kt), dq, DOT_PRECISION, UPCAST)

@@ -555,7 +555,7 @@ def _forward(q, k, v, rel_pos_bias, jagged_bias, plan: _Plan, launch: _Launch):
         return out, lse
     cfg = launch.config
     scale = launch.scale
-    if launch.fp8 and scale < 0:  # the FP8 kernel takes each row's maximum before the scale
+    if scale < 0:  # the kernel takes each row's maximum before the scale
         q, scale = -q, -scale
     rel, jb, num_buckets, stride_rel, stride_jb = _bias_args(q, rel_pos_bias, jagged_bias, scale)
     fp8 = {}
