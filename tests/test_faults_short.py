@@ -7,6 +7,7 @@ Damaged checkpoints and write errors are tested in-process in
 ``packages/gem-train/tests/test_faults.py``; the bench runs them through the CLI too."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,4 +58,6 @@ def test_a_dead_or_stuck_rank_makes_the_other_exit_within_the_timeout(faults, ho
     assert result["survivor_exit_s"] < TIMEOUT_S + 10, result
     if how == "sigstop":  # only the timeout can tell a silent rank from a slow one
         assert result["survivor_exit_s"] >= TIMEOUT_S - 0.5, result
-        assert "Timed out" in result["said"], result
+        # gloo words it "Timed out waiting ..." or, where the timeout closes the pair first,
+        # "Application timeout caused pair closure" (seen on a 2-core CI machine).
+        assert re.search(r"timed out|timeout caused", result["said"], re.IGNORECASE), result

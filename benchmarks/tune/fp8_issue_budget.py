@@ -46,7 +46,8 @@ _GDPA_PIPELINED = dict(
     _GDPA, FP8=False, ONE_LOOP=True, PIPELINE=True, KV_TMA=False, WARP_SPECIALIZE=False
 )
 
-# name -> (kernel file, kernel, constexprs, pointer types, warps, stages, MMA precision)
+# name -> (kernel file, kernel, constexprs, pointer types, warps, stages, MMA precision[,
+# GEMMs per tile: 2 for the forwards])
 VARIANTS = {
     # JFA, full attention: the d128_long forward (128x128, 8 warps, 3 stages) in both modes.
     # (bf16 v is (T, H, D) contiguous: the launch passes stride_vd = 1, which Triton
@@ -83,6 +84,19 @@ VARIANTS = {
     "gdpa_silu_fwd_fp8": (
         co._GDPA, "gdpa_fwd_kernel", dict(_GDPA, ACT=0), _FP8_POINTERS, 8, 3, "fp8",
     ),
+    # The same window's split backward (d128_short: dK/dV 64 keys x 32 queries, 4 GEMMs; dQ 64
+    # queries x 32 keys, 3 GEMMs; 4 warps): phased loops, the masked ones in mma_loops.
+    "jfa_dkdv_bf16_window": (
+        co._JFA, "jfa_bwd_dkdv_kernel",
+        dict(co._JFA_FP8, FP8=False, HAS_LEFT=True, BLOCK_M=32, BLOCK_N=64, DIAG_W=256,
+             BUCKETS_PAD=16, FUSED_DQ=False),
+        _BF16_POINTERS, 4, 3, "bf16", 4,
+    ),
+    "jfa_dq_bf16_window": (
+        co._JFA, "jfa_bwd_dq_kernel",
+        dict(co._JFA_FP8, FP8=False, HAS_LEFT=True, BLOCK_M=64, BLOCK_N=32),
+        _BF16_POINTERS, 4, 3, "bf16", 3,
+    ),
 }  # fmt: skip
 
 # Opcode families reported beside the total (the rest is addressing, loads, barriers, MMA).
@@ -103,7 +117,7 @@ def _family(opcode: str) -> str | None:
 
 
 def budget(name: str) -> dict:
-    path, kernel, constexprs, pointers, warps, stages, mma = VARIANTS[name]
+    path, kernel, constexprs, pointers, warps, stages, mma, *gemms = VARIANTS[name]
     compiled = co.compile_sm90(path, kernel, constexprs, pointers, warps, stages)
     loops = [
         mix for mix in compiled["innermost_loop_opcodes"]
@@ -120,7 +134,7 @@ def budget(name: str) -> dict:
         if family:
             families[family] += count
     issue = per_thread * warps / SUB_PARTITIONS
-    mma_cycles = 2 * block_m * block_n * dim / MACS_PER_CLOCK[mma]
+    mma_cycles = (gemms or [2])[0] * block_m * block_n * dim / MACS_PER_CLOCK[mma]
     mufu_cycles = families["mufu"] * threads / MUFU_PER_CLOCK
     cycles = {"issue": issue, "mma": mma_cycles, "mufu": mufu_cycles}
     return {
@@ -132,6 +146,8 @@ def budget(name: str) -> dict:
         "registers": compiled["registers"],
         "spills_in_innermost_loops": compiled["spills_in_innermost_loops"],
         "instructions_per_thread_per_tile": per_thread,
+        # every innermost loop with MMAs (phased kernels: the masked ones too)
+        "mma_loops_instructions_per_thread": [sum(mix.values()) for mix in loops],
         "instructions_per_score": round(per_thread * threads / scores, 2),
         "families_per_score": {f: round(c * threads / scores, 2) for f, c in families.items()},
         "issue_cycles_per_tile": issue,

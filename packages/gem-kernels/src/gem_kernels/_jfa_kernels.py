@@ -63,25 +63,13 @@ def _to_e4m3(x, dtype, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _visible(rows, cols, shift, q_len, k_len, left, right, HAS_LEFT, HAS_RIGHT):
-    """Visibility of a (rows x cols) score tile; rows/cols are sample-local indices."""
-    pos = rows + shift
-    mask = (rows < q_len) & (cols < k_len)
-    if HAS_LEFT:
-        mask = mask & (cols >= pos - left)
-    if HAS_RIGHT:
-        mask = mask & (cols <= pos + right)
-    return mask
-
-
-@triton.jit
 def _mask_tile(tile, rows, start, BLOCK_N: tl.constexpr, shift, k_len, left, right,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, fill):  # fmt: skip
     """A forward or dQ ``tile`` (sample-local query ``rows`` x the BLOCK_N keys from
     ``start``) with the pairs outside the mask set to ``fill``: keys past the sample and
     outside each row's window. The tile-local key index meets per-row bounds, so the loop's
     key offset stays out of the per-score compares (with it they ran in 64 bits), and rows
-    past the sample are left as they are (never stored)."""
+    past the sample are left as they are (never stored; the dQ kernel's have p = 0)."""
     j = tl.arange(0, BLOCK_N)[None, :]
     end = k_len - start
     if HAS_RIGHT:
@@ -93,10 +81,20 @@ def _mask_tile(tile, rows, start, BLOCK_N: tl.constexpr, shift, k_len, left, rig
 
 
 @triton.jit
-def _mask_scores(tile, rows, cols, shift, q_len, k_len, left, right, HAS_LEFT, HAS_RIGHT, fill):
-    """``tile`` with the pairs outside the mask (see :func:`_visible`) set to ``fill``."""
-    visible = _visible(rows, cols, shift, q_len, k_len, left, right, HAS_LEFT, HAS_RIGHT)
-    return tl.where(visible, tile, fill)
+def _mask_tile_t(tile, keys, start, BLOCK_M: tl.constexpr, shift, k_len, left, right,
+                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, fill):  # fmt: skip
+    """dK/dV's transposed ``tile`` (sample-local ``keys`` x the BLOCK_M queries from ``start``)
+    with the pairs outside the mask set to ``fill``: keys past the sample (they would reach the
+    ``rel_pos_bias`` gradient) and pairs outside the window, as :func:`_mask_tile` with per-key
+    bounds. Queries past the sample have p = 0 already (their lse loads as inf)."""
+    j = tl.arange(0, BLOCK_M)[None, :]
+    first = tl.where(keys < k_len, 0, BLOCK_M)
+    if HAS_RIGHT:
+        first = tl.maximum(first, keys - (shift + right + start))
+    mask = j >= first
+    if HAS_LEFT:
+        mask = mask & (j <= keys + (left - shift - start))
+    return tl.where(mask, tile, fill)
 
 
 @triton.jit
@@ -794,8 +792,8 @@ def _dkdv_inner(
         )  # fmt: skip
         p_t = tl.math.exp2(s_t - lse[None, :])
         if MASKED:
-            p_t = _mask_scores(p_t, offs_m[None, :], offs_n[:, None], shift, q_len, k_len, left,
-                               right, HAS_LEFT, HAS_RIGHT, 0.0)  # fmt: skip
+            p_t = _mask_tile_t(p_t, offs_n[:, None], start, BLOCK_M, shift, k_len, left, right,
+                               HAS_LEFT, HAS_RIGHT, 0.0)  # fmt: skip
         dv = _dot(p_t.to(do.dtype), do, dv, DOT_PRECISION, UPCAST)
         dp_t = _dot(v, tl.trans(do), None, DOT_PRECISION, UPCAST)
         ds_t = p_t * (dp_t - delta[None, :])
