@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "tune"))
 
 import compile_offline  # noqa: E402
-import fp8_issue_budget  # noqa: E402
+import issue_budget  # noqa: E402
 
 
 @pytest.mark.parametrize("preset", sorted(compile_offline.PRESETS))
@@ -39,8 +39,8 @@ def test_fp8_jfa_forward_key_loop_issues_close_to_its_mma_time():
     fast as bf16's): it must issue within 20% of its MMA cycles (P's 2^8 and the score scale
     ride in the exponent, P V accumulates in the MMA; 47% over before), while bf16's loop
     stays MMA-bound."""
-    fp8 = fp8_issue_budget.budget("jfa_fwd_fp8")
-    bf16 = fp8_issue_budget.budget("jfa_fwd_bf16")
+    fp8 = issue_budget.budget("jfa_fwd_fp8")
+    bf16 = issue_budget.budget("jfa_fwd_bf16")
     assert "QGMMA.64" in fp8["steady_loop_opcodes"] and "HGMMA.64" in bf16["steady_loop_opcodes"]
     assert bf16["bound"] == "mma"
     assert fp8["issue_cycles_per_tile"] <= 1.2 * fp8["mma_cycles_per_tile"]
@@ -50,7 +50,7 @@ def test_gdpa_silu_forward_key_loop_is_not_issue_bound():
     """silu, the GEM model's GDPA activation: its sigmoid (approximate exponential and
     reciprocal, one special-function instruction each) must leave the bf16 forward's key loop
     bound by its MMAs; ``tl.sigmoid``'s full-range versions made it issue 27% more cycles."""
-    row = fp8_issue_budget.budget("gdpa_silu_fwd_bf16")
+    row = issue_budget.budget("gdpa_silu_fwd_bf16")
     assert row["steady_loop_opcodes"].get("MUFU.RCP", 0) > 0
     assert row["issue_cycles_per_tile"] <= row["mma_cycles_per_tile"]
 
@@ -59,7 +59,7 @@ def test_jfa_window_mask_compares_in_32_bits():
     """The windowed causal forward at the GEM model's tiles (64x32, one loop): the mask
     compares a tile-local key index with per-row bounds in 32 bits (with the loop's key offset
     in every compare they ran in 64 bits, 473 instructions per thread and tile against 382)."""
-    row = fp8_issue_budget.budget("jfa_fwd_bf16_window")
+    row = issue_budget.budget("jfa_fwd_bf16_window")
     wide = sum(
         n
         for op, n in row["steady_loop_opcodes"].items()

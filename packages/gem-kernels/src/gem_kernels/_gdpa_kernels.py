@@ -73,7 +73,7 @@ else:
         """1 / (1 + 2^(-x log2 e)) from the flush-to-zero approximate exponential and reciprocal
         (one special-function instruction each, relative error near 2^-22): ``tl.sigmoid``'s
         full-range exponential and division cost about 10 more instructions per score, which
-        made the silu / gelu_tanh loops issue-bound (``benchmarks/tune/fp8_issue_budget.py``).
+        made the silu / gelu_tanh loops issue-bound (``benchmarks/tune/issue_budget.py``).
         Large negative x: the exponential overflows to inf and the reciprocal gives 0."""
         e = tl.math.exp2(x * -1.4426950408889634)
         return tl.inline_asm_elementwise(

@@ -1,4 +1,4 @@
-"""Instruction-issue budget of the FP8 and bf16 attention forwards, compiled for sm_90 offline.
+"""Instruction-issue budget of the attention key loops (bf16, FP8), compiled for sm_90 offline.
 
 Why FP8 attention is not faster where its MMAs are twice as fast: per key tile, compare the
 cycles the tile's MMAs need with the cycles its warps need to issue their other instructions.
@@ -13,7 +13,7 @@ and the fewest instructions: the unmasked one), per thread per tile, at the tile
 run at D=128 on long samples. Nothing here is timed; the bound is a model (no stalls, one
 program per SM; more programs per SM scale both sides alike).
 
-    python benchmarks/tune/fp8_issue_budget.py --out benchmarks/results/cpu/tuning/fp8_issue_budget.json
+    python benchmarks/tune/issue_budget.py --out benchmarks/results/cpu/tuning/issue_budget.json
 
 Needs only Triton (the GPU machine's 3.6 gives its code; see ``compile_offline.py``).
 """
@@ -193,12 +193,12 @@ def main() -> None:
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=co.ROOT
         ).stdout.strip()
         meta = {
-            "benchmark": "fp8_issue_budget",
+            "benchmark": "issue_budget",
             "triton": triton.__version__,
             "target": "sm_90 (offline)",
             "commit": commit,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python benchmarks/tune/fp8_issue_budget.py " + " ".join(sys.argv[1:]),
+            "command": "python benchmarks/tune/issue_budget.py " + " ".join(sys.argv[1:]),
             "model": "per tile and SM: issue cycles = instructions x warps / 4 sub-partitions; "
             "MMA cycles = 2 x BLOCK_M x BLOCK_N x D / (2048 bf16 or 4096 FP8 MACs per clock); "
             "MUFU cycles = MUFU instructions x threads / 16",
