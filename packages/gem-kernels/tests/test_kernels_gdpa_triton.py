@@ -574,10 +574,13 @@ def test_descriptor_layout_of_the_inputs(interpret, monkeypatch):
 
 @pytest.mark.gpu
 @cuda_only
+@pytest.mark.parametrize("activation", ["gelu_fast", "silu", "gelu_tanh"])
 @pytest.mark.parametrize(("kind", "max_len"), [("self", 1024), ("self", 3000), ("cross", 2000)])
-def test_gpu_default_unmasked_matches_reference(kind, max_len, monkeypatch):
+def test_gpu_default_unmasked_matches_reference(kind, max_len, activation, monkeypatch):
     # The default unmasked kernels (one loop, TMA, pipelined or 64x32 forward; one-loop
     # backward; mask-free short KV) against the float32 reference and the masked-call config.
+    # silu (the GEM model's) and gelu_tanh: the compiled kernels' approximate sigmoid, which
+    # the interpreter does not run.
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     gen = torch.Generator().manual_seed(1)
     q_lengths = torch.randint(1, max_len, (10,), generator=gen).tolist() + [0, 1, max_len]
@@ -588,14 +591,14 @@ def test_gpu_default_unmasked_matches_reference(kind, max_len, monkeypatch):
             leaves = [t.clone().requires_grad_(True) for t in tensors]
             out = gdpa(*leaves, offsets_of(q_lengths).cuda(),
                        None if k_lengths is None else offsets_of(k_lengths).cuda(),
-                       activation="gelu_fast", backend="reference")  # fmt: skip
+                       activation=activation, backend="reference")  # fmt: skip
         else:
             leaves = [t.bfloat16().requires_grad_(True) for t in tensors]
             cfg = default_config(128, masked=True) if name == "masked-config" else None
             out = gdpa_from_lengths(
                 *leaves, torch.tensor(q_lengths),
                 None if k_lengths is None else torch.tensor(k_lengths),
-                activation="gelu_fast", config=cfg,
+                activation=activation, config=cfg,
             )  # fmt: skip
         out.float().mul(grad).sum().backward()
         results[name] = [out.float()] + [leaf.grad.float() for leaf in leaves]

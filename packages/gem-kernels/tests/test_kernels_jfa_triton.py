@@ -613,6 +613,7 @@ def _gpu_case(q_lengths, k_lengths, dtype, *, seed, heads=4, dim=128, rel=None, 
         (torch.bfloat16, True, (256, None), 2048),
         (torch.float16, True, None, 2048),
         (torch.bfloat16, True, None, 1000),  # the short tiles
+        (torch.bfloat16, True, (256, None), 1000),  # the GEM model's window, short tiles
         (torch.bfloat16, False, None, 4100),  # the long tiles
     ],
 )
