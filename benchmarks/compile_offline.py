@@ -136,14 +136,12 @@ _GDPA_FP8 = dict(
 )  # fmt: skip
 
 
-_GDPA_SILU = dict(
-    HEAD_DIM=128, BLOCK_D=128, ACT=0, HAS_LEFT=False, HAS_RIGHT=False, NORMALIZE=False,
-    DOT_PRECISION="tf32", UPCAST=False,
-)  # fmt: skip
-_GDPA_SILU_PTRS = {
-    "items_ptr": "i64", "steps_ptr": "i64", "bounds_ptr": "i64", "part_ptr": "fp32",
-    "dq_ptr": "fp32", "dkp_ptr": "fp32", "dvp_ptr": "fp32", "*": "bf16",
-}  # fmt: skip
+# bf16 silu, the GEM model's GDPA activation: the FP8 presets' constexprs without the ones
+# only the self/cross kernels take; pointers as theirs, with the streamed PMA's step lists
+# and the fused backward's float32 dQ.
+_GDPA_SILU = {k: v for k, v in _GDPA_FP8.items() if k not in ("PACKED", "ONE_LOOP", "FP8")}
+_GDPA_SILU |= {"ACT": 0, "DOT_PRECISION": "tf32"}  # as the launches pass for 16-bit inputs
+_GDPA_SILU_PTRS = dict(_FP8_POINTERS, steps_ptr="i64", bounds_ptr="i64", dq_ptr="fp32")
 
 
 def _e4m3(*names: str) -> dict:

@@ -26,6 +26,10 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
+# FP8: P enters its E4M3 cast times 2^8 (``reference.FP8_P_SCALE``): 1.0 exact, the top binades
+# at full precision.
+_P8_LOG2 = tl.constexpr(8.0)
+
 # Kernels do not specialise on the integer arguments that depend on the batch's token or pair
 # counts (Triton would otherwise compile a new variant whenever their divisibility by 16
 # changes): one compiled kernel serves every batch of a configuration.
@@ -282,7 +286,7 @@ def _fwd_inner(
         rel_next = _strip_load(
             rs_base, g0 - start_n, strip_offsets, num_buckets, start_n < end_n, STRIP_P, STRIP_W
         )
-    P_LOG2: tl.constexpr = 8.0 if FP8 else 0.0  # log2 of P's scale (FP8: see below)
+    P_LOG2: tl.constexpr = _P8_LOG2 if FP8 else 0.0  # log2 of P's scale
     # FP8: inside the loop acc is in units of the current value tile's scale, so that P V
     # accumulates into it in the MMA (no second register tile, no multiply-add per element);
     # it enters and leaves in plain units. Exact while a sample's value blocks have scales
@@ -567,7 +571,7 @@ def jfa_fwd_kernel(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     if FP8:  # l_i holds the row sums times 2^8
-        m_i = m_i - 8.0
+        m_i = m_i - _P8_LOG2
     lse = tl.where(empty, float("inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
     o_base = o_ptr + q_start * stride_ot + head * stride_oh
     tl.store(
