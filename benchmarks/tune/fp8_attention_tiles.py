@@ -33,12 +33,19 @@ JFA_VARIANTS = {
     "bwd32x64": dict(dkdv_block_m=32, dkdv_block_n=64, bwd_warps=8),
     "both": dict(fwd_block_m=128, fwd_block_n=64, fwd_warps=8, dkdv_block_m=32, dkdv_block_n=64),
 }
+#: GDPA FP8 forward launch variants (the backward runs in bf16). At keys <= 1024 the FP8
+#: forward inherits d128_short's launch (1 program per SM, 2 stages: the warp-specialised
+#: 128x128 loop's) for its phased 128x64 loop; d128_long's is 2 programs, 4 stages.
 GDPA_VARIANTS = {
-    "bwd64x64": dict(dkdv_block_m=64, dkdv_block_n=64),
-    "bwd_stages2": dict(bwd_stages=2),
+    "s4p2": dict(fwd_stages=4, fwd_programs_per_sm=2),
+    "s3p2": dict(fwd_stages=3, fwd_programs_per_sm=2),
+    "s2p2": dict(fwd_stages=2, fwd_programs_per_sm=2),
+    "s4p1": dict(fwd_stages=4, fwd_programs_per_sm=1),
+    "s3p1w8": dict(fwd_stages=3, fwd_programs_per_sm=1, fwd_warps=8),
+    "m64s4p3": dict(fwd_block_m=64, fwd_stages=4, fwd_programs_per_sm=3),
 }
 JFA_CASES = [(32, 16384, False), (128, 4096, True), (512, 1024, True)]
-GDPA_CASES = [("self", 128, 4096), ("cross", 512, 1024)]
+GDPA_CASES = [("self", 512, 1024), ("self", 128, 4096)]
 
 
 def _providers(bench, base, variants: dict) -> dict:
@@ -55,8 +62,8 @@ def _providers(bench, base, variants: dict) -> dict:
     return providers
 
 
-def _measure(run: Run, case, providers: dict, flops) -> None:
-    run.measure(case, providers, flops=flops, reference=providers["gem-fp8"], rounds=2)
+def _measure(run: Run, case, providers: dict, flops, modes=("fwd", "fwd_bwd")) -> None:
+    run.measure(case, providers, flops=flops, reference=providers["gem-fp8"], rounds=2, modes=modes)
     run.write()
     torch.cuda.empty_cache()
 
@@ -71,21 +78,24 @@ def _jfa(run: Run, device) -> None:
 def _gdpa(run: Run, device) -> None:
     for kind, batch, max_len in GDPA_CASES:
         case = bench_gdpa.Case(kind, batch, max_len, device)
-        base = gdpa_triton.default_config(bench_gdpa.D)
-        flops = {"fwd": case.fwd_flops, "fwd_bwd": 3.5 * case.fwd_flops}
-        _measure(run, case, _providers(bench_gdpa, base, GDPA_VARIANTS), flops)
+        base = gdpa_triton.default_config(bench_gdpa.D, max_len=max_len)
+        flops = {"fwd": case.fwd_flops}
+        _measure(run, case, _providers(bench_gdpa, base, GDPA_VARIANTS), flops, modes=("fwd",))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(tuning_path("h200", "fp8_attention_tiles.json")))
+    parser.add_argument("--kernels", default="jfa,gdpa", help="comma list of jfa, gdpa")
     args = parser.parse_args()
     require_cuda()
     device = torch.device("cuda")
     run = Run("fp8_attention_tiles", args.out, script="benchmarks/tune/fp8_attention_tiles.py",
               timing={"warmup": 10.0, "rep": 40.0})  # fmt: skip
-    _jfa(run, device)
-    _gdpa(run, device)
+    if "jfa" in args.kernels:
+        _jfa(run, device)
+    if "gdpa" in args.kernels:
+        _gdpa(run, device)
     run.write()
     run.table(title="FP8 attention tiles")
 
