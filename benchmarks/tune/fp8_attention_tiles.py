@@ -1,14 +1,13 @@
-"""Exploration: tiles of the FP8 JFA and GDPA kernels (``precision="fp8"``), timed against the
-FP8 defaults (the bf16 configurations) and the bf16 kernels.
+"""Exploration: forward tiles and launch of the FP8 JFA and GDPA kernels (``precision="fp8"``;
+the backward runs in bf16), timed against the FP8 defaults and the bf16 kernels.
 
-The FP8 dK/dV kernel at the bf16 tiles spills registers (``compile_offline.py jfa_dkdv_fp8``:
-313 spill instructions inside its loops, sm_90, Triton 3.6; 533 before v and dO were stored in
-whole blocks, docs/kernel-tuning.md); the variants below are tiles that compile without spills
-in the loops. Each variant is checked
-against the FP8 default (same quantisation, so only float32 summation order differs).
+FP8 mode takes the bf16 call's configuration: JFA its tiles (64x32 in 4 warps below 1025
+visible keys), GDPA its launch (for keys <= 1024 that of the warp-specialised 128x128 loop: one
+program per SM) around the phased 128x64 loop. Each variant is checked against the FP8 default
+(same quantisation, so only float32 summation order differs).
 
-    PYTHONPATH=packages/gem-kernels/src:benchmarks python benchmarks/tune/fp8_attention_tiles.py
-    # writes benchmarks/results/h200/tuning/fp8_attention_tiles.json
+    PYTHONPATH=packages/gem-kernels/src:benchmarks python benchmarks/tune/fp8_attention_tiles.py \
+        --out benchmarks/results/h100/tuning/fp8_attention_tiles.json
 """
 
 from __future__ import annotations
@@ -26,12 +25,15 @@ import torch  # noqa: E402
 from gem_kernels import gdpa_triton, jfa_triton  # noqa: E402
 from harness import Run, require_cuda, tuning_path  # noqa: E402
 
-#: JFA FP8 variants: (name, changes to the call's default configuration).
+#: JFA FP8 forward variants: (name, changes to the call's default configuration). Below 1025
+#: visible keys (the GEM model's lengths, a window of 256) the FP8 forward inherits the bf16
+#: short tiles, 64x32 in 4 warps: 32-key FP8 MMAs.
 JFA_VARIANTS = {
-    "fwd128x64": dict(fwd_block_m=128, fwd_block_n=64, fwd_warps=8),
-    "fwd64x128": dict(fwd_block_m=64, fwd_block_n=128, fwd_warps=8),
-    "bwd32x64": dict(dkdv_block_m=32, dkdv_block_n=64, bwd_warps=8),
-    "both": dict(fwd_block_m=128, fwd_block_n=64, fwd_warps=8, dkdv_block_m=32, dkdv_block_n=64),
+    "64x64w4": dict(fwd_block_m=64, fwd_block_n=64, fwd_warps=4),
+    "128x64w8": dict(fwd_block_m=128, fwd_block_n=64, fwd_warps=8),
+    "128x128w8": dict(fwd_block_m=128, fwd_block_n=128, fwd_warps=8),
+    "64x128w4": dict(fwd_block_m=64, fwd_block_n=128, fwd_warps=4),
+    "128x64w4": dict(fwd_block_m=128, fwd_block_n=64, fwd_warps=4),
 }
 #: GDPA FP8 forward launch variants (the backward runs in bf16). At keys <= 1024 the FP8
 #: forward inherits d128_short's launch (1 program per SM, 2 stages: the warp-specialised
@@ -44,7 +46,8 @@ GDPA_VARIANTS = {
     "s3p1w8": dict(fwd_stages=3, fwd_programs_per_sm=1, fwd_warps=8),
     "m64s4p3": dict(fwd_block_m=64, fwd_stages=4, fwd_programs_per_sm=3),
 }
-JFA_CASES = [(32, 16384, False), (128, 4096, True), (512, 1024, True)]
+#: (batch, max_len, causal, left window)
+JFA_CASES = [(32, 16384, True, 256), (512, 1024, True, 256), (512, 1024, False, None)]
 GDPA_CASES = [("self", 512, 1024), ("self", 128, 4096)]
 
 
@@ -69,10 +72,12 @@ def _measure(run: Run, case, providers: dict, flops, modes=("fwd", "fwd_bwd")) -
 
 
 def _jfa(run: Run, device) -> None:
-    for batch, max_len, causal in JFA_CASES:
-        case = bench_jfa.Case(batch, max_len, causal, None, device)
-        base = jfa_triton.default_config(bench_jfa.D, max_len=max_len, masked=causal)
-        _measure(run, case, _providers(bench_jfa, base, JFA_VARIANTS), case.flops)
+    for batch, max_len, causal, window in JFA_CASES:
+        case = bench_jfa.Case(batch, max_len, causal, window, device)
+        visible = max_len if window is None else min(max_len, window + 1)
+        base = jfa_triton.default_config(bench_jfa.D, max_len=visible, masked=causal)
+        providers = _providers(bench_jfa, base, JFA_VARIANTS)
+        _measure(run, case, providers, {"fwd": case.flops["fwd"]}, modes=("fwd",))
 
 
 def _gdpa(run: Run, device) -> None:
