@@ -144,7 +144,7 @@ def test_fp8_runs_only_the_converted_kernels():
     and streamed PMA forwards, gelu packing) are switched off, the tiles along A V's reduction
     are FP8_ACT_TILE, and the (bf16) backward keeps the config's loop and tiles."""
     config = gdpa_triton.GDPA_CONFIGS["d128_long"].config
-    fp8 = gdpa_triton._fp8_config(config, False)
+    fp8 = gdpa_triton._fp8_config(config, False, tuned_launch=False)
     assert (fp8.fwd_loop, fp8.short_kv_max, fp8.pma_stream, fp8.packed_gelu) == (
         "phased", 0, False, False,
     )  # fmt: skip
@@ -154,8 +154,21 @@ def test_fp8_runs_only_the_converted_kernels():
     assert (fp8.bwd_loop, fp8.dkdv_block_m, fp8.dkdv_block_n) == (
         config.bwd_loop, config.dkdv_block_m, config.dkdv_block_n,
     )  # fmt: skip
+    assert (fp8.fwd_stages, fp8.fwd_programs_per_sm) == (
+        config.fwd_stages, config.fwd_programs_per_sm,
+    )  # fmt: skip
+    # A default config's launch was tuned for its own loop (d128_short: warp-specialised, one
+    # program per SM); the phased FP8 loop takes the FP8 launch instead.
+    short = gdpa_triton.GDPA_CONFIGS["d128_short"].config
+    tuned = gdpa_triton._fp8_config(short, False, tuned_launch=True)
+    assert (tuned.fwd_loop, tuned.fwd_stages, tuned.fwd_programs_per_sm) == (
+        "phased", *gdpa_triton._FP8_FWD_LAUNCH.values(),
+    )  # fmt: skip
+    assert tuned.fwd_programs_per_sm != short.fwd_programs_per_sm
     # PMA: the query tile is Nq padded up to FP8_ACT_TILE, at least 32 rows compiled.
-    pma = gdpa_triton._fp8_config(gdpa_triton.GDPA_CONFIGS["d128_masked"].config, True)
+    pma = gdpa_triton._fp8_config(
+        gdpa_triton.GDPA_CONFIGS["d128_masked"].config, True, tuned_launch=False
+    )
     assert gdpa_triton._pma_block_m(5, pma, True) == 32
     assert gdpa_triton._pma_block_m(5, pma, False) == 16
     assert gdpa_triton._pma_block_m(300, pma, True) == tile

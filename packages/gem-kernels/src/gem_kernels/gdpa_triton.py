@@ -1160,7 +1160,8 @@ def _prepare(
     k_host = k_info.values
     q, k, v = host.unit_stride(q), host.unit_stride(k), host.unit_stride(v)
     whole_tensor_descriptors = descriptor_layout(q, k, v, interpret=interpret)
-    if config is None:
+    default = config is None
+    if default:
         max_len = None if pma or k_host.numel() == 0 else k_info.longest
         # PMA keeps the masked calls' configuration (its kernels were tuned with it).
         config = default_config(
@@ -1186,7 +1187,8 @@ def _prepare(
         config = _without_short_kv(config)
     fp8 = precision == "fp8"
     if fp8:
-        config = _fp8_config(config, pma)
+        unmasked = not pma and left is None and right is None
+        config = _fp8_config(config, pma, tuned_launch=default and unmasked and not interpret)
         # The kernels address the E4M3 copies with the inputs' strides.
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     launch = _Launch(
@@ -1305,9 +1307,19 @@ def _without_short_kv(config: GdpaTritonConfig) -> GdpaTritonConfig:
     return replace(config, short_kv_max=0)
 
 
+#: The FP8 forward's launch on the default configuration. The bf16 entries' launch suits their
+#: own loops (``d128_short``: the warp-specialised loop, 2 stages and 1 program per SM), not
+#: the phased FP8 loop: at B512xL1024 (H200) 2 programs per SM took the FP8 forward from 2.74
+#: to 1.84 ms; at B128xL4096 3 stages and 2 programs (3.33 ms) matched ``d128_long``'s 4 and 2
+#: (3.37), 2 stages lost (4.27) (`benchmarks/tune/fp8_attention_tiles.py`).
+_FP8_FWD_LAUNCH = dict(fwd_stages=3, fwd_programs_per_sm=2)
+
+
 @functools.lru_cache(maxsize=32)
-def _fp8_config(config: GdpaTritonConfig, pma: bool) -> GdpaTritonConfig:
-    """``config`` for an FP8 call (``pma``: PMA broadcast).
+def _fp8_config(config: GdpaTritonConfig, pma: bool, tuned_launch: bool) -> GdpaTritonConfig:
+    """``config`` for an FP8 call (``pma``: PMA broadcast; ``tuned_launch``: a compiled,
+    unmasked self / cross call on its default config, whose forward launch becomes
+    ``_FP8_FWD_LAUNCH``, the one measured for FP8; masked and PMA calls keep the config's).
 
     Only the phased forward has an FP8 mode, so the other forward loops, the short-KV and
     streamed PMA forwards and gelu packing are switched off. A's E4M3 scale is per row of a
@@ -1328,6 +1340,7 @@ def _fp8_config(config: GdpaTritonConfig, pma: bool) -> GdpaTritonConfig:
     return replace(
         config, fwd_loop="phased", short_kv_max=0, pma_stream=False, packed_gelu=False,
         fwd_block_n=tile, pma_block_n=tile, fwd_block_m=tile if pma else config.fwd_block_m,
+        **(_FP8_FWD_LAUNCH if tuned_launch else {}),
     )  # fmt: skip
 
 

@@ -103,6 +103,12 @@ SHORT_SEQUENCE_LEN = 1024
 MEDIUM_SEQUENCE_LEN = 2048
 
 
+#: Smallest forward key tile of a compiled FP8 call on the default configuration: the short
+#: tiles' 32 keys give P V a single 32-deep FP8 MMA per tile; 64x64 in 4 warps measured
+#: 1.05-1.10x the FP8 forward at 64x32 (H200; B32xL16384 window 256, B512xL1024 window 256 and
+#: full), and above 128x64 / 128x128 in 4 or 8 warps (`benchmarks/tune/fp8_attention_tiles.py`).
+_FP8_MIN_FWD_BLOCK_N = 64
+
 _SHORT = JfaTritonConfig(
     fwd_block_m=64, fwd_block_n=32, fwd_warps=4, fwd_stages=3, dkdv_block_n=64, dkdv_block_m=32,
     dq_block_m=64, dq_block_n=32, bwd_warps=4, bwd_stages=3, bwd_fused=False,
@@ -737,6 +743,8 @@ def _prepare(
             max_len=longest,
             masked=left is not None or right is not None,
         )
+        if precision == "fp8" and not interpret:
+            config = replace(config, fwd_block_n=max(config.fwd_block_n, _FP8_MIN_FWD_BLOCK_N))
     fp8 = precision == "fp8"
     if fp8:
         _check_fp8_config(config, interpret)
