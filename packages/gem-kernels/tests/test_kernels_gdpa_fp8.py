@@ -158,11 +158,11 @@ def test_fp8_runs_only_the_converted_kernels():
         config.fwd_stages, config.fwd_programs_per_sm,
     )  # fmt: skip
     # A default config's launch was tuned for its own loop (d128_short: warp-specialised, one
-    # program per SM); the phased FP8 loop takes the FP8 launch instead.
+    # program per SM); the phased FP8 loop takes its own count of programs per SM.
     short = gdpa_triton.GDPA_CONFIGS["d128_short"].config
     tuned = gdpa_triton._fp8_config(short, False, tuned_launch=True)
-    assert (tuned.fwd_loop, tuned.fwd_stages, tuned.fwd_programs_per_sm) == (
-        "phased", *gdpa_triton._FP8_FWD_LAUNCH.values(),
+    assert (tuned.fwd_loop, tuned.fwd_programs_per_sm) == (
+        "phased", gdpa_triton._FP8_FWD_PROGRAMS_PER_SM,
     )  # fmt: skip
     assert tuned.fwd_programs_per_sm != short.fwd_programs_per_sm
     # PMA: the query tile is Nq padded up to FP8_ACT_TILE, at least 32 rows compiled.

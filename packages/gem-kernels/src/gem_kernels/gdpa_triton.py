@@ -1307,19 +1307,19 @@ def _without_short_kv(config: GdpaTritonConfig) -> GdpaTritonConfig:
     return replace(config, short_kv_max=0)
 
 
-#: The FP8 forward's launch on the default configuration. The bf16 entries' launch suits their
-#: own loops (``d128_short``: the warp-specialised loop, 2 stages and 1 program per SM), not
-#: the phased FP8 loop: at B512xL1024 (H200) 2 programs per SM took the FP8 forward from 2.74
-#: to 1.84 ms; at B128xL4096 3 stages and 2 programs (3.33 ms) matched ``d128_long``'s 4 and 2
-#: (3.37), 2 stages lost (4.27) (`benchmarks/tune/fp8_attention_tiles.py`).
-_FP8_FWD_LAUNCH = dict(fwd_stages=3, fwd_programs_per_sm=2)
+#: Persistent programs per SM of the FP8 forward on a default configuration. The bf16 entries'
+#: counts suit their own loops (``d128_short``: the warp-specialised loop, 1 program per SM),
+#: not the phased FP8 loop, whose 4-warp programs need a second one per SM to hide each other's
+#: latency: at B512xL1024 (H200) 1 -> 2 took the FP8 forward from 2.74 to 1.84 ms; d128_long
+#: (B128xL4096) has 2 already (`benchmarks/tune/fp8_attention_tiles.py`).
+_FP8_FWD_PROGRAMS_PER_SM = 2
 
 
 @functools.lru_cache(maxsize=32)
 def _fp8_config(config: GdpaTritonConfig, pma: bool, tuned_launch: bool) -> GdpaTritonConfig:
     """``config`` for an FP8 call (``pma``: PMA broadcast; ``tuned_launch``: a compiled,
-    unmasked self / cross call on its default config, whose forward launch becomes
-    ``_FP8_FWD_LAUNCH``, the one measured for FP8; masked and PMA calls keep the config's).
+    unmasked self / cross call on its default config, whose forward runs
+    ``_FP8_FWD_PROGRAMS_PER_SM`` programs per SM; masked and PMA calls keep the config's).
 
     Only the phased forward has an FP8 mode, so the other forward loops, the short-KV and
     streamed PMA forwards and gelu packing are switched off. A's E4M3 scale is per row of a
@@ -1340,7 +1340,9 @@ def _fp8_config(config: GdpaTritonConfig, pma: bool, tuned_launch: bool) -> Gdpa
     return replace(
         config, fwd_loop="phased", short_kv_max=0, pma_stream=False, packed_gelu=False,
         fwd_block_n=tile, pma_block_n=tile, fwd_block_m=tile if pma else config.fwd_block_m,
-        **(_FP8_FWD_LAUNCH if tuned_launch else {}),
+        fwd_programs_per_sm=(
+            _FP8_FWD_PROGRAMS_PER_SM if tuned_launch else config.fwd_programs_per_sm
+        ),
     )  # fmt: skip
 
 
