@@ -134,6 +134,18 @@ def test_fp8_config_tiles_must_fit_a_quantisation_block(interpret):
         forward_from_lengths(q, q, q, torch.tensor([5]), config=config, precision="fp8")
 
 
+def test_fp8_runs_the_phased_loop_of_a_warp_specialized_config(interpret):
+    """The warp-specialised loop's stage limit binds where that loop runs: an FP8 call of such
+    a config runs the phased loop and takes any depth (bf16 is refused, test_kernels_gdpa_triton)."""
+    q = torch.randn(5, H, D, dtype=torch.bfloat16)
+    ws3 = GdpaTritonConfig(fwd_loop="warp_specialized", fwd_stages=3)
+    out = forward_from_lengths(q, q, q, torch.tensor([5]), config=ws3, precision="fp8")
+    want = forward_from_lengths(
+        q, q, q, torch.tensor([5]), config=GdpaTritonConfig(), precision="fp8"
+    )
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
 def test_triton_backend_rejects_fp8_of_float32(interpret):
     reason = gdpa_triton.triton_unsupported_reason(torch.zeros(1, 1, 16), precision="fp8")
     assert "float16/bfloat16" in reason

@@ -1177,11 +1177,6 @@ def _prepare(
         raise ValueError(
             f"config.bwd_loop must be one of {GDPA_BWD_LOOPS}, got {config.bwd_loop!r}"
         )
-    if config.fwd_loop == "warp_specialized" and config.fwd_stages > 2:
-        raise ValueError(
-            'config.fwd_loop="warp_specialized" needs fwd_stages <= 2 (3 stages gave NaN on '
-            f"triton 3.6), got fwd_stages={config.fwd_stages}"
-        )
     if self_attention:
         # Self-attention never takes the short-KV forward (its KV is as long as its queries).
         config = _without_short_kv(config)
@@ -1191,6 +1186,12 @@ def _prepare(
         config = _fp8_config(config, pma, tuned_launch=default and unmasked and not interpret)
         # The kernels address the E4M3 copies with the inputs' strides.
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    # Checked on the loop that runs (FP8 calls run the phased one whatever the config).
+    if config.fwd_loop == "warp_specialized" and config.fwd_stages > 2:
+        raise ValueError(
+            'config.fwd_loop="warp_specialized" needs fwd_stages <= 2 (3 stages gave NaN on '
+            f"triton 3.6), got fwd_stages={config.fwd_stages}"
+        )
     launch = _Launch(
         scale=1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale),
         left=left,
