@@ -176,7 +176,7 @@ PRESETS |= {
     ),
     "swiglu_bwd": (
         "packages/gem-kernels/src/gem_kernels/_swiglu_kernels.py", "swiglu_bwd_kernel",
-        dict(BLOCK_R=8, BLOCK_C=512), {"*": "bf16"}, 4, 1,
+        dict(BLOCK_R=8, BLOCK_C=512, HAS_BIAS=True), {"*": "bf16"}, 4, 1,
     ),
 }  # fmt: skip
 
@@ -216,6 +216,13 @@ def compile_sm90(path, kernel, constexprs, pointer_types, warps, stages) -> dict
     the compile then sees a strided operand."""
     fn = getattr(_load_module(ROOT / path), kernel)
     names = fn.arg_names
+    # A constexpr left out would be compiled as a runtime argument: take its default or refuse.
+    constexprs = dict(constexprs)
+    for param in fn.params:
+        if param.is_constexpr and param.name not in constexprs:
+            if not param.has_default:
+                raise ValueError(f"constexprs: {kernel} needs a value for {param.name}")
+            constexprs[param.name] = param.default
     signature = {}
     for name in names:
         if name in constexprs:

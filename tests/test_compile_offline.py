@@ -34,6 +34,15 @@ def test_cli_rejects_an_unknown_constexpr():
     assert proc.returncode != 0 and "NOT_A_FLAG" in proc.stderr
 
 
+def test_a_preset_missing_a_constexpr_is_refused():
+    """Left out, a constexpr would compile as a runtime argument (a different kernel)."""
+    path, kernel, constexprs, pointer_types, warps, stages = compile_offline.PRESETS["dy"]
+    name = sorted(constexprs)[0]
+    partial = {k: v for k, v in constexprs.items() if k != name}
+    with pytest.raises(ValueError, match=f"needs a value for {name}"):
+        compile_offline.compile_sm90(path, kernel, partial, pointer_types, warps, stages)
+
+
 def test_fp8_jfa_forward_key_loop_issues_close_to_its_mma_time():
     """The FP8 forward's key loop is bound by instruction issue, not by its MMAs (twice as
     fast as bf16's): it must issue within 20% of its MMA cycles (P's 2^8 and the score scale
