@@ -103,10 +103,11 @@ SHORT_SEQUENCE_LEN = 1024
 MEDIUM_SEQUENCE_LEN = 2048
 
 
-#: Smallest forward key tile of a compiled FP8 call on the default configuration: the short
-#: tiles' 32 keys give P V a single 32-deep FP8 MMA per tile; 64x64 in 4 warps measured
-#: 1.05-1.10x the FP8 forward at 64x32 (H200; B32xL16384 window 256, B512xL1024 window 256 and
-#: full), and above 128x64 / 128x128 in 4 or 8 warps (`benchmarks/tune/fp8_attention_tiles.py`).
+#: Smallest forward key tile of a compiled FP8 call on a default configuration at head_dim
+#: <= 128 (the one measured): the short tiles' 32 keys give P V a single 32-deep FP8 MMA per
+#: tile; 64x64 in 4 warps measured 1.05-1.10x the FP8 forward at 64x32 (H200; B32xL16384 window
+#: 256, B512xL1024 window 256 and full), and above 128x64 / 128x128 in 4 or 8 warps
+#: (`benchmarks/tune/fp8_attention_tiles.py`).
 _FP8_MIN_FWD_BLOCK_N = 64
 
 _SHORT = JfaTritonConfig(
@@ -743,7 +744,7 @@ def _prepare(
             max_len=longest,
             masked=left is not None or right is not None,
         )
-        if precision == "fp8" and not interpret:
+        if precision == "fp8" and not interpret and head_dim <= 128:
             config = replace(config, fwd_block_n=max(config.fwd_block_n, _FP8_MIN_FWD_BLOCK_N))
     fp8 = precision == "fp8"
     if fp8:
