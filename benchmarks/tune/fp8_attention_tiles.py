@@ -1,13 +1,17 @@
 """Exploration: forward tiles and launch of the FP8 JFA and GDPA kernels (``precision="fp8"``;
 the backward runs in bf16), timed against the FP8 defaults and the bf16 kernels.
 
-FP8 mode takes the bf16 call's configuration: JFA its tiles (64x32 in 4 warps below 1025
+FP8 mode took the bf16 call's configuration: JFA its tiles (64x32 in 4 warps below 1025
 visible keys), GDPA its launch (for keys <= 1024 that of the warp-specialised 128x128 loop: one
-program per SM) around the phased 128x64 loop. Each variant is checked against the FP8 default
-(same quantisation, so only float32 summation order differs).
+program per SM) around the phased 128x64 loop. The sweep at 0cf030f
+(``results/h200/tuning/fp8_attention_tiles_0cf030f.json``) set the FP8 defaults that replace
+them (``jfa_triton._FP8_MIN_FWD_BLOCK_N``, ``gdpa_triton._FP8_FWD_PROGRAMS_PER_SM``); the
+variants are changes to the bf16 configuration, the ``gem-fp8`` row is the FP8 default. Each
+variant is checked against the FP8 default (same quantisation of q, k and v; P's rounding
+follows the key tiles' running maximum, so tilings differ by a fraction of the FP8 error).
 
     PYTHONPATH=packages/gem-kernels/src:benchmarks python benchmarks/tune/fp8_attention_tiles.py \
-        --out benchmarks/results/h100/tuning/fp8_attention_tiles.json
+        --out benchmarks/results/<machine>/tuning/fp8_attention_tiles_<commit>.json
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import bench_gdpa  # noqa: E402
 import bench_jagged_attention as bench_jfa  # noqa: E402
 import torch  # noqa: E402
 from gem_kernels import gdpa_triton, jfa_triton  # noqa: E402
-from harness import Run, require_cuda, tuning_path  # noqa: E402
+from harness import Run, require_cuda  # noqa: E402
 
 #: JFA FP8 forward variants: (name, changes to the call's default configuration). Below 1025
 #: visible keys (the GEM model's lengths, a window of 256) the FP8 forward inherits the bf16
@@ -90,7 +94,7 @@ def _gdpa(run: Run, device) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=str(tuning_path("h200", "fp8_attention_tiles.json")))
+    parser.add_argument("--out", required=True)
     parser.add_argument("--kernels", default="jfa,gdpa", help="comma list of jfa, gdpa")
     args = parser.parse_args()
     require_cuda()
