@@ -156,7 +156,7 @@ def test_fp8_runs_only_the_converted_kernels():
     and streamed PMA forwards, gelu packing) are switched off, the tiles along A V's reduction
     are FP8_ACT_TILE, and the (bf16) backward keeps the config's loop and tiles."""
     config = gdpa_triton.GDPA_CONFIGS["d128_long"].config
-    fp8 = gdpa_triton._fp8_config(config, False, tuned_launch=False)
+    fp8 = gdpa_triton._fp8_config(config, False)
     assert (fp8.fwd_loop, fp8.short_kv_max, fp8.pma_stream, fp8.packed_gelu) == (
         "phased", 0, False, False,
     )  # fmt: skip
@@ -172,15 +172,13 @@ def test_fp8_runs_only_the_converted_kernels():
     # A default config's launch was tuned for its own loop (d128_short: warp-specialised, one
     # program per SM); the phased FP8 loop takes its own count of programs per SM.
     short = gdpa_triton.GDPA_CONFIGS["d128_short"].config
-    tuned = gdpa_triton._fp8_config(short, False, tuned_launch=True)
+    tuned = gdpa_triton._fp8_config(gdpa_triton._fp8_default(short), False)
     assert (tuned.fwd_loop, tuned.fwd_programs_per_sm) == (
         "phased", gdpa_triton._FP8_FWD_PROGRAMS_PER_SM,
     )  # fmt: skip
     assert tuned.fwd_programs_per_sm != short.fwd_programs_per_sm
     # PMA: the query tile is Nq padded up to FP8_ACT_TILE, at least 32 rows compiled.
-    pma = gdpa_triton._fp8_config(
-        gdpa_triton.GDPA_CONFIGS["d128_masked"].config, True, tuned_launch=False
-    )
+    pma = gdpa_triton._fp8_config(gdpa_triton.GDPA_CONFIGS["d128_masked"].config, True)
     assert gdpa_triton._pma_block_m(5, pma, True) == 32
     assert gdpa_triton._pma_block_m(5, pma, False) == 16
     assert gdpa_triton._pma_block_m(300, pma, True) == tile

@@ -123,6 +123,20 @@ def test_fp8_config_tiles_must_fit_a_quantisation_block(interpret):
         forward_from_lengths(q, q, q, torch.tensor([5]), config=config, precision="fp8")
 
 
+def test_fp8_default_key_tiles_hold_two_fp8_mma_steps():
+    """Compiled FP8 calls at head_dim <= 128 take the default's forward key tile up to 64 (the
+    short tiles' 32 keys give P V one 32-deep FP8 MMA); longer tiles and head_dim 256 stay."""
+    short = jfa_triton.JFA_CONFIGS["d128_short_masked"].config
+    assert short.fwd_block_n < jfa_triton._FP8_MIN_FWD_BLOCK_N
+    fp8 = jfa_triton._fp8_default(short, 128)
+    assert fp8.fwd_block_n == jfa_triton._FP8_MIN_FWD_BLOCK_N
+    assert fp8 == JfaTritonConfig(**{**vars(short), "fwd_block_n": fp8.fwd_block_n})
+    long = jfa_triton.JFA_CONFIGS["d128_long"].config
+    assert jfa_triton._fp8_default(long, 128) == long
+    d256 = jfa_triton.JFA_CONFIGS["d256"].config
+    assert jfa_triton._fp8_default(d256, 256) == d256
+
+
 def test_triton_backend_rejects_fp8_of_float32(interpret):
     reason = jfa_triton.triton_unsupported_reason(torch.zeros(1, 1, 16), precision="fp8")
     assert "float16/bfloat16" in reason

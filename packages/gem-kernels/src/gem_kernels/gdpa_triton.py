@@ -1160,8 +1160,7 @@ def _prepare(
     k_host = k_info.values
     q, k, v = host.unit_stride(q), host.unit_stride(k), host.unit_stride(v)
     whole_tensor_descriptors = descriptor_layout(q, k, v, interpret=interpret)
-    default = config is None
-    if default:
+    if config is None:
         max_len = None if pma or k_host.numel() == 0 else k_info.longest
         # PMA keeps the masked calls' configuration (its kernels were tuned with it).
         config = default_config(
@@ -1169,6 +1168,8 @@ def _prepare(
             masked=pma or left is not None or right is not None,
             descriptor_layout=whole_tensor_descriptors,
         )  # fmt: skip
+        if precision == "fp8" and not (interpret or pma or left is not None or right is not None):
+            config = _fp8_default(config)
     if config.fwd_loop not in GDPA_FWD_LOOPS:
         raise ValueError(
             f"config.fwd_loop must be one of {GDPA_FWD_LOOPS}, got {config.fwd_loop!r}"
@@ -1182,8 +1183,7 @@ def _prepare(
         config = _without_short_kv(config)
     fp8 = precision == "fp8"
     if fp8:
-        unmasked = not pma and left is None and right is None
-        config = _fp8_config(config, pma, tuned_launch=default and unmasked and not interpret)
+        config = _fp8_config(config, pma)
         # The kernels address the E4M3 copies with the inputs' strides.
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     # Checked on the loop that runs (FP8 calls run the phased one whatever the config).
@@ -1308,19 +1308,22 @@ def _without_short_kv(config: GdpaTritonConfig) -> GdpaTritonConfig:
     return replace(config, short_kv_max=0)
 
 
-#: Persistent programs per SM of the FP8 forward on a default configuration. The bf16 entries'
-#: counts suit their own loops (``d128_short``: the warp-specialised loop, 1 program per SM),
-#: not the phased FP8 loop, whose 4-warp programs need a second one per SM to hide each other's
-#: latency: at B512xL1024 (H200) 1 -> 2 took the FP8 forward from 2.74 to 1.84 ms; d128_long
-#: (B128xL4096) has 2 already (`benchmarks/tune/fp8_attention_tiles.py`).
+#: Persistent programs per SM of the FP8 forward on a default unmasked self / cross config:
+#: the bf16 entries' counts suit their own loops (``d128_short``'s warp-specialised one runs 1),
+#: while the phased FP8 loop's 4-warp programs need a second per SM to hide each other's
+#: latency (1.49x at B512xL1024, H200; results/h200/tuning/fp8_attention_tiles_0cf030f.json).
 _FP8_FWD_PROGRAMS_PER_SM = 2
 
 
+def _fp8_default(config: GdpaTritonConfig) -> GdpaTritonConfig:
+    """The default ``config`` of a compiled, unmasked self / cross FP8 call (masked and PMA
+    calls, untuned in FP8, keep theirs)."""
+    return replace(config, fwd_programs_per_sm=_FP8_FWD_PROGRAMS_PER_SM)
+
+
 @functools.lru_cache(maxsize=32)
-def _fp8_config(config: GdpaTritonConfig, pma: bool, tuned_launch: bool) -> GdpaTritonConfig:
-    """``config`` for an FP8 call (``pma``: PMA broadcast; ``tuned_launch``: a compiled,
-    unmasked self / cross call on its default config, whose forward runs
-    ``_FP8_FWD_PROGRAMS_PER_SM`` programs per SM; masked and PMA calls keep the config's).
+def _fp8_config(config: GdpaTritonConfig, pma: bool) -> GdpaTritonConfig:
+    """``config`` for an FP8 call (``pma``: PMA broadcast).
 
     Only the phased forward has an FP8 mode, so the other forward loops, the short-KV and
     streamed PMA forwards and gelu packing are switched off. A's E4M3 scale is per row of a
@@ -1341,9 +1344,6 @@ def _fp8_config(config: GdpaTritonConfig, pma: bool, tuned_launch: bool) -> Gdpa
     return replace(
         config, fwd_loop="phased", short_kv_max=0, pma_stream=False, packed_gelu=False,
         fwd_block_n=tile, pma_block_n=tile, fwd_block_m=tile if pma else config.fwd_block_m,
-        fwd_programs_per_sm=(
-            _FP8_FWD_PROGRAMS_PER_SM if tuned_launch else config.fwd_programs_per_sm
-        ),
     )  # fmt: skip
 
 

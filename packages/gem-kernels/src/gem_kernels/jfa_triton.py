@@ -103,11 +103,9 @@ SHORT_SEQUENCE_LEN = 1024
 MEDIUM_SEQUENCE_LEN = 2048
 
 
-#: Smallest forward key tile of a compiled FP8 call on a default configuration at head_dim
-#: <= 128 (the one measured): the short tiles' 32 keys give P V a single 32-deep FP8 MMA per
-#: tile; 64x64 in 4 warps measured 1.05-1.10x the FP8 forward at 64x32 (H200; B32xL16384 window
-#: 256, B512xL1024 window 256 and full), and above 128x64 / 128x128 in 4 or 8 warps
-#: (`benchmarks/tune/fp8_attention_tiles.py`).
+#: Smallest forward key tile of a compiled FP8 call on a default config at head_dim <= 128:
+#: at the short tiles' 32 keys P V is one 32-deep FP8 MMA per tile; 64x64 in 4 warps was the
+#: fastest FP8 forward there (H200; results/h200/tuning/fp8_attention_tiles_0cf030f.json).
 _FP8_MIN_FWD_BLOCK_N = 64
 
 _SHORT = JfaTritonConfig(
@@ -744,8 +742,8 @@ def _prepare(
             max_len=longest,
             masked=left is not None or right is not None,
         )
-        if precision == "fp8" and not interpret and head_dim <= 128:
-            config = replace(config, fwd_block_n=max(config.fwd_block_n, _FP8_MIN_FWD_BLOCK_N))
+        if precision == "fp8" and not interpret:
+            config = _fp8_default(config, head_dim)
     fp8 = precision == "fp8"
     if fp8:
         _check_fp8_config(config, interpret)
@@ -771,6 +769,14 @@ def _prepare(
     if jagged_bias is not None:
         jagged_bias = jagged_bias.contiguous()
     return q, k, v, rel_pos_bias, jagged_bias, plan, launch
+
+
+def _fp8_default(config: JfaTritonConfig, head_dim: int) -> JfaTritonConfig:
+    """The default ``config`` of a compiled FP8 call (head_dim 129..256, untuned in FP8, keeps
+    its own)."""
+    if head_dim > 128:
+        return config
+    return replace(config, fwd_block_n=max(config.fwd_block_n, _FP8_MIN_FWD_BLOCK_N))
 
 
 def _check_fp8_config(config: JfaTritonConfig, interpret: bool) -> None:
